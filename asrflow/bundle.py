@@ -1,0 +1,82 @@
+"""The self-contained model file: weights, model shape, tokenizer, feature settings, CMVN.
+
+``exp/model.pt`` works outside the repository: ``load_bundle`` needs nothing else. It is
+saved with plain tensors and dicts and loaded with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from lhotse.dataset import GlobalMVN
+
+from asrflow.data.features import FeatureConfig, cmvn_from_dict
+from asrflow.errors import AsrflowError
+from asrflow.io import atomic_path
+from asrflow.model.conformer_ctc import ConformerCtc, ModelConfig, build_model
+from asrflow.tokenizer import Tokenizer
+
+BUNDLE_FORMAT = 1
+
+
+@dataclass
+class Bundle:
+    """A loaded model file, ready to run (``model`` in eval mode, on the CPU)."""
+
+    model: ConformerCtc
+    tokenizer: Tokenizer
+    features: FeatureConfig
+    mvn: GlobalMVN
+    run_id: str | None
+    info: dict
+
+
+def save_bundle(
+    path: str | Path,
+    model_state: dict[str, torch.Tensor],
+    model_config: ModelConfig,
+    tokenizer: Tokenizer,
+    features: FeatureConfig,
+    cmvn: dict[str, list[float]],
+    run_id: str | None,
+    info: dict | None = None,
+) -> None:
+    """Write the bundle atomically."""
+    payload = {
+        "format": BUNDLE_FORMAT,
+        "model": model_state,
+        "model_config": asdict(model_config),
+        "tokenizer": torch.frombuffer(bytearray(tokenizer.serialized()), dtype=torch.uint8),
+        "features": asdict(features),
+        "cmvn": cmvn,
+        "run_id": run_id or "",
+        "info": info or {},
+    }
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    """Load a bundle written by :func:`save_bundle` (no code runs while loading)."""
+    path = Path(path)
+    if not path.is_file():
+        raise AsrflowError(f"model file {path} not found: train a model first (snakemake --cores all)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise AsrflowError(f"model file {path} is unreadable ({error}); retrain or copy it again") from None
+    if not isinstance(payload, dict) or payload.get("format") != BUNDLE_FORMAT:
+        raise AsrflowError(f"{path} is not an asrflow model file (format {BUNDLE_FORMAT})")
+    model = build_model(ModelConfig(**payload["model_config"]))
+    model.load_state_dict(payload["model"])
+    model.eval()
+    return Bundle(
+        model=model,
+        tokenizer=Tokenizer(payload["tokenizer"].numpy().tobytes()),
+        features=FeatureConfig(**payload["features"]),
+        mvn=cmvn_from_dict(payload["cmvn"]),
+        run_id=payload["run_id"] or None,
+        info=payload["info"],
+    )

@@ -1,0 +1,239 @@
+"""Batches for training: a deterministic plan per epoch, and the dataset that fills it.
+
+The plan of an epoch is the list of batches (as cut ids) that Lhotse's
+``DynamicBucketingSampler`` yields for ``(seed, epoch)``. Materialising it from the
+manifest metadata (no audio, no features) costs the same at any position, so a resume
+jumps straight to batch ``k`` instead of replaying the epoch through the data pipeline.
+
+Optimizer step ``s`` of an epoch consumes the ``accum_grad * world_size`` consecutive
+planned batches starting at ``s * accum_grad * world_size``; rank ``r`` takes micro-batch
+``j`` at offset ``j * world_size + r``. Trailing batches that cannot fill a whole step are
+dropped (logged), so every rank runs the same number of steps and no collective waits.
+
+Augmentation randomness is drawn from a generator seeded by ``(seed, epoch, batch index)``,
+so a batch is the same whichever data worker builds it and whenever it is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torchaudio
+from lhotse import CutSet
+from lhotse.dataset import DynamicBucketingSampler, GlobalMVN, OnTheFlyFeatures
+from lhotse.dataset.collation import collate_features
+
+from asrflow.data.manifests import cut_text
+from asrflow.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One micro-batch to build: where it sits in training, and which cuts it holds."""
+
+    epoch: int
+    step_in_epoch: int
+    micro_index: int
+    batch_index: int  # position in the epoch's global plan
+    cut_ids: tuple[str, ...]
+    step_cut_ids: tuple[str, ...]  # every cut of this optimizer step, all micro-batches and ranks
+
+
+def plan_epoch(
+    cuts: CutSet, epoch: int, seed: int, max_duration_s: float, num_buckets: int
+) -> list[list[str]]:
+    """The global list of batches (cut ids) of ``epoch``; identical on every rank."""
+    sampler = DynamicBucketingSampler(
+        cuts,
+        max_duration=max_duration_s,
+        num_buckets=min(num_buckets, max(1, len(cuts) // 2)),
+        shuffle=True,
+        drop_last=False,
+        seed=seed,
+        world_size=1,
+        rank=0,
+    )
+    sampler.set_epoch(epoch)
+    return [[cut.id for cut in batch] for batch in sampler]
+
+
+def plan_digest(plan: list[list[str]]) -> str:
+    """A short hash of a plan, stored in checkpoints to check a resume sees the same batches."""
+    return hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
+
+
+def steps_in_plan(plan: list[list[str]], accum_grad: int, world_size: int) -> int:
+    """Whole optimizer steps the plan holds."""
+    return len(plan) // (accum_grad * world_size)
+
+
+def rank_items(
+    plan: list[list[str]], epoch: int, start_step: int, accum_grad: int, world_size: int, rank: int
+) -> list[BatchItem]:
+    """This rank's micro-batches from optimizer step ``start_step`` to the end of the epoch."""
+    group = accum_grad * world_size
+    items = []
+    for step in range(start_step, steps_in_plan(plan, accum_grad, world_size)):
+        step_cut_ids = tuple(cut_id for batch in plan[step * group : (step + 1) * group] for cut_id in batch)
+        for micro in range(accum_grad):
+            index = step * group + micro * world_size + rank
+            items.append(BatchItem(epoch, step, micro, index, tuple(plan[index]), step_cut_ids))
+    return items
+
+
+def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
+    """A 63-bit seed for one batch's augmentation."""
+    return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(2, np.uint64)[0] >> 1)
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """SpecAugment and waveform augmentation settings (see params.yaml ``train:``)."""
+
+    spec_augment: bool = True
+    num_freq_masks: int = 2
+    freq_mask_width: int = 15
+    num_time_masks: int = 2
+    time_mask_ratio: float = 0.05
+    speed_perturb: bool = False
+    noise_snr_db: tuple[float, float] = (10.0, 20.0)
+
+
+def spec_augment(features: torch.Tensor, lengths: torch.Tensor, config: AugmentConfig) -> torch.Tensor:
+    """Frequency and time masking with torchaudio, drawing from the current torch RNG.
+
+    Args:
+        features: (N, T, F) normalised fbank.
+        lengths: (N,) valid frames; time masks stay inside them.
+    Returns:
+        (N, T, F) masked copy (masked values are 0, the normalised mean).
+    """
+    out = features.clone()
+    freq_mask = torchaudio.transforms.FrequencyMasking(config.freq_mask_width)
+    for n in range(out.size(0)):
+        valid = int(lengths[n])
+        spec = out[n, :valid].transpose(0, 1).unsqueeze(0)  # (1, F, T)
+        for _ in range(config.num_freq_masks):
+            spec = freq_mask(spec)
+        width = max(1, int(config.time_mask_ratio * valid))
+        time_mask = torchaudio.transforms.TimeMasking(width)
+        for _ in range(config.num_time_masks):
+            spec = time_mask(spec)
+        out[n, :valid] = spec.squeeze(0).transpose(0, 1)
+    return out
+
+
+class AsrBatchDataset(torch.utils.data.Dataset):
+    """Builds a padded batch for a :class:`BatchItem`; runs inside data workers.
+
+    Returns a dict:
+        features (N, T, F) float32, normalised; feature_lens (N,) frames;
+        targets (N, U) int64 padded with 0; target_lens (N,); cut_ids; durations (N,) seconds;
+        padding_ratio: padded frames / all frames of the batch;
+        step_tokens: target tokens of the whole optimizer step (all micro-batches and ranks).
+    """
+
+    def __init__(
+        self,
+        cuts: CutSet,
+        tokenizer: Tokenizer,
+        mvn: GlobalMVN,
+        seed: int,
+        augment: AugmentConfig | None = None,
+        extractor=None,
+        noise_cuts: CutSet | None = None,
+    ):
+        self.cuts = {cut.id: cut for cut in cuts}
+        self.tokenizer = tokenizer
+        self.mvn = mvn
+        self.seed = seed
+        self.augment = augment
+        self.extractor = extractor
+        self.noise_cuts = list(noise_cuts) if noise_cuts is not None else []
+
+    def __len__(self) -> int:
+        return len(self.cuts)
+
+    def __getitem__(self, item: BatchItem) -> dict:
+        cut_seed = batch_seed(self.seed, item.epoch, item.batch_index)
+        rng = random.Random(cut_seed)
+        cuts = [self.cuts[cut_id] for cut_id in item.cut_ids]
+        if self.extractor is not None:
+            cuts = [self._waveform_augment(cut, rng) for cut in cuts]
+            features, feature_lens = OnTheFlyFeatures(self.extractor)(CutSet.from_cuts(cuts))
+        else:
+            features, feature_lens = collate_features(CutSet.from_cuts(cuts))  # (N, T, F), (N,)
+        features = self.mvn(features)
+        if self.augment is not None and self.augment.spec_augment:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cut_seed)
+                features = spec_augment(features, feature_lens, self.augment)
+        token_ids = [self.tokenizer.encode(cut_text(cut)) for cut in cuts]
+        target_lens = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+        targets = torch.zeros(len(token_ids), max(1, int(target_lens.max())), dtype=torch.int64)
+        for n, ids in enumerate(token_ids):
+            targets[n, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        total = features.size(0) * features.size(1)
+        return {
+            "features": features,
+            "feature_lens": feature_lens,
+            "targets": targets,
+            "target_lens": target_lens,
+            "cut_ids": list(item.cut_ids),
+            "durations": torch.tensor([cut.duration for cut in cuts], dtype=torch.float64),
+            "padding_ratio": 1.0 - float(feature_lens.sum()) / total,
+            "step_tokens": sum(len(self.tokenizer.encode(cut_text(self.cuts[i]))) for i in item.step_cut_ids),
+            "item": item,
+        }
+
+    def _waveform_augment(self, cut, rng: random.Random):
+        """Speed perturbation and noise mixing (on-the-fly features only), drawn from ``rng``."""
+        if self.augment is not None and self.augment.speed_perturb:
+            factor = rng.choice([0.9, 1.0, 1.1])
+            if factor != 1.0:
+                cut = cut.perturb_speed(factor)
+        if self.noise_cuts:
+            noise = rng.choice(self.noise_cuts)
+            low, high = self.augment.noise_snr_db if self.augment else (10.0, 20.0)
+            cut = cut.mix(noise, snr=rng.uniform(low, high), allow_padding=True)
+        return cut
+
+
+class TrainingBatches:
+    """This rank's micro-batches from ``(start_epoch, start_step)`` to the last epoch.
+
+    Iterable, so one ``DataLoader`` (and one set of workers) serves the whole run; each
+    epoch's plan is made when the loader first reaches it.
+    """
+
+    def __init__(self, cuts: CutSet, seed: int, max_duration_s: float, num_buckets: int,
+                 accum_grad: int, world_size: int, rank: int,
+                 start_epoch: int, start_step: int, num_epochs: int):
+        self.cuts = cuts
+        self.seed = seed
+        self.max_duration_s = max_duration_s
+        self.num_buckets = num_buckets
+        self.accum_grad = accum_grad
+        self.world_size = world_size
+        self.rank = rank
+        self.start_epoch = start_epoch
+        self.start_step = start_step
+        self.num_epochs = num_epochs
+        self._cached: tuple[int, list[list[str]]] | None = None
+
+    def plan(self, epoch: int) -> list[list[str]]:
+        """The global plan of ``epoch`` (the latest one is cached)."""
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, plan_epoch(self.cuts, epoch, self.seed, self.max_duration_s, self.num_buckets))
+        return self._cached[1]
+
+    def __iter__(self) -> Iterator[BatchItem]:
+        for epoch in range(self.start_epoch, self.num_epochs):
+            start = self.start_step if epoch == self.start_epoch else 0
+            yield from rank_items(self.plan(epoch), epoch, start, self.accum_grad, self.world_size, self.rank)

@@ -1,0 +1,464 @@
+"""Reading a corpus into Lhotse manifests: Lhotse recipes, a folder with TSVs, Kaldi folders.
+
+Each importer returns, per split, a Lhotse ``RecordingSet`` and ``SupervisionSet`` plus the
+items it had to reject while reading (see :mod:`asrflow.data.validation` for the reasons).
+Transcripts are returned raw; normalisation and the remaining checks happen in
+:func:`asrflow.data.validation.validate_split`.
+
+**Folder + TSV** (``corpus: folder``). For each split name ``S``, the file
+``<corpus_dir>/S.tsv`` holds one utterance per line::
+
+    relative/path/to/audio.wav<TAB>the transcript[<TAB>speaker]
+
+* Paths are relative to ``corpus_dir`` (an absolute path is accepted only if it lies
+  inside ``corpus_dir``); any format libsndfile or Lhotse reads (wav, flac, ogg, mp3...).
+* An optional header line is recognised by its first field: ``path``, ``audio``,
+  ``file``, ``filename`` or ``wav`` (any case).
+* Blank lines are skipped. The third column (speaker) is optional.
+* The utterance id (and recording id) is the audio path relative to ``corpus_dir``
+  without its extension, e.g. ``spk1/utt001``.
+* Each line is decoded as UTF-8 on its own, so one bad line rejects one item.
+
+**Kaldi data folders** (``corpus: kaldi``). For each split name ``S``, the folder
+``<corpus_dir>/S/`` holds:
+
+* ``wav.scp``: ``<recording-id> <audio path>``. Paths are relative to ``corpus_dir`` or
+  absolute inside it. Piped commands (``sox x.sph -t wav - |``) and archive offsets
+  (``feats.ark:123``) are rejected (``piped_command``): convert the audio to files first.
+* ``text``: ``<utterance-id> <transcript>``.
+* ``segments`` (optional): ``<utterance-id> <recording-id> <start-s> <end-s>``; an end of
+  ``-1`` means the end of the recording. Without it, utterance id = recording id.
+* ``utt2spk`` (optional): ``<utterance-id> <speaker>``.
+
+**Lhotse recipes** (any other ``corpus`` value ``X``): ``lhotse.recipes.prepare_X(corpus_dir,
+**recipe_args)``, called without an output directory (or with a temporary one when the
+recipe requires it). The recipe's result maps its split names (``train``, ``dev-clean``,
+...) to ``{"recordings": ..., "supervisions": ...}``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
+
+from asrflow.data.validation import (
+    DUPLICATE_ID,
+    MALFORMED_LINE,
+    MISSING_RECORDING,
+    MISSING_TRANSCRIPT,
+    NON_UTF8,
+    PIPED_COMMAND,
+    ItemRejected,
+    Rejection,
+    first_line,
+    map_in_threads,
+    open_recording,
+    resolve_inside,
+)
+from asrflow.errors import AsrflowError
+
+logger = logging.getLogger("asrflow")
+
+#: First TSV fields that mark a header line.
+TSV_HEADER_FIELDS = frozenset({"path", "audio", "file", "filename", "wav"})
+
+_ARCHIVE_OFFSET = re.compile(r"\.ark:\d+$")
+
+
+@dataclass
+class ImportedSplit:
+    """One split as read from the corpus, before validation.
+
+    Attributes:
+        recordings: the split's recordings (audio headers read, native sampling rate).
+        supervisions: one per utterance, raw transcript in ``text``, times in seconds.
+        rejected: items refused while reading.
+    """
+
+    recordings: RecordingSet
+    supervisions: SupervisionSet
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a text file: its 1-based number and its text (``None`` if not UTF-8)."""
+
+    number: int
+    text: str | None
+    raw: bytes
+    error: str = ""
+
+
+def read_lines(path: Path) -> Iterator[Line]:
+    """Read a text file line by line as bytes and decode each line as UTF-8 on its own.
+
+    A UTF-8 byte-order mark at the start of the file is dropped; ``\\r\\n`` endings are
+    accepted. Blank lines are skipped.
+    """
+    data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            continue
+        try:
+            yield Line(number, raw.decode("utf-8"), raw)
+        except UnicodeDecodeError as error:
+            yield Line(number, None, raw, f"byte 0x{raw[error.start]:02x} at column {error.start + 1}")
+
+
+def _non_utf8(split: str, item_id: str, path: str | None, file: Path, line: Line) -> Rejection:
+    return Rejection(
+        split,
+        item_id,
+        path,
+        NON_UTF8,
+        f"line {line.number} of {file} is not valid UTF-8 ({line.error}); save the file as UTF-8",
+    )
+
+
+def _decode_loose(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def _probe(root: Path, pending: list[tuple[str, str]]) -> list[Recording | ItemRejected]:
+    """Resolve and open ``(recording_id, raw_path)`` pairs in a thread pool."""
+
+    def probe(item: tuple[str, str]) -> Recording:
+        recording_id, raw = item
+        return open_recording(resolve_inside(root, raw), recording_id)
+
+    return map_in_threads(probe, pending)
+
+
+# --------------------------------------------------------------------------- folder + TSV
+
+
+def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
+    """Read ``<corpus_dir>/<name>.tsv`` (format in the module docstring).
+
+    Args:
+        corpus_dir: the corpus folder.
+        name: the TSV's name without ``.tsv``.
+        split: our split name, for the rejection report.
+
+    Raises:
+        AsrflowError: when the TSV does not exist.
+    """
+    root = corpus_dir.resolve()
+    tsv = root / f"{name}.tsv"
+    if not tsv.is_file():
+        found = sorted(p.name for p in root.glob("*.tsv"))
+        raise AsrflowError(
+            f"split {split!r}: {tsv} not found (corpus: folder wants <corpus_dir>/<split>.tsv); "
+            f"TSV files there: {', '.join(found) or 'none'}; fix prepare.splits or add the file"
+        )
+    rejected: list[Rejection] = []
+    entries: list[tuple[str, str, str, str | None]] = []  # id, raw path, text, speaker
+    for line in read_lines(tsv):
+        raw_path = _decode_loose(line.raw.split(b"\t", 1)[0]).strip()
+        item_id = _folder_id(root, raw_path) or f"{tsv.name}:{line.number}"
+        if line.text is None:
+            rejected.append(_non_utf8(split, item_id, raw_path or None, tsv, line))
+            continue
+        fields = line.text.split("\t")
+        if line.number == 1 and fields[0].strip().lower() in TSV_HEADER_FIELDS:
+            continue
+        if len(fields) not in (2, 3) or not fields[0].strip():
+            rejected.append(
+                Rejection(
+                    split, item_id, raw_path or None, MALFORMED_LINE,
+                    f"line {line.number} of {tsv} has {len(fields)} tab-separated field(s); "
+                    "expected path<TAB>transcript[<TAB>speaker]",
+                )
+            )
+            continue
+        speaker = (fields[2].strip() or None) if len(fields) == 3 else None
+        entries.append((item_id, raw_path, fields[1], speaker))
+
+    seen: set[str] = set()
+    unique = []
+    for entry in entries:
+        if entry[0] in seen:
+            rejected.append(
+                Rejection(split, entry[0], entry[1], DUPLICATE_ID,
+                          f"{tsv.name} lists {entry[1]!r} more than once; the first line is kept")
+            )
+            continue
+        seen.add(entry[0])
+        unique.append(entry)
+
+    recordings, supervisions = [], []
+    probed = _probe(root, [(item_id, raw) for item_id, raw, _, _ in unique])
+    for (item_id, raw, text, speaker), result in zip(unique, probed, strict=True):
+        if isinstance(result, ItemRejected):
+            rejected.append(Rejection(split, item_id, raw, result.reason, result.detail))
+            continue
+        recordings.append(result)
+        supervisions.append(
+            SupervisionSegment(
+                id=item_id, recording_id=item_id, start=0.0, duration=result.duration,
+                channel=0, text=text, speaker=speaker,
+            )
+        )
+    return ImportedSplit(
+        RecordingSet.from_recordings(recordings), SupervisionSet.from_segments(supervisions), rejected
+    )
+
+
+def _folder_id(root: Path, raw_path: str) -> str | None:
+    """The id of a TSV item: its path relative to ``root`` without extension (posix)."""
+    if not raw_path:
+        return None
+    path = Path(raw_path)
+    if path.is_absolute():
+        try:
+            path = path.relative_to(root)
+        except ValueError:
+            return raw_path
+    return path.with_suffix("").as_posix()
+
+
+# --------------------------------------------------------------------------- Kaldi
+
+
+def _kaldi_table(
+    file: Path, split: str, min_fields: int, rejected: list[Rejection], kind: str
+) -> list[tuple[Line, list[str]]]:
+    """Lines of a Kaldi table split in two (key, rest) or more fields; bad lines are rejected."""
+    rows = []
+    for line in read_lines(file):
+        key = _decode_loose(line.raw.split(maxsplit=1)[0])
+        if line.text is None:
+            rejected.append(_non_utf8(split, key, None, file, line))
+            continue
+        fields = line.text.split(maxsplit=1) if min_fields <= 2 else line.text.split()
+        if len(fields) < min_fields:
+            rejected.append(
+                Rejection(split, key, None, MALFORMED_LINE,
+                          f"line {line.number} of {file} needs {min_fields} fields ({kind})")
+            )
+            continue
+        rows.append((line, fields))
+    return rows
+
+
+def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
+    """Read the Kaldi data folder ``<corpus_dir>/<name>/`` (format in the module docstring).
+
+    Args:
+        corpus_dir: the corpus folder.
+        name: the data folder's name.
+        split: our split name, for the rejection report.
+
+    Raises:
+        AsrflowError: when the folder, its ``wav.scp`` or its ``text`` is missing.
+    """
+    root = corpus_dir.resolve()
+    folder = root / name
+    for required in ("wav.scp", "text"):
+        if not (folder / required).is_file():
+            raise AsrflowError(
+                f"split {split!r}: {folder / required} not found (corpus: kaldi wants "
+                f"<corpus_dir>/<split>/wav.scp and text); fix prepare.splits or the folder"
+            )
+    rejected: list[Rejection] = []
+
+    # wav.scp: recording id -> raw path, or the reason it cannot be used
+    wav: dict[str, str | ItemRejected] = {}
+    for line, (rec_id, rest) in _kaldi_table(folder / "wav.scp", split, 2, rejected, "id path"):
+        rest = rest.strip()
+        if rec_id in wav:
+            rejected.append(Rejection(split, rec_id, rest, DUPLICATE_ID,
+                                      f"wav.scp line {line.number} repeats recording id {rec_id!r}; "
+                                      "the first is kept"))
+            continue
+        if "|" in rest or _ARCHIVE_OFFSET.search(rest):
+            wav[rec_id] = ItemRejected(
+                PIPED_COMMAND,
+                f"wav.scp entry {rest!r} is a command or archive offset, not a file; only plain "
+                "audio paths are read: convert the audio to files (e.g. run the command into a .wav)",
+            )
+        else:
+            wav[rec_id] = rest
+
+    text: dict[str, str] = {}
+    before = len(rejected)
+    for line, fields in _kaldi_table(folder / "text", split, 1, rejected, "id transcript"):
+        utt_id = fields[0]
+        if utt_id in text:
+            rejected.append(Rejection(split, utt_id, None, DUPLICATE_ID,
+                                      f"text line {line.number} repeats utterance id {utt_id!r}; "
+                                      "the first is kept"))
+            continue
+        text[utt_id] = fields[1] if len(fields) > 1 else ""
+    unreadable_text = {r.id for r in rejected[before:] if r.reason != DUPLICATE_ID}
+
+    segments: dict[str, tuple[str, float, float]] | None = None
+    if (folder / "segments").is_file():
+        segments = {}
+        before = len(rejected)
+        for line, fields in _kaldi_table(folder / "segments", split, 4, rejected, "utt rec start end"):
+            utt_id, rec_id = fields[0], fields[1]
+            try:
+                start, end = float(fields[2]), float(fields[3])
+            except ValueError:
+                rejected.append(Rejection(split, utt_id, None, MALFORMED_LINE,
+                                          f"segments line {line.number}: start/end are not numbers"))
+                continue
+            if utt_id in segments:
+                rejected.append(Rejection(split, utt_id, None, DUPLICATE_ID,
+                                          f"segments line {line.number} repeats {utt_id!r}; the first is kept"))
+                continue
+            segments[utt_id] = (rec_id, start, end)
+            if utt_id not in text and utt_id not in unreadable_text:
+                rejected.append(Rejection(split, utt_id, None, MISSING_TRANSCRIPT,
+                                          f"segments lists {utt_id!r} but text has no line for it"))
+        # Utterances whose segments line could not be read are already rejected.
+        for rejection in rejected[before:]:
+            if rejection.reason in (MALFORMED_LINE, NON_UTF8):
+                text.pop(rejection.id, None)
+
+    speakers: dict[str, str] = {}
+    if (folder / "utt2spk").is_file():
+        for line in read_lines(folder / "utt2spk"):
+            fields = (line.text or "").split()
+            if len(fields) == 2:
+                speakers[fields[0]] = fields[1]
+            else:
+                logger.warning("%s line %d ignored (expected: utt speaker)", folder / "utt2spk", line.number)
+
+    # Utterances -> (recording id, start, end or None for "to the end").
+    utterances: list[tuple[str, str, float, float | None]] = []
+    for utt_id in text:
+        if segments is None:
+            utterances.append((utt_id, utt_id, 0.0, None))
+        elif utt_id in segments:
+            rec_id, start, end = segments[utt_id]
+            utterances.append((utt_id, rec_id, start, None if end < 0 else end))
+        else:
+            rejected.append(Rejection(split, utt_id, None, MISSING_RECORDING,
+                                      f"text lists {utt_id!r} but segments has no line for it"))
+
+    needed = sorted({rec_id for _, rec_id, _, _ in utterances if isinstance(wav.get(rec_id), str)})
+    probed = dict(zip(needed, _probe(root, [(rec_id, wav[rec_id]) for rec_id in needed]), strict=True))
+    recordings: dict[str, Recording] = {}
+    supervisions = []
+    for utt_id, rec_id, start, end in utterances:
+        entry = wav.get(rec_id)
+        raw = entry if isinstance(entry, str) else None
+        status = probed.get(rec_id, entry)
+        if status is None:
+            rejected.append(Rejection(split, utt_id, None, MISSING_RECORDING,
+                                      f"recording {rec_id!r} of utterance {utt_id!r} is not in wav.scp"))
+            continue
+        if isinstance(status, ItemRejected):
+            rejected.append(Rejection(split, utt_id, raw, status.reason, status.detail))
+            continue
+        recordings[rec_id] = status
+        duration = (status.duration if end is None else end) - start
+        supervisions.append(
+            SupervisionSegment(
+                id=utt_id, recording_id=rec_id, start=start, duration=round(duration, 6),
+                channel=0, text=text[utt_id], speaker=speakers.get(utt_id),
+            )
+        )
+    return ImportedSplit(
+        RecordingSet.from_recordings(recordings[rec_id] for rec_id in sorted(recordings)),
+        SupervisionSet.from_segments(supervisions),
+        rejected,
+    )
+
+
+# --------------------------------------------------------------------------- Lhotse recipes
+
+
+def recipe_names() -> list[str]:
+    """Names ``X`` of the recipes ``lhotse.recipes.prepare_X`` that Lhotse exposes."""
+    import lhotse.recipes
+
+    return sorted(name[len("prepare_"):] for name in dir(lhotse.recipes) if name.startswith("prepare_"))
+
+
+def find_recipe(name: str) -> Any:
+    """The function ``lhotse.recipes.prepare_<name>``.
+
+    Raises:
+        AsrflowError: when Lhotse has no such recipe (the message lists some that exist).
+    """
+    import lhotse.recipes
+
+    function = getattr(lhotse.recipes, f"prepare_{name}", None)
+    if function is None and re.fullmatch(r"[A-Za-z0-9_]+", name):
+        try:
+            module = importlib.import_module(f"lhotse.recipes.{name}")
+            function = getattr(module, f"prepare_{name}", None)
+        except ImportError:
+            function = None
+    if not callable(function):
+        names = recipe_names()
+        close = [n for n in names if n.startswith(name[:3].lower())][:5]
+        examples = close or [n for n in ("yesno", "librispeech", "mini_librispeech", "commonvoice") if n in names]
+        raise AsrflowError(
+            f"params.yaml: prepare.corpus = {name!r} is not a Lhotse recipe nor 'folder' or 'kaldi'; "
+            f"valid recipes include {', '.join(examples)} ({len(names)} in all, "
+            "see lhotse.recipes); use corpus: folder or kaldi for your own data"
+        )
+    return function
+
+
+def run_recipe(name: str, corpus_dir: Path, recipe_args: dict[str, Any]) -> dict[str, ImportedSplit]:
+    """Call ``lhotse.recipes.prepare_<name>(corpus_dir, **recipe_args)``.
+
+    Returns:
+        The recipe's splits by the recipe's own split names.
+
+    Raises:
+        AsrflowError: unknown recipe, a ``recipe_args`` key the recipe does not take, or
+        a failure of the recipe (typically the corpus is not laid out as it expects).
+    """
+    function = find_recipe(name)
+    parameters = inspect.signature(function).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = sorted(key for key in recipe_args if key not in parameters and not takes_any)
+    if unknown or "corpus_dir" in recipe_args or "output_dir" in recipe_args:
+        accepted = [p for p in parameters if p not in ("corpus_dir", "output_dir")]
+        raise AsrflowError(
+            f"params.yaml: prepare.recipe_args {unknown or ['corpus_dir/output_dir']} not accepted by "
+            f"lhotse.recipes.prepare_{name}; it takes: {', '.join(accepted) or 'nothing'}"
+        )
+    with tempfile.TemporaryDirectory(prefix="asrflow-recipe-") as scratch:
+        kwargs = dict(recipe_args)
+        output_dir = parameters.get("output_dir")
+        if output_dir is not None and output_dir.default is inspect.Parameter.empty:
+            kwargs["output_dir"] = scratch
+        try:
+            manifests = function(corpus_dir, **kwargs)
+        except Exception as error:  # the recipe's own checks are asserts and assorted errors
+            raise AsrflowError(
+                f"lhotse recipe prepare_{name} failed on {corpus_dir}: {type(error).__name__}: "
+                f"{first_line(error)}; check that corpus_dir holds the corpus laid out as the recipe "
+                f"expects (see the docstring of lhotse.recipes.prepare_{name})"
+            ) from None
+    if not isinstance(manifests, dict):
+        raise AsrflowError(f"lhotse recipe prepare_{name} returned {type(manifests).__name__}, not splits")
+    splits = {}
+    for part, value in manifests.items():
+        if not isinstance(value, dict) or value.get("recordings") is None:
+            continue
+        supervisions = value.get("supervisions")
+        if supervisions is None:
+            raise AsrflowError(f"lhotse recipe prepare_{name} gives no transcripts for split {part!r}")
+        splits[str(part)] = ImportedSplit(value["recordings"].to_eager(), supervisions.to_eager())
+    return splits

@@ -1,0 +1,112 @@
+"""The evaluate stage's work: decode the test split with a model bundle, score, report, log."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lhotse import CutSet
+
+from asrflow.bundle import Bundle, load_bundle
+from asrflow.data.manifests import cut_text, load_cuts
+from asrflow.decoding.ctc import build_decoder
+from asrflow.evaluation.metrics import score_corpus
+from asrflow.evaluation.report import write_report
+from asrflow.inference import cut_features, log_probs
+from asrflow.logs import progress
+from asrflow.tokenizer import BLANK_ID
+
+logger = logging.getLogger("asrflow.evaluate")
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """The ``evaluate:`` section of params.yaml."""
+
+    decoder: str = "greedy"
+    beam_size: int = 8
+    lm_path: str | None = None
+    lm_weight: float = 0.5
+    word_score: float = 0.0
+    max_batch_duration_s: float = 200.0
+
+
+def _batches(cuts: CutSet, max_duration_s: float) -> list[CutSet]:
+    batches, current, total = [], [], 0.0
+    for cut in sorted(cuts, key=lambda c: c.duration):
+        if current and total + cut.duration > max_duration_s:
+            batches.append(CutSet.from_cuts(current))
+            current, total = [], 0.0
+        current.append(cut)
+        total += cut.duration
+    if current:
+        batches.append(CutSet.from_cuts(current))
+    return batches
+
+
+def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[dict[str, str], dict[str, float]]:
+    """Hypotheses of the configured decoder, and real-time factors of greedy and beam decoding.
+
+    Each RTF is (encoder seconds + that decoder's seconds) / audio seconds.
+    """
+    pieces = bundle.tokenizer.pieces
+    decoders = {
+        "greedy": build_decoder("greedy", pieces, BLANK_ID, 1, None, 0.0, 0.0),
+        "beam": build_decoder("beam", pieces, BLANK_ID, config.beam_size, config.lm_path,
+                              config.lm_weight, config.word_score),
+    }
+    chosen = config.decoder if config.decoder in decoders else build_decoder(
+        config.decoder, pieces, BLANK_ID, config.beam_size, config.lm_path, config.lm_weight, config.word_score
+    )
+    seconds = {"encoder": 0.0, "greedy": 0.0, "beam": 0.0}
+    hyps: dict[str, str] = {}
+    batches = _batches(cuts, config.max_batch_duration_s)
+    for batch in progress(batches, desc="decoding", total=len(batches)):
+        start = time.perf_counter()
+        features, lengths = cut_features(bundle, batch)
+        scores, out_lens = log_probs(bundle, features, lengths)
+        seconds["encoder"] += time.perf_counter() - start
+        results = {}
+        for name, decode in decoders.items():
+            start = time.perf_counter()
+            results[name] = decode(scores, out_lens)
+            seconds[name] += time.perf_counter() - start
+        for cut, ids in zip(batch, results[chosen], strict=True):
+            hyps[cut.id] = bundle.tokenizer.decode(ids)
+    audio = sum(cut.duration for cut in cuts)
+    rtf = {name: (seconds["encoder"] + seconds[name]) / max(audio, 1e-9) for name in ("greedy", "beam")}
+    return hyps, rtf
+
+
+def evaluate(model_path: Path, fbank_dir: Path, out_dir: Path, config: EvaluateConfig,
+             tracking_uri: str | None = None) -> dict:
+    """Decode ``fbank_dir``'s test split, write the report into ``out_dir``, log it to MLflow."""
+    bundle = load_bundle(model_path)
+    cuts = load_cuts(fbank_dir, "test").to_eager()
+    refs = {cut.id: cut_text(cut) for cut in cuts}
+    hyps, rtf = decode_split(bundle, cuts, config)
+    score = score_corpus(refs, hyps)
+    durations = {cut.id: cut.duration for cut in cuts}
+    metrics = write_report(out_dir, score, durations, rtf)
+    logger.info("test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
+                100 * score.wer, 100 * score.cer, len(cuts), config.decoder)
+    if bundle.run_id:
+        _log_to_training_run(bundle.run_id, metrics, out_dir, tracking_uri)
+    return metrics
+
+
+def _log_to_training_run(run_id: str, metrics: dict, out_dir: Path, tracking_uri: str | None) -> None:
+    from asrflow.tracking import RunTracker
+
+    tracker = RunTracker.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
+    try:
+        tracker.log_metrics({f"test/{key}": value for key, value in metrics.items()})
+        for name in ("metrics.json", "per_utterance.jsonl", "errors.txt", "wer_by_duration.csv"):
+            tracker.log_artifact(out_dir / name, artifact_path="eval")
+        loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
+        if loss_csv.is_file():
+            tracker.log_artifact(loss_csv, artifact_path="plots")
+    finally:
+        tracker.end("FINISHED")

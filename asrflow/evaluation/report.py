@@ -1,0 +1,190 @@
+"""The evaluation report: metrics for ``dvc metrics``, a plot table, per-utterance rows.
+
+Files written into ``out_dir``, each atomically (a crash leaves the previous version or
+none, never half a file), ``metrics.json`` last so that its presence means the report
+is complete:
+
+- ``per_utterance.jsonl``: one JSON object per utterance (id, duration in seconds, ref,
+  hyp, word errors, alignment as ``[ref, hyp]`` pairs with ``"*"`` for a gap).
+- ``errors.txt``: totals and the most frequent word errors, for people.
+- ``wer_by_duration.csv``: ``duration_bucket,wer,num_utterances`` for ``dvc plots``.
+  Buckets have equal width, the smallest of :data:`BUCKET_WIDTHS_S` that covers the
+  longest utterance in at most :data:`MAX_BUCKETS` buckets (yesno's ~6 s clips give
+  ``5-6s``, ``6-7s``; 20 s LibriSpeech utterances give ``0-2s`` ... ``18-20s``). A
+  bucket's WER pools its utterances' errors and reference words; empty buckets are left out.
+- ``metrics.json``: flat numbers (``wer``, ``cer`` and their counts, rates and
+  ``rtf_*``), so ``dvc metrics show`` and MLflow can take them as they are.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+
+from asrflow.evaluation.metrics import CorpusScore, ErrorCounts
+from asrflow.io import atomic_path, write_json, write_jsonl
+
+METRICS_FILE = "metrics.json"
+PER_UTTERANCE_FILE = "per_utterance.jsonl"
+ERRORS_FILE = "errors.txt"
+WER_BY_DURATION_FILE = "wer_by_duration.csv"
+
+#: Candidate bucket widths for ``wer_by_duration.csv``, in seconds.
+BUCKET_WIDTHS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: The most buckets the chosen width may need.
+MAX_BUCKETS = 10
+#: Word errors listed in ``errors.txt``.
+TOP_ERRORS = 50
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_width(durations: list[float]) -> float:
+    """Smallest width in :data:`BUCKET_WIDTHS_S` (seconds) giving at most :data:`MAX_BUCKETS` buckets."""
+    longest = max(durations, default=0.0)
+    for width in BUCKET_WIDTHS_S:
+        if longest < width * MAX_BUCKETS:
+            return width
+    return float(math.ceil(longest / MAX_BUCKETS + 1))
+
+
+def _bucket(duration: float, width: float) -> tuple[int, str]:
+    index = int(duration // width)
+    return index, f"{index * width:g}-{(index + 1) * width:g}s"
+
+
+def wer_by_duration(score: CorpusScore, durations: dict[str, float]) -> list[dict[str, object]]:
+    """Rows ``{"duration_bucket": "0-2s", "wer": fraction, "num_utterances": n}``, shortest first.
+
+    Utterances without a duration are left out.
+    """
+    known = [(row, durations[row.id]) for row in score.utterances if durations.get(row.id) is not None]
+    width = bucket_width([duration for _, duration in known])
+    buckets: dict[tuple[int, str], list[ErrorCounts]] = {}
+    for row, duration in known:
+        buckets.setdefault(_bucket(float(duration), width), []).append(row.words)
+    return [
+        {
+            "duration_bucket": label,
+            "wer": round(sum(counts, ErrorCounts()).rate, 6),
+            "num_utterances": len(counts),
+        }
+        for (_, label), counts in sorted(buckets.items())
+    ]
+
+
+def metrics_dict(
+    score: CorpusScore, durations: dict[str, float], rtf: dict[str, float] | None = None
+) -> dict[str, float | int]:
+    """The flat numbers of ``metrics.json``; rates are fractions, durations seconds.
+
+    ``rtf`` entries (real-time factors: processing seconds per audio second) appear as
+    ``rtf_<name>`` (a name already starting with ``rtf`` is kept as it is).
+    """
+    words, chars = score.words, score.chars
+    ref_words = max(words.ref_len, 1)
+    metrics: dict[str, float | int] = {
+        "wer": words.rate,
+        "cer": chars.rate,
+        "sub_rate": words.substitutions / ref_words,
+        "del_rate": words.deletions / ref_words,
+        "ins_rate": words.insertions / ref_words,
+        "substitutions": words.substitutions,
+        "deletions": words.deletions,
+        "insertions": words.insertions,
+        "word_errors": words.errors,
+        "ref_words": words.ref_len,
+        "char_substitutions": chars.substitutions,
+        "char_deletions": chars.deletions,
+        "char_insertions": chars.insertions,
+        "ref_chars": chars.ref_len,
+        "num_utterances": len(score.utterances),
+        "num_missing_hyps": score.num_missing_hyps,
+        "duration_s": sum(float(durations[row.id]) for row in score.utterances if durations.get(row.id) is not None),
+    }
+    for name, value in (rtf or {}).items():
+        metrics[name if name.startswith("rtf") else f"rtf_{name}"] = float(value)
+    return metrics
+
+
+def _errors_text(score: CorpusScore, top_n: int) -> str:
+    words, chars = score.words, score.chars
+    lines = [
+        f"WER {100 * words.rate:.2f}% ({words.errors} errors / {words.ref_len} words: "
+        f"{words.substitutions} sub, {words.deletions} del, {words.insertions} ins) "
+        f"on {len(score.utterances)} utterances",
+        f"CER {100 * chars.rate:.2f}% ({chars.errors} errors / {chars.ref_len} characters: "
+        f"{chars.substitutions} sub, {chars.deletions} del, {chars.insertions} ins)",
+    ]
+    if score.num_missing_hyps:
+        lines.append(f"{score.num_missing_hyps} utterances had no hypothesis (scored as all deletions)")
+    top = score.most_frequent_errors(top_n)
+    lines += ["", f"Most frequent word errors (top {top_n}):", f"{'count':>7}  error"]
+    lines += [f"{count:>7}  {error}" for error, count in top] or ["      -  none"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(
+    out_dir: Path,
+    score: CorpusScore,
+    durations: dict[str, float],
+    rtf: dict[str, float] | None = None,
+    top_n: int = TOP_ERRORS,
+) -> dict[str, float | int]:
+    """Write the report files (see the module docstring) into ``out_dir``.
+
+    Args:
+        out_dir: folder for the files; created if missing.
+        score: the scored corpus from :func:`asrflow.evaluation.metrics.score_corpus`.
+        durations: audio duration in seconds per utterance id.
+        rtf: optional real-time factors by name (e.g. ``{"decode": 0.02}``).
+        top_n: how many word errors ``errors.txt`` lists.
+
+    Returns:
+        The metrics written to ``metrics.json``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    missing = [row.id for row in score.utterances if durations.get(row.id) is None]
+    if missing:
+        logger.warning(
+            "%d utterances have no duration (e.g. %s); left out of %s",
+            len(missing),
+            missing[0],
+            WER_BY_DURATION_FILE,
+        )
+
+    write_jsonl(
+        out_dir / PER_UTTERANCE_FILE,
+        (
+            {
+                "id": row.id,
+                "duration": durations.get(row.id),
+                "ref": row.ref,
+                "hyp": row.hyp,
+                "errors": row.words.errors,
+                "substitutions": row.words.substitutions,
+                "deletions": row.words.deletions,
+                "insertions": row.words.insertions,
+                "ref_words": row.words.ref_len,
+                "char_errors": row.chars.errors,
+                "has_hyp": row.has_hyp,
+                "alignment": [list(pair) for pair in row.alignment],
+            }
+            for row in score.utterances
+        ),
+    )
+
+    with atomic_path(out_dir / ERRORS_FILE) as tmp:
+        tmp.write_text(_errors_text(score, top_n))
+
+    with atomic_path(out_dir / WER_BY_DURATION_FILE) as tmp, open(tmp, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["duration_bucket", "wer", "num_utterances"])
+        writer.writeheader()
+        writer.writerows(wer_by_duration(score, durations))
+
+    metrics = metrics_dict(score, durations, rtf)
+    write_json(out_dir / METRICS_FILE, metrics)
+    return metrics

@@ -1,0 +1,40 @@
+"""Logging set-up and progress reporting for long loops."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
+
+
+def setup_logging(level: int = logging.INFO) -> logging.Logger:
+    """Log to stderr in one format for every stage; returns the ``asrflow`` logger."""
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    return logging.getLogger("asrflow")
+
+
+def progress(
+    items: Iterable[T], desc: str, total: int | None = None, log_every_s: float = 30.0
+) -> Iterator[T]:
+    """Iterate with a tqdm bar on a terminal, or a log line every ``log_every_s`` otherwise."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(items, desc=desc, total=total)
+        return
+    logger = logging.getLogger("asrflow")
+    last = time.monotonic()
+    count = 0
+    for count, item in enumerate(items, start=1):
+        yield item
+        now = time.monotonic()
+        if now - last >= log_every_s:
+            last = now
+            of_total = f"/{total}" if total else ""
+            logger.info("%s: %d%s", desc, count, of_total)

@@ -1,0 +1,521 @@
+"""Experiment tracking: the one module of asrflow that talks to MLflow.
+
+Usage from the training loop::
+
+    tracker = RunTracker.start(experiment="asrflow", run_id=ckpt_run_id_or_None, run_name="train")
+    if ckpt_state is None:
+        tracker.log_params(flatten(all_params))       # a new run only
+    else:
+        tracker.load_state_dict(ckpt_state)             # a resumed run
+    tracker.record(step, {"train/loss": 1.2, "train/lr": 1e-3})   # buffered in memory
+    checkpoint["tracker"] = tracker.state_dict()        # plain python types
+    save(checkpoint)                                    # durably written ...
+    tracker.flush()                                     # ... then the buffer goes to MLflow
+    tracker.end("FINISHED")
+
+Store
+    :func:`default_tracking_uri` is ``$MLFLOW_TRACKING_URI`` or MLflow 3's own default,
+    ``sqlite:///mlflow.db`` in the current directory. For a SQLite store, an experiment
+    created here gets its artifact location in ``mlartifacts/<experiment>`` beside the
+    database file, as an absolute ``file://`` URI, so ``mlflow ui`` started in that
+    directory (or anywhere else on the machine) lists and serves the artifacts.
+
+Crash safety (exactly one point per metric and step, in one MLflow run)
+    Points are buffered by :meth:`RunTracker.record` and travel inside the checkpoint
+    (:meth:`RunTracker.state_dict`, with their original timestamps); :meth:`RunTracker.flush`
+    runs only after the checkpoint is on disk. A flush writes the points in
+    ``log_batch`` calls of at most 1,000 metrics each, and only after all of them have
+    been committed does it raise the run tag ``asrflow.logged_through_step`` to the
+    highest step written. MLflow 3's SQLAlchemy store does *not* commit a whole
+    ``log_batch`` in one transaction (params, metrics and tags are three commits, and
+    ``MlflowClient.log_batch`` puts the tags into its *first* chunk), but the metrics of one
+    store call are one commit; so the tag is written in a call of its own, last, and it
+    never claims points that are not in the store. On resume,
+    :meth:`RunTracker.load_state_dict` drops the checkpoint's pending points at or below
+    the tag; any above it (a crash during the flush) are checked against the run's metric
+    history and only the missing ones are written. If the store holds points past the
+    checkpoint (a previous attempt flushed and died later), the re-recorded copies of those
+    ``(metric, step)`` pairs are dropped by :meth:`RunTracker.record`. Steps must be the
+    global training step and must not go backwards.
+
+Reopening
+    ``RunTracker.start(run_id=...)`` continues that run: a RUNNING/FAILED/KILLED run is
+    set RUNNING again (training resumes); a FINISHED run stays FINISHED while evaluate adds
+    metrics and artifacts, and :meth:`RunTracker.end` leaves it FINISHED (a failed
+    evaluation is recorded in the tag ``asrflow.reopened_end_status``).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from asrflow.errors import AsrflowError
+
+# Set before MLflow (and GitPython, which MLflow imports) is loaded: no warning when git is
+# missing, no telemetry attempts from a machine without network.
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.utils.validation import (  # noqa: E402
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+)
+
+log = logging.getLogger(__name__)
+
+# Table creation and migrations of a fresh SQLite store log several INFO lines per process.
+for _name in ("alembic", "mlflow.store.db.utils"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+#: MLflow 3's default tracking store.
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+#: Folder beside a SQLite store that holds the artifacts of experiments created here.
+ARTIFACTS_DIRNAME = "mlartifacts"
+#: Run tag: every point with a step at or below this value is in the store.
+LOGGED_THROUGH_TAG = "asrflow.logged_through_step"
+#: Run tag: the status :meth:`RunTracker.end` was given on a reopened FINISHED run.
+REOPENED_END_STATUS_TAG = "asrflow.reopened_end_status"
+STATE_VERSION = 1
+_END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+_TRUNCATED = "...[truncated]"
+
+
+def default_tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else MLflow 3's default ``sqlite:///mlflow.db``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:`` tracking URI (relative to the cwd if relative)."""
+    if not tracking_uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(tracking_uri).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    """``file://`` URI of ``mlartifacts/<experiment>`` beside a SQLite store, else None.
+
+    None leaves the choice to MLflow (a tracking server decides for itself).
+    """
+    db = sqlite_path(tracking_uri)
+    if db is None:
+        return None
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
+    return (db.resolve().parent / ARTIFACTS_DIRNAME / slug).as_uri()
+
+
+def param_value(value: Any) -> str:
+    """Render one param value as MLflow stores it: JSON-like, at most 6,000 characters.
+
+    ``None -> "null"``, ``True -> "true"``, lists as JSON; strings as they are.
+    """
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError):
+            text = str(value)
+    if len(text) > MAX_PARAM_VAL_LENGTH:
+        text = text[: MAX_PARAM_VAL_LENGTH - len(_TRUNCATED)] + _TRUNCATED
+    return text
+
+
+def _chunks(items: list, size: int) -> Iterable[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _git_commit() -> str | None:
+    """The current git commit, or None; never prints anything."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = result.stdout.strip()
+    return commit if result.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+class RunTracker:
+    """One MLflow run, fed by the training loop (buffered) or by evaluate (direct).
+
+    Create with :meth:`start`. The tracker buffers metric points in memory until
+    :meth:`flush`; :meth:`state_dict`/:meth:`load_state_dict` carry the buffer through a
+    checkpoint so that a resumed run has every step exactly once (see the module docstring).
+    """
+
+    #: Most metrics per ``log_batch`` call (MLflow's limit is 1,000).
+    max_metrics_per_batch = MAX_METRICS_PER_BATCH
+
+    def __init__(
+        self,
+        client: MlflowClient,
+        run_id: str,
+        *,
+        tracking_uri: str,
+        experiment_id: str,
+        logged_through: int,
+        reopened_finished: bool = False,
+        replaces_run_id: str | None = None,
+    ) -> None:
+        self._client = client
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.experiment_id = experiment_id
+        self._logged_through = logged_through
+        self._reopened_finished = reopened_finished
+        self._replaces_run_id = replaces_run_id
+        self._pending: list[tuple[str, int, float, int]] = []  # (key, step, value, timestamp ms)
+        self._recorded_through = -1
+        self._skip: set[tuple[str, int]] = set()
+        self._ended = False
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def start(
+        cls,
+        experiment: str = "asrflow",
+        run_id: str | None = None,
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        *,
+        tags: Mapping[str, Any] | None = None,
+        create_if_missing: bool = False,
+    ) -> RunTracker:
+        """Open a new run in ``experiment``, or continue run ``run_id``.
+
+        Args:
+            experiment: experiment name; created (with its artifact folder) if needed.
+            run_id: an existing run to continue (from a checkpoint or a model bundle), or
+                None for a new run.
+            run_name: display name of a new run.
+            tracking_uri: the store; None means :func:`default_tracking_uri`.
+            tags: extra tags for the run.
+            create_if_missing: if ``run_id`` is not in the store, start a new run (tagged
+                ``asrflow.replaces_run_id``) instead of raising :class:`AsrflowError`.
+        """
+        uri = tracking_uri or default_tracking_uri()
+        db = sqlite_path(uri)
+        if db is not None:
+            db.resolve().parent.mkdir(parents=True, exist_ok=True)
+        client = MlflowClient(tracking_uri=uri)
+        extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+
+        if run_id is not None:
+            run = cls._get_run(client, run_id, uri)
+            if run is not None:
+                if run.info.lifecycle_stage != "active":
+                    raise AsrflowError(
+                        f"MLflow run {run_id} is deleted in {uri}: restore it "
+                        f"(`mlflow runs restore --run-id {run_id}`) or start training afresh"
+                    )
+                finished = run.info.status == "FINISHED"
+                if not finished:
+                    client.update_run(run_id, status="RUNNING")
+                tracker = cls(
+                    client,
+                    run_id,
+                    tracking_uri=uri,
+                    experiment_id=run.info.experiment_id,
+                    logged_through=cls._tag_step(run.data.tags.get(LOGGED_THROUGH_TAG)),
+                    reopened_finished=finished,
+                )
+                if extra_tags:
+                    tracker.set_tags(extra_tags)
+                log.info("continuing MLflow run %s in %s", run_id, uri)
+                return tracker
+            if not create_if_missing:
+                raise AsrflowError(
+                    f"MLflow run {run_id} is not in the tracking store {uri}: set "
+                    "MLFLOW_TRACKING_URI to the store that holds it, or delete the "
+                    "checkpoints to start a new run"
+                )
+            log.warning("MLflow run %s is not in %s; starting a new run", run_id, uri)
+            extra_tags["asrflow.replaces_run_id"] = run_id
+
+        experiment_id = cls._experiment_id(client, experiment, uri)
+        run_tags = {
+            "mlflow.user": getpass.getuser(),
+            "mlflow.source.name": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python",
+            "mlflow.source.type": "LOCAL",
+        }
+        commit = _git_commit()
+        if commit:
+            run_tags["mlflow.source.git.commit"] = commit
+        run_tags.update(extra_tags)
+        run = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
+        log.info("started MLflow run %s (%s) in %s", run.info.run_id, run.info.run_name, uri)
+        return cls(
+            client,
+            run.info.run_id,
+            tracking_uri=uri,
+            experiment_id=experiment_id,
+            logged_through=-1,
+            replaces_run_id=run_id,
+        )
+
+    @staticmethod
+    def _get_run(client: MlflowClient, run_id: str, uri: str):
+        try:
+            return client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+    @staticmethod
+    def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            location = default_artifact_location(uri, name)
+            try:
+                return client.create_experiment(name, artifact_location=location)
+            except MlflowException:
+                # Another process created it in the meantime.
+                experiment = client.get_experiment_by_name(name)
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage != "active":
+            raise AsrflowError(
+                f"MLflow experiment {name!r} is deleted in {uri}: restore it "
+                f"(`mlflow experiments restore --experiment-id {experiment.experiment_id}`) "
+                "or choose another experiment name"
+            )
+        return experiment.experiment_id
+
+    @staticmethod
+    def _tag_step(value: str | None) -> int:
+        try:
+            return int(value) if value is not None else -1
+        except ValueError:
+            return -1
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def logged_through_step(self) -> int:
+        """Highest step whose points are all in the store (-1: none yet)."""
+        return self._logged_through
+
+    @property
+    def pending(self) -> int:
+        """Number of buffered points not yet flushed."""
+        return len(self._pending)
+
+    @property
+    def artifact_uri(self) -> str:
+        """Where this run's artifacts go."""
+        return self._client.get_run(self.run_id).info.artifact_uri
+
+    # ------------------------------------------------------------------ params and tags
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params (already flat, e.g. from :func:`asrflow.params.flatten`).
+
+        Any number of params (written 100 per call); values rendered by
+        :func:`param_value`. Params the run already has with the same value are skipped;
+        a different value raises :class:`AsrflowError` (MLflow params cannot change).
+        """
+        rendered = {str(key): param_value(value) for key, value in params.items()}
+        existing = self._client.get_run(self.run_id).data.params
+        changed = [key for key, value in rendered.items() if key in existing and existing[key] != value]
+        if changed:
+            details = ", ".join(f"{key}: {existing[key]!r} -> {rendered[key]!r}" for key in changed[:5])
+            raise AsrflowError(
+                f"MLflow run {self.run_id} already has different values for {len(changed)} "
+                f"param(s) ({details}); a run's params cannot change: start a new run "
+                "(delete the checkpoints) or restore the old params"
+            )
+        new = [Param(key, value) for key, value in rendered.items() if key not in existing]
+        for chunk in _chunks(new, MAX_PARAMS_TAGS_PER_BATCH):
+            self._client.log_batch(self.run_id, params=chunk)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set run tags (values as strings, cut at MLflow's 8,000 characters)."""
+        items = [RunTag(str(k), str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in tags.items()]
+        for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):
+            self._client.log_batch(self.run_id, tags=chunk)
+
+    # ------------------------------------------------------------------ metrics
+    def record(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Buffer one point per metric at ``step`` (global training step, never decreasing).
+
+        Values are converted with ``float()`` (0-d tensors work); None values are skipped.
+        Nothing reaches MLflow until :meth:`flush`.
+        """
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        timestamp = _now_ms()
+        for key, value in metrics.items():
+            if value is None or (key, step) in self._skip:
+                continue
+            self._pending.append((str(key), step, float(value), timestamp))
+        self._recorded_through = max(self._recorded_through, step)
+
+    def flush(self) -> None:
+        """Write the buffered points, then advance ``asrflow.logged_through_step``.
+
+        Call it right after a checkpoint holding :meth:`state_dict` is durably written,
+        and at the end. A chunk that has been written leaves the buffer at once, so a flush
+        that failed half-way can simply be called again.
+        """
+        if not self._pending:
+            return
+        through = max(step for _, step, _, _ in self._pending)
+        while self._pending:
+            chunk = self._pending[: self.max_metrics_per_batch]
+            self._write_metrics([Metric(key, value, ts, step) for key, step, value, ts in chunk])
+            del self._pending[: len(chunk)]
+        if through > self._logged_through:
+            self._write_watermark(through)
+
+    def _write_metrics(self, metrics: list[Metric]) -> None:
+        """One store call, one commit: at most ``max_metrics_per_batch`` metrics."""
+        self._client.log_batch(self.run_id, metrics=metrics)
+
+    def _write_watermark(self, step: int) -> None:
+        """Set ``asrflow.logged_through_step``: only once every point up to ``step`` is stored."""
+        self._client.log_batch(self.run_id, tags=[RunTag(LOGGED_THROUGH_TAG, str(step))])
+        self._logged_through = step
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
+        """Write metrics now, bypassing the buffer (for evaluate; not for the training loop)."""
+        timestamp = _now_ms()
+        points = [
+            Metric(str(key), float(value), timestamp, int(step))
+            for key, value in metrics.items()
+            if value is not None
+        ]
+        for chunk in _chunks(points, self.max_metrics_per_batch):
+            self._write_metrics(chunk)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """The run id and the unflushed points, as plain python types for a checkpoint."""
+        return {
+            "version": STATE_VERSION,
+            "run_id": self.run_id,
+            "recorded_through": self._recorded_through,
+            "pending": [[key, step, value, ts] for key, step, value, ts in self._pending],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from a checkpoint's :meth:`state_dict` and write what the store lacks.
+
+        Pending points at or below the run's ``asrflow.logged_through_step`` are already
+        stored and dropped; those above it are checked against the metric history, and
+        only missing ones are written. Points the store holds past the checkpoint are
+        remembered, and :meth:`record` drops their re-recorded copies.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise AsrflowError(
+                f"tracking state in the checkpoint has version {state.get('version')!r}, "
+                f"expected {STATE_VERSION}: delete the checkpoints to start a new run"
+            )
+        if state.get("run_id") != self.run_id and state.get("run_id") != self._replaces_run_id:
+            raise AsrflowError(
+                f"the checkpoint belongs to MLflow run {state.get('run_id')}, but this tracker "
+                f"has run {self.run_id}: start the tracker with run_id=state['run_id']"
+            )
+        recorded_through = int(state.get("recorded_through", -1))
+        pending = [
+            (str(key), int(step), float(value), int(ts)) for key, step, value, ts in state["pending"]
+        ]
+        self._recorded_through = max(self._recorded_through, recorded_through)
+        through = self._logged_through
+        unsure = [point for point in pending if point[1] > through]
+        low, high = min(through, recorded_through), max(through, recorded_through)
+        existing: set[tuple[str, int]] = set()
+        if unsure or through > recorded_through:
+            keys = set(self._client.get_run(self.run_id).data.metrics) | {p[0] for p in unsure}
+            existing = self._existing_points(keys, low, high)
+        self._pending = [p for p in unsure if (p[0], p[1]) not in existing] + self._pending
+        if unsure:
+            log.info(
+                "re-writing %d of %d checkpointed metric points to MLflow run %s",
+                len(self._pending),
+                len(unsure),
+                self.run_id,
+            )
+        self.flush()
+        if self._logged_through < recorded_through:  # a flush died before its tag: set it now
+            self._write_watermark(recorded_through)
+        self._skip = {(key, step) for key, step in existing if step > recorded_through}
+
+    def _existing_points(self, keys: Iterable[str], low: int, high: int) -> set[tuple[str, int]]:
+        """``(key, step)`` pairs in the store with ``low < step <= high``."""
+        found: set[tuple[str, int]] = set()
+        for key in keys:
+            for metric in self._client.get_metric_history(self.run_id, key):
+                if low < metric.step <= high:
+                    found.add((key, metric.step))
+        return found
+
+    # ------------------------------------------------------------------ artifacts and end
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Copy a file or a whole folder into the run's artifacts (under ``artifact_path``)."""
+        path = Path(path)
+        if path.is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+        elif path.is_file():
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+        else:
+            raise AsrflowError(f"cannot log artifact {path}: no such file or folder")
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Flush, then mark the run ``FINISHED``, ``FAILED`` or ``KILLED``.
+
+        A reopened FINISHED run (evaluate) stays FINISHED; another status is kept in the
+        tag ``asrflow.reopened_end_status``. Calling it again does nothing.
+        """
+        if status not in _END_STATUSES:
+            raise ValueError(f"status must be one of {_END_STATUSES}, got {status!r}")
+        if self._ended:
+            return
+        self.flush()
+        if self._reopened_finished:
+            if status != "FINISHED":
+                self.set_tags({REOPENED_END_STATUS_TAG: status})
+        else:
+            self._client.set_terminated(self.run_id, status=status)
+        self._ended = True
+
+    def __enter__(self) -> RunTracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.end("FINISHED")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.end("KILLED")
+        else:
+            self.end("FAILED")

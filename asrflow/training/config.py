@@ -1,0 +1,76 @@
+"""The ``train:`` section of params.yaml, as one typed config (every key documented there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asrflow.data.batches import AugmentConfig
+
+#: Keys that may change between an interrupted run and its resume without changing what
+#: the resumed steps compute (bookkeeping, parallel loading, time limits).
+OPERATIONAL_KEYS = frozenset(
+    {
+        "epochs", "checkpoint_every_steps", "keep_last", "validate_every_steps", "average_last",
+        "num_workers", "dist_timeout_s", "stall_timeout_s", "mp_start_method", "experiment",
+        "rdzv_endpoint", "node_rank", "max_consecutive_nonfinite", "max_rollbacks",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training hyper-parameters; see params.yaml for what each one means."""
+
+    d_model: int = 144
+    num_heads: int = 4
+    ffn_dim: int = 576
+    num_layers: int = 2
+    conv_kernel_size: int = 15
+    dropout: float = 0.1
+    max_duration_s: float = 120.0
+    num_buckets: int = 10
+    num_workers: int = 2
+    spec_augment: bool = True
+    num_freq_masks: int = 2
+    freq_mask_width: int = 15
+    num_time_masks: int = 2
+    time_mask_ratio: float = 0.05
+    speed_perturb: bool = False
+    noise_dir: str | None = None
+    noise_snr_db: list[float] = field(default_factory=lambda: [10.0, 20.0])
+    epochs: int = 40
+    lr: float = 0.003
+    weight_decay: float = 0.001
+    warmup_steps: int = 40
+    max_grad_norm: float = 5.0
+    accum_grad: int = 1
+    precision: str = "auto"
+    num_threads: int = 2
+    checkpoint_every_steps: int = 50
+    keep_last: int = 3
+    validate_every_steps: int = 50
+    average_last: int = 3
+    max_consecutive_nonfinite: int = 5
+    rollback_lr_factor: float = 0.5
+    max_rollbacks: int = 3
+    inject_nonfinite_steps: list[int] = field(default_factory=list)
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "localhost:29500"
+    dist_timeout_s: float = 300.0
+    stall_timeout_s: float = 900.0
+    mp_start_method: str = "spawn"
+    experiment: str = "asrflow"
+
+    def augment(self) -> AugmentConfig:
+        """The augmentation part of this config."""
+        return AugmentConfig(
+            spec_augment=self.spec_augment,
+            num_freq_masks=self.num_freq_masks,
+            freq_mask_width=self.freq_mask_width,
+            num_time_masks=self.num_time_masks,
+            time_mask_ratio=self.time_mask_ratio,
+            speed_perturb=self.speed_perturb,
+            noise_snr_db=(float(self.noise_snr_db[0]), float(self.noise_snr_db[1])),
+        )

@@ -1,0 +1,81 @@
+"""Non-finite guard: skip bad steps, roll back after too many, stop with a clear message."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asrflow.errors import AsrflowError
+
+logger = logging.getLogger("asrflow.guard")
+
+
+class RollbackNeeded(Exception):
+    """Raised when ``max_consecutive_nonfinite`` steps in a row were skipped."""
+
+
+@dataclass
+class NonFiniteGuard:
+    """Counts skipped steps and decides when to roll back or stop.
+
+    ``observe`` is called once per optimizer step with values already agreed by every
+    rank (one all-reduce), so every rank skips, rolls back and stops alike.
+    """
+
+    max_consecutive: int
+    max_rollbacks: int
+    bad_batches_path: Path
+    consecutive: int = 0
+    total_skipped: int = 0
+    rollbacks: int = 0
+    recent_bad: list[list[str]] = field(default_factory=list)
+
+    def observe(self, step: int, finite: bool, loss: float, grad_norm: float, cut_ids: list[str]) -> bool:
+        """Record one step; returns True when the step may be applied."""
+        if finite:
+            self.consecutive = 0
+            self.recent_bad.clear()
+            return True
+        self.consecutive += 1
+        self.total_skipped += 1
+        self.recent_bad.append(cut_ids)
+        logger.warning(
+            "step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
+            step, loss, grad_norm, self.consecutive,
+        )
+        self.bad_batches_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.bad_batches_path, "a") as handle:
+            record = {"step": step, "loss": _json_number(loss), "grad_norm": _json_number(grad_norm),
+                      "cut_ids": cut_ids}
+            handle.write(json.dumps(record) + "\n")
+        if self.consecutive >= self.max_consecutive:
+            if self.rollbacks >= self.max_rollbacks:
+                batches = "; ".join(",".join(ids[:5]) for ids in self.recent_bad[-3:])
+                raise AsrflowError(
+                    f"training stopped: {self.consecutive} non-finite steps in a row after "
+                    f"{self.rollbacks} rollbacks (train.max_rollbacks). Last bad batches (cut ids): {batches}. "
+                    f"All are listed in {self.bad_batches_path}; inspect that audio, lower train.lr "
+                    "or use train.precision: fp32"
+                )
+            raise RollbackNeeded()
+        return False
+
+    def rolled_back(self) -> None:
+        """Count a rollback and start counting skips afresh."""
+        self.rollbacks += 1
+        self.consecutive = 0
+        self.recent_bad.clear()
+
+    def state_dict(self) -> dict:
+        return {"total_skipped": self.total_skipped, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total_skipped = int(state["total_skipped"])
+        self.rollbacks = int(state["rollbacks"])
+
+
+def _json_number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)

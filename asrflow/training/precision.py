@@ -1,0 +1,76 @@
+"""Precision policy: which autocast dtype to train in, and whether a gradient scaler runs.
+
+``auto`` picks bfloat16 autocast on CUDA devices of compute capability 8.0 or higher
+(Ampere and newer have bf16 tensor cores and fp32's exponent range, so no loss scaling),
+and fp32 on older GPUs (V100, T4: fp16's range of about +-65504 overflows in long runs)
+and on the CPU. ``fp16`` always runs with a dynamic gradient scaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from asrflow.errors import AsrflowError
+
+CHOICES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The resolved choice: ``name`` in fp32/bf16/fp16, the device type, and why."""
+
+    name: str
+    device_type: str
+    reason: str
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.name == "fp16"
+
+    def autocast(self):
+        """The autocast context for forward passes (a no-op for fp32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A scaler that is enabled only for fp16."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.uses_scaler)
+
+
+def resolve_precision(
+    requested: str, device_type: str, capability: tuple[int, int] | None
+) -> PrecisionPolicy:
+    """Apply the policy.
+
+    Args:
+        requested: ``train.precision`` (auto, fp32, bf16 or fp16).
+        device_type: ``"cuda"`` or ``"cpu"``.
+        capability: the CUDA compute capability (major, minor), or None off CUDA.
+    """
+    if requested not in CHOICES:
+        raise AsrflowError(f"params.yaml: train.precision = {requested!r}; use one of {', '.join(CHOICES)}")
+    if requested != "auto":
+        return PrecisionPolicy(requested, device_type, f"train.precision = {requested}")
+    if device_type == "cuda" and capability is not None and capability >= (8, 0):
+        return PrecisionPolicy(
+            "bf16", device_type, f"auto: GPU compute capability {capability[0]}.{capability[1]} >= 8.0 has bf16"
+        )
+    if device_type == "cuda":
+        cap = f"{capability[0]}.{capability[1]}" if capability else "unknown"
+        return PrecisionPolicy("fp32", device_type, f"auto: GPU compute capability {cap} < 8.0 lacks bf16")
+    return PrecisionPolicy("fp32", device_type, "auto: fp32 on the CPU")
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device, else None."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)

@@ -1,0 +1,88 @@
+"""Deciding whether training resumes, starts fresh, or must stop, from the newest checkpoint.
+
+Two things are compared with what the checkpoint recorded:
+
+* the **fingerprint**: what a resume cannot change without making the checkpoint
+  meaningless (model shape, features, tokenizer, train data, seed, batch plan settings);
+* the **training params**: every ``train:`` key outside
+  :data:`~asrflow.training.config.OPERATIONAL_KEYS`.
+
+========================  ==========================  =====================================
+newest checkpoint         fingerprint / train params  decision
+========================  ==========================  =====================================
+none                      -                           fresh
+finished run              both equal                  resume (more epochs if raised)
+finished run              any differs                 fresh (the old checkpoints are removed)
+unfinished run            fingerprint differs         stop with a message (restore or rm)
+unfinished run            train params differ         resume, warning per changed key
+========================  ==========================  =====================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from asrflow.errors import AsrflowError
+from asrflow.training.config import OPERATIONAL_KEYS, TrainConfig
+
+logger = logging.getLogger("asrflow.resume")
+
+FRESH, RESUME = "fresh", "resume"
+
+
+def file_digest(*paths: Path) -> str:
+    """SHA-256 (first 16 hex digits) of the files' bytes, in order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_fingerprint(model: dict, features: dict, data_digest: str, seed: int, config: TrainConfig) -> dict:
+    """The settings a resume must not change, as a flat dict of JSON-able values."""
+    fingerprint = {f"model.{key}": value for key, value in model.items()}
+    fingerprint.update({f"features.{key}": value for key, value in features.items()})
+    fingerprint["data_digest"] = data_digest
+    fingerprint["seed"] = seed
+    fingerprint["train.max_duration_s"] = config.max_duration_s
+    fingerprint["train.num_buckets"] = config.num_buckets
+    fingerprint["train.accum_grad"] = config.accum_grad
+    return fingerprint
+
+
+def training_params(config: TrainConfig) -> dict:
+    """The train keys that change what the steps compute."""
+    return {key: value for key, value in asdict(config).items() if key not in OPERATIONAL_KEYS}
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in keys if old.get(key) != new.get(key)]
+
+
+def decide(checkpoint: dict | None, fingerprint: dict, params: dict, checkpoint_dir: Path) -> str:
+    """Return :data:`FRESH` or :data:`RESUME`, or raise when an unfinished run would be broken."""
+    if checkpoint is None:
+        return FRESH
+    fingerprint_changes = _differences(checkpoint["fingerprint"], fingerprint)
+    param_changes = _differences(checkpoint["train_params"], params)
+    if checkpoint["complete"]:
+        if fingerprint_changes or param_changes:
+            logger.info(
+                "the finished run in %s used other settings (%s): starting a fresh run",
+                checkpoint_dir, "; ".join((fingerprint_changes + param_changes)[:5]),
+            )
+            return FRESH
+        return RESUME
+    if fingerprint_changes:
+        raise AsrflowError(
+            f"{checkpoint_dir} holds an unfinished run (step {checkpoint['step']}) made with other settings: "
+            f"{'; '.join(fingerprint_changes)}. Restore those params to resume it, or delete it to start "
+            f"fresh: rm -r {checkpoint_dir}"
+        )
+    for change in param_changes:
+        logger.warning("train param changed since the checkpoint: %s; resuming with the new value", change)
+    return RESUME

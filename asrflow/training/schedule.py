@@ -1,0 +1,18 @@
+"""Learning-rate schedule: linear warmup, then inverse square-root decay."""
+
+from __future__ import annotations
+
+import torch
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Multiplier of the peak LR after ``step`` optimizer steps (peak 1.0 at ``warmup_steps``)."""
+    step = max(step, 1)
+    if warmup_steps <= 0:
+        return 1.0
+    return min(step / warmup_steps, (warmup_steps / step) ** 0.5)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` over :func:`warmup_factor`; its state is part of every checkpoint."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step + 1, warmup_steps))

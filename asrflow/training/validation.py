@@ -1,0 +1,53 @@
+"""Dev loss: the per-token CTC loss on the dev split, without augmentation."""
+
+from __future__ import annotations
+
+import torch
+from lhotse import CutSet
+from torch import nn
+
+from asrflow.data.batches import AsrBatchDataset, BatchItem
+from asrflow.training.distributed import DistInfo, all_reduce_sum
+from asrflow.training.precision import PrecisionPolicy
+from asrflow.training.step import ctc_loss_sum
+
+
+def dev_batches(cuts: CutSet, max_duration_s: float) -> list[tuple[str, ...]]:
+    """Dev cuts sorted by duration, grouped into batches of at most ``max_duration_s`` seconds."""
+    batches: list[tuple[str, ...]] = []
+    current: list[str] = []
+    total = 0.0
+    for cut in sorted(cuts, key=lambda c: (c.duration, c.id)):
+        if current and total + cut.duration > max_duration_s:
+            batches.append(tuple(current))
+            current, total = [], 0.0
+        current.append(cut.id)
+        total += cut.duration
+    if current:
+        batches.append(tuple(current))
+    return batches
+
+
+@torch.no_grad()
+def dev_loss(
+    model: nn.Module,
+    dataset: AsrBatchDataset,
+    batches: list[tuple[str, ...]],
+    precision: PrecisionPolicy,
+    dist: DistInfo,
+    device: torch.device,
+) -> float:
+    """Per-token dev loss; ranks share the batches and sum their totals (one all-reduce)."""
+    was_training = model.training
+    model.eval()
+    loss, tokens = 0.0, 0.0
+    for index in range(dist.rank, len(batches), dist.world_size):
+        batch = dataset[BatchItem(0, 0, 0, index, batches[index], batches[index])]
+        with precision.autocast():
+            log_probs, out_lens = model(batch["features"].to(device), batch["feature_lens"].to(device))
+        targets = {key: batch[key].to(device) for key in ("targets", "target_lens")}
+        loss += float(ctc_loss_sum(log_probs, out_lens, targets))
+        tokens += float(batch["target_lens"].sum())
+    loss, tokens = all_reduce_sum(dist, [loss, tokens])
+    model.train(was_training)
+    return loss / max(tokens, 1.0)

@@ -1,0 +1,35 @@
+"""evaluate stage: decode the test split, score WER/CER, write reports and plots, log to MLflow.
+
+Reads exp/model.pt, data/fbank/test_cuts.jsonl.gz and params.yaml `evaluate:`; writes
+exp/eval/metrics.json (for `dvc metrics show`), per_utterance.jsonl, errors.txt and
+wer_by_duration.csv (for `dvc plots show`), and logs them to the training's MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from asrflow.errors import exit_on_user_error
+from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
+from asrflow.logs import setup_logging
+from asrflow.params import build_config, load_params
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    parser.add_argument("--model", default="exp/model.pt", help="model bundle (default: %(default)s)")
+    parser.add_argument("--fbank", default="data/fbank", help="features stage output (default: %(default)s)")
+    parser.add_argument("--out", default="exp/eval", help="report folder (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logger = setup_logging()
+    config = build_config(EvaluateConfig, load_params(args.params).get("evaluate"), "evaluate")
+    metrics = evaluate(Path(args.model), Path(args.fbank), Path(args.out), config)
+    print(f"test WER: {100 * metrics['wer']:.2f}%  CER: {100 * metrics['cer']:.2f}%")
+    logger.info("report in %s; browse runs with: mlflow ui --backend-store-uri sqlite:///mlflow.db", args.out)
+
+
+if __name__ == "__main__":
+    main()

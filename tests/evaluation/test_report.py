@@ -1,0 +1,102 @@
+"""The evaluation report files: written whole, parseable, consistent with the score."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from asrflow.evaluation.metrics import score_corpus
+from asrflow.evaluation.report import (
+    ERRORS_FILE,
+    METRICS_FILE,
+    PER_UTTERANCE_FILE,
+    WER_BY_DURATION_FILE,
+    bucket_width,
+    wer_by_duration,
+    write_report,
+)
+
+REFS = {"a": "A B C D", "b": "YES NO", "c": "YES", "d": "NO NO NO NO"}
+HYPS = {"a": "A X C", "b": "YES NO", "c": "YES YES", "d": "NO NO NO NO"}
+DURATIONS = {"a": 1.5, "b": 3.0, "c": 0.4, "d": 5.9}
+
+
+def read_csv(path):
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_report_files_are_written_and_parse(tmp_path):
+    score = score_corpus(REFS, HYPS)
+    out = tmp_path / "eval"
+    metrics = write_report(out, score, DURATIONS, rtf={"decode": 0.05, "rtf_total": 0.2})
+
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [METRICS_FILE, PER_UTTERANCE_FILE, ERRORS_FILE, WER_BY_DURATION_FILE]
+    )
+    on_disk = json.loads((out / METRICS_FILE).read_text())
+    assert on_disk == metrics
+    assert all(isinstance(value, int | float) for value in on_disk.values())
+    # 11 reference words; errors: a (1 sub, 1 del), c (1 ins).
+    assert on_disk["wer"] == pytest.approx(3 / 11)
+    assert (on_disk["substitutions"], on_disk["deletions"], on_disk["insertions"]) == (1, 1, 1)
+    assert on_disk["sub_rate"] == pytest.approx(1 / 11)
+    assert on_disk["ref_words"] == 11
+    assert on_disk["num_utterances"] == 4
+    assert on_disk["duration_s"] == pytest.approx(10.8)
+    assert on_disk["rtf_decode"] == 0.05 and on_disk["rtf_total"] == 0.2
+    assert on_disk["cer"] == pytest.approx(score.cer)
+
+    rows = [json.loads(line) for line in (out / PER_UTTERANCE_FILE).read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["a", "b", "c", "d"]
+    first = rows[0]
+    assert (first["ref"], first["hyp"], first["duration"], first["errors"]) == ("A B C D", "A X C", 1.5, 2)
+    assert first["alignment"] == [["A", "A"], ["B", "X"], ["C", "C"], ["D", "*"]]
+
+    text = (out / ERRORS_FILE).read_text()
+    assert "WER 27.27%" in text
+    for error in ("sub: B -> X", "del: D", "ins: YES"):
+        assert error in text
+
+    # Longest is 5.9 s -> 1 s buckets; empty buckets are left out.
+    table = read_csv(out / WER_BY_DURATION_FILE)
+    assert list(table[0]) == ["duration_bucket", "wer", "num_utterances"]
+    assert [(r["duration_bucket"], float(r["wer"]), int(r["num_utterances"])) for r in table] == [
+        ("0-1s", 1.0, 1),
+        ("1-2s", 0.5, 1),
+        ("3-4s", 0.0, 1),
+        ("5-6s", 0.0, 1),
+    ]
+
+
+def test_bucket_width_follows_the_data():
+    assert bucket_width([0.3, 2.0]) == 0.5
+    assert bucket_width([1.0, 6.2]) == 1.0
+    assert bucket_width([0.5, 19.9]) == 2.0
+    assert bucket_width([35.0]) == 5.0
+    assert bucket_width([]) == 0.5
+
+
+def test_wer_by_duration_pools_errors_and_skips_unknown_durations():
+    score = score_corpus({"a": "A B", "b": "A B C D", "c": "A"}, {"a": "A", "b": "A B C D", "c": "B"})
+    rows = wer_by_duration(score, {"a": 0.2, "b": 0.4})
+    # a and b share 0-0.5s: 1 error / 6 words; c has no duration.
+    assert rows == [{"duration_bucket": "0-0.5s", "wer": round(1 / 6, 6), "num_utterances": 2}]
+
+
+def test_missing_durations_and_rewrites(tmp_path):
+    score = score_corpus(REFS, HYPS)
+    write_report(tmp_path, score, {"a": 1.0})
+    rows = [json.loads(line) for line in (tmp_path / PER_UTTERANCE_FILE).read_text().splitlines()]
+    assert [row["duration"] for row in rows] == [1.0, None, None, None]
+    assert [r["num_utterances"] for r in read_csv(tmp_path / WER_BY_DURATION_FILE)] == ["1"]
+    assert "rtf_decode" not in json.loads((tmp_path / METRICS_FILE).read_text())
+
+    better = score_corpus(REFS, REFS)
+    metrics = write_report(tmp_path, better, DURATIONS)
+    assert metrics["wer"] == 0.0
+    assert json.loads((tmp_path / METRICS_FILE).read_text())["wer"] == 0.0
+    assert "none" in (tmp_path / ERRORS_FILE).read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

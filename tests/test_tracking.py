@@ -1,0 +1,533 @@
+"""Tests for asrflow.tracking against a real SQLite MLflow store in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+from asrflow.errors import AsrflowError
+from asrflow.params import flatten
+from asrflow.tracking import (
+    LOGGED_THROUGH_TAG,
+    REOPENED_END_STATUS_TAG,
+    RunTracker,
+    default_artifact_location,
+    default_tracking_uri,
+    param_value,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = ("train/loss", "train/lr")
+
+
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory) -> Path:
+    """A fresh MLflow SQLite database, created (migrated) once and copied for each test."""
+    path = tmp_path_factory.mktemp("store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def uri(tmp_path: Path, empty_store: Path) -> str:
+    shutil.copyfile(empty_store, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+@pytest.fixture
+def client(uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=uri)
+
+
+def point(step: int) -> dict[str, float]:
+    """What the training loop would record at ``step`` (deterministic, as after a resume)."""
+    return {"train/loss": 10.0 / step, "train/lr": 1e-3 * step}
+
+
+def record_steps(tracker: RunTracker, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        tracker.record(step, point(step))
+
+
+def assert_history(client: MlflowClient, run_id: str, last: int, keys=KEYS) -> None:
+    """Every key has exactly one point per step 1..last, with the deterministic value."""
+    for key in keys:
+        history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+        assert [m.step for m in history] == list(range(1, last + 1)), key
+        assert [m.value for m in history] == pytest.approx([point(m.step)[key] for m in history])
+
+
+def only_run(client: MlflowClient, experiment: str = "asrflow"):
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    runs = client.search_runs([experiment_id])
+    assert len(runs) == 1
+    return runs[0]
+
+
+class Crash(BaseException):
+    """Stands for the process dying (SIGKILL) at the point where it is raised."""
+
+
+class CrashingTracker(RunTracker):
+    """A real tracker that 'dies' after ``chunks_before_crash`` metric writes, or before its tag."""
+
+    chunks_before_crash: int | None = None
+    crash_before_tag = False
+
+    def _write_metrics(self, metrics: list[Metric]) -> None:
+        if self.chunks_before_crash is not None:
+            if self.chunks_before_crash == 0:
+                raise Crash
+            self.chunks_before_crash -= 1
+        super()._write_metrics(metrics)
+
+    def _write_watermark(self, step: int) -> None:
+        if self.crash_before_tag:
+            raise Crash
+        super()._write_watermark(step)
+
+
+# --------------------------------------------------------------------------- store and URIs
+def test_default_tracking_uri_and_env_override(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert default_tracking_uri() == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other.db")
+    assert default_tracking_uri() == f"sqlite:///{tmp_path}/other.db"
+    tracker = RunTracker.start(run_name="train")
+    tracker.end()
+    assert tracker.tracking_uri == f"sqlite:///{tmp_path}/other.db"
+    assert (tmp_path / "other.db").is_file()
+
+
+def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "notes.txt").write_text("hello")
+    tracker = RunTracker.start(experiment="my exp", run_name="train")
+    tracker.log_artifact("notes.txt", artifact_path="docs")
+    tracker.end()
+
+    assert (work / "mlflow.db").is_file()
+    assert tracker.artifact_uri.startswith((work / "mlartifacts").resolve().as_uri() + "/")
+    stored = work / "mlartifacts" / "my_exp" / tracker.run_id / "artifacts" / "docs" / "notes.txt"
+    assert stored.read_text() == "hello"
+
+    # Relative store URI opened from another directory still finds the artifacts.
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(tracking_uri=f"sqlite:///{work}/mlflow.db")
+    local = client.download_artifacts(tracker.run_id, "docs/notes.txt", str(tmp_path))
+    assert Path(local).read_text() == "hello"
+
+
+def test_artifact_location_for_uris(tmp_path):
+    assert default_artifact_location(f"sqlite:///{tmp_path}/a/m.db", "asrflow") == (
+        (tmp_path / "a" / "mlartifacts" / "asrflow").as_uri()
+    )
+    assert default_artifact_location("sqlite:///m.db", "x").startswith("file:///")
+    assert default_artifact_location("http://127.0.0.1:5000", "x") is None
+    assert default_artifact_location("sqlite:///:memory:", "x") is None
+
+
+def test_store_folder_is_created(tmp_path):
+    tracker = RunTracker.start(tracking_uri=f"sqlite:///{tmp_path}/deep/er/mlflow.db")
+    tracker.end()
+    assert (tmp_path / "deep" / "er" / "mlflow.db").is_file()
+
+
+def test_start_is_quiet(tmp_path, capfd):
+    """Creating a fresh store, truncating a param and flushing print nothing."""
+    tracker = RunTracker.start(tracking_uri=f"sqlite:///{tmp_path}/fresh.db", run_name="train")
+    tracker.log_params({"long": "x" * 7000})
+    record_steps(tracker, 1, 3)
+    tracker.flush()
+    tracker.end()
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    assert captured.err == ""
+
+
+# --------------------------------------------------------------------------- params and tags
+def test_params_flattened_many_long_and_null(uri, client):
+    params = {
+        "seed": 7,
+        "train": {"lr": 1e-3, "optim": {"betas": [0.9, 0.98]}, "resume": None, "amp": True},
+        "tokenizer": {"vocab": "x" * 7000},
+        "many": {f"k{i:03d}": i for i in range(150)},
+    }
+    tracker = RunTracker.start(tracking_uri=uri, run_name="train")
+    tracker.log_params(flatten(params))
+    tracker.end()
+
+    logged = client.get_run(tracker.run_id).data.params
+    assert len(logged) == 156
+    assert logged["seed"] == "7"
+    assert logged["train.lr"] == "0.001"
+    assert logged["train.optim.betas"] == "[0.9, 0.98]"
+    assert logged["train.resume"] == "null"
+    assert logged["train.amp"] == "true"
+    assert logged["many.k149"] == "149"
+    assert len(logged["tokenizer.vocab"]) == 6000
+    assert logged["tokenizer.vocab"].endswith("[truncated]")
+    assert client.get_run(tracker.run_id).data.tags["mlflow.runName"] == "train"
+
+
+def test_log_params_again_same_ok_changed_is_clear_error(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri)
+    tracker.log_params({"a": 1, "b": "x"})
+    tracker.log_params({"a": 1, "c": None})  # same value again + a new one: fine
+    with pytest.raises(AsrflowError, match=r"a: '1' -> '2'"):
+        tracker.log_params({"a": 2})
+    tracker.end()
+    assert client.get_run(tracker.run_id).data.params == {"a": "1", "b": "x", "c": "null"}
+
+
+def test_param_value_rendering():
+    assert param_value(None) == "null"
+    assert param_value(False) == "false"
+    assert param_value("text") == "text"
+    assert param_value(Path("a/b")) == "a/b"
+    assert len(param_value("y" * 10_000)) == 6000
+
+
+def test_set_tags(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri, tags={"stage": "train"})
+    tracker.set_tags({f"t{i}": i for i in range(120)})
+    tracker.end()
+    tags = client.get_run(tracker.run_id).data.tags
+    assert tags["stage"] == "train"
+    assert tags["t119"] == "119"
+
+
+# --------------------------------------------------------------------------- metrics
+def test_record_is_buffered_until_flush(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri)
+    record_steps(tracker, 1, 5)
+    assert tracker.pending == 10
+    assert client.get_metric_history(tracker.run_id, "train/loss") == []
+    tracker.flush()
+    assert tracker.pending == 0
+    assert tracker.logged_through_step == 5
+    assert client.get_run(tracker.run_id).data.tags[LOGGED_THROUGH_TAG] == "5"
+    tracker.end()
+    assert_history(client, tracker.run_id, 5)
+
+
+def test_flush_more_than_one_batch(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri)
+    record_steps(tracker, 1, 700)  # 1,400 points: two log_batch calls
+    tracker.record(700, {"valid/wer": None})  # None values are skipped
+    tracker.flush()
+    tracker.end()
+    assert_history(client, tracker.run_id, 700)
+    assert client.get_metric_history(tracker.run_id, "valid/wer") == []
+
+
+def test_state_dict_is_plain_json(uri):
+    tracker = RunTracker.start(tracking_uri=uri)
+    record_steps(tracker, 1, 3)
+    state = tracker.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    assert state["run_id"] == tracker.run_id
+    assert len(state["pending"]) == 6
+    tracker.flush()
+    assert len(state["pending"]) == 6  # the saved state is not changed by a later flush
+    tracker.end()
+
+
+def test_steps_must_not_be_negative(uri):
+    tracker = RunTracker.start(tracking_uri=uri)
+    with pytest.raises(ValueError):
+        tracker.record(-1, {"a": 1.0})
+    tracker.end()
+
+
+# --------------------------------------------------------------------------- crash and resume
+def test_killed_after_checkpoint_flush_resumes_same_run(uri, client):
+    """Steps 1..10, checkpoint, flush; 11..13 recorded, never flushed; resume from 10."""
+    tracker = RunTracker.start(tracking_uri=uri, run_name="train")
+    tracker.log_params({"train.lr": 0.001})
+    record_steps(tracker, 1, 10)
+    checkpoint = json.loads(json.dumps(tracker.state_dict()))  # saved with the checkpoint
+    tracker.flush()
+    record_steps(tracker, 11, 13)
+    del tracker  # SIGKILL: no flush, no end
+
+    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"], run_name="train")
+    resumed.load_state_dict(checkpoint)
+    record_steps(resumed, 11, 25)
+    resumed.flush()
+    resumed.end()
+
+    run = only_run(client)
+    assert run.info.run_id == checkpoint["run_id"]
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"train.lr": "0.001"}
+    assert run.data.tags[LOGGED_THROUGH_TAG] == "25"
+    assert_history(client, run.info.run_id, 25)
+
+
+@pytest.mark.parametrize("crash", ["before_any_write", "after_some_chunks", "before_tag", "after_flush"])
+def test_killed_during_flush_does_not_duplicate(uri, client, crash):
+    """Checkpoint 20 saved (pending 11..20), then the process dies during/after the flush."""
+    tracker = CrashingTracker.start(tracking_uri=uri, run_name="train")
+    tracker.max_metrics_per_batch = 3
+    record_steps(tracker, 1, 10)
+    tracker.state_dict()
+    tracker.flush()
+    record_steps(tracker, 11, 20)
+    checkpoint = json.loads(json.dumps(tracker.state_dict()))
+    if crash == "before_any_write":
+        tracker.chunks_before_crash = 0
+    elif crash == "after_some_chunks":
+        tracker.chunks_before_crash = 4  # 12 of the 20 points are committed
+    elif crash == "before_tag":
+        tracker.crash_before_tag = True
+    if crash == "after_flush":
+        tracker.flush()
+    else:
+        with pytest.raises(Crash):
+            tracker.flush()
+    del tracker
+
+    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+    resumed.load_state_dict(checkpoint)
+    assert resumed.logged_through_step == 20
+    record_steps(resumed, 21, 30)
+    resumed.end()
+
+    run = only_run(client)
+    assert run.data.tags[LOGGED_THROUGH_TAG] == "30"
+    assert_history(client, run.info.run_id, 30)
+
+
+def test_flushed_past_checkpoint_then_killed(uri, client):
+    """The last attempt flushed beyond its last checkpoint; re-recorded points are dropped."""
+    tracker = RunTracker.start(tracking_uri=uri)
+    record_steps(tracker, 1, 10)
+    checkpoint = tracker.state_dict()
+    tracker.flush()
+    record_steps(tracker, 11, 15)
+    tracker.flush()  # e.g. the end-of-training flush, then death before the final checkpoint
+    tracker.record(15, {"valid/wer": 40.0})  # recorded after that flush: never stored
+    del tracker
+
+    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+    resumed.load_state_dict(checkpoint)
+    record_steps(resumed, 11, 20)
+    resumed.record(15, {"valid/wer": 40.0})
+    resumed.end()
+
+    assert_history(client, checkpoint["run_id"], 20)
+    assert [(m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "valid/wer")] == [
+        (15, 40.0)
+    ]
+
+
+def test_resume_twice_from_same_checkpoint(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri)
+    record_steps(tracker, 1, 10)
+    checkpoint = tracker.state_dict()
+    del tracker  # died before the first flush
+    for _ in range(2):
+        resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+        resumed.load_state_dict(checkpoint)
+        record_steps(resumed, 11, 12)
+        del resumed  # died again before the next checkpoint
+    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+    resumed.load_state_dict(checkpoint)
+    record_steps(resumed, 11, 14)
+    resumed.end()
+    only_run(client)
+    assert_history(client, checkpoint["run_id"], 14)
+
+
+CHILD = r"""
+import json, os, signal, sys
+from asrflow.tracking import RunTracker
+
+uri, mode, ckpt = sys.argv[1:4]
+
+class Dying(RunTracker):
+    chunks_left = None
+    def _write_metrics(self, metrics):
+        super()._write_metrics(metrics)
+        if self.chunks_left is not None:
+            self.chunks_left -= 1
+            if self.chunks_left == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+def save(state):
+    tmp = ckpt + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt)
+
+def rec(t, a, b):
+    for s in range(a, b + 1):
+        t.record(s, {"train/loss": 10.0 / s, "train/lr": 1e-3 * s})
+
+t = Dying.start(tracking_uri=uri, run_name="train")
+t.log_params({"train.lr": 0.001})
+rec(t, 1, 10); save(t.state_dict()); t.flush()
+rec(t, 11, 20); save(t.state_dict())
+if mode == "during_flush":
+    t.max_metrics_per_batch = 4
+    t.chunks_left = 2
+t.flush()
+rec(t, 21, 23)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("mode", ["after_flush", "during_flush"])
+def test_real_sigkill_then_resume(tmp_path, uri, client, mode):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    ckpt = tmp_path / "ckpt.json"
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    child = subprocess.run(
+        [sys.executable, str(script), uri, mode, str(ckpt)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    checkpoint = json.loads(ckpt.read_text())
+    assert checkpoint["recorded_through"] == 20
+    stored = client.get_metric_history(checkpoint["run_id"], "train/loss")
+    if mode == "during_flush":
+        assert client.get_run(checkpoint["run_id"]).data.tags[LOGGED_THROUGH_TAG] == "10"
+        assert 10 < len(stored) < 20  # killed half-way through writing 11..20
+
+    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"], run_name="train")
+    resumed.load_state_dict(checkpoint)
+    record_steps(resumed, 21, 30)
+    resumed.end()
+
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"train.lr": "0.001"}
+    assert_history(client, run.info.run_id, 30)
+
+
+def test_load_state_dict_from_other_run_is_refused(uri):
+    first = RunTracker.start(tracking_uri=uri)
+    state = first.state_dict()
+    first.end()
+    second = RunTracker.start(tracking_uri=uri)
+    with pytest.raises(AsrflowError, match="belongs to MLflow run"):
+        second.load_state_dict(state)
+    with pytest.raises(AsrflowError, match="version"):
+        second.load_state_dict({**state, "version": 99})
+    second.end()
+
+
+# --------------------------------------------------------------------------- status and reopening
+def test_resumed_killed_run_is_running_again_and_can_fail(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri)
+    tracker.end("KILLED")
+    assert client.get_run(tracker.run_id).info.status == "KILLED"
+    resumed = RunTracker.start(tracking_uri=uri, run_id=tracker.run_id)
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"
+    with pytest.raises(RuntimeError), resumed:
+        raise RuntimeError("boom")
+    assert client.get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_evaluate_reopens_finished_run_and_leaves_it_finished(tmp_path, uri, client):
+    with RunTracker.start(tracking_uri=uri, run_name="train") as train:
+        record_steps(train, 1, 3)
+        train.flush()
+    info = client.get_run(train.run_id).info
+    assert info.status == "FINISHED"
+
+    results = tmp_path / "eval"
+    results.mkdir()
+    (results / "metrics.json").write_text('{"wer": 12.5}')
+    (results / "per_utt.txt").write_text("utt1 ok\n")
+    evaluate = RunTracker.start(tracking_uri=uri, run_id=train.run_id)
+    assert client.get_run(train.run_id).info.status == "FINISHED"
+    evaluate.log_metrics({"test/wer": 12.5, "test/cer": 4.0})
+    evaluate.record(3, {"test/loss": 0.5})
+    evaluate.log_artifact(results, artifact_path="eval")
+    evaluate.set_tags({"asrflow.evaluated": "yes"})
+    evaluate.end("FINISHED")
+
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    assert run.info.end_time == info.end_time
+    assert run.data.metrics["test/wer"] == 12.5
+    assert run.data.metrics["test/loss"] == 0.5
+    assert_history(client, run.info.run_id, 3)
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "eval")) == [
+        "eval/metrics.json",
+        "eval/per_utt.txt",
+    ]
+    local = client.download_artifacts(run.info.run_id, "eval/metrics.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == {"wer": 12.5}
+
+    failed = RunTracker.start(tracking_uri=uri, run_id=train.run_id)
+    failed.end("FAILED")
+    run = client.get_run(train.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[REOPENED_END_STATUS_TAG] == "FAILED"
+
+
+def test_end_is_idempotent_and_checks_status(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri)
+    with pytest.raises(ValueError):
+        tracker.end("DONE")
+    record_steps(tracker, 1, 2)
+    tracker.end("FINISHED")
+    tracker.end("FAILED")
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert_history(client, tracker.run_id, 2)
+
+
+# --------------------------------------------------------------------------- bad input
+def test_missing_run_is_clear_error_or_replaced(uri, client):
+    ghost = "0" * 32
+    with pytest.raises(AsrflowError, match="not in the tracking store"):
+        RunTracker.start(tracking_uri=uri, run_id=ghost)
+    tracker = RunTracker.start(tracking_uri=uri, run_id=ghost, create_if_missing=True)
+    assert tracker.run_id != ghost
+    tracker.load_state_dict({"version": 1, "run_id": ghost, "recorded_through": 1,
+                             "pending": [["train/loss", 1, 10.0, 1_700_000_000_000],
+                                         ["train/lr", 1, 1e-3, 1_700_000_000_000]]})
+    tracker.end()
+    assert client.get_run(tracker.run_id).data.tags["asrflow.replaces_run_id"] == ghost
+    assert_history(client, tracker.run_id, 1)
+
+
+def test_deleted_run_and_experiment_are_clear_errors(uri, client):
+    tracker = RunTracker.start(tracking_uri=uri, experiment="gone")
+    tracker.end()
+    client.delete_run(tracker.run_id)
+    with pytest.raises(AsrflowError, match="is deleted"):
+        RunTracker.start(tracking_uri=uri, run_id=tracker.run_id)
+    client.delete_experiment(tracker.experiment_id)
+    with pytest.raises(AsrflowError, match="experiment 'gone' is deleted"):
+        RunTracker.start(tracking_uri=uri, experiment="gone")
+
+
+def test_missing_artifact_is_clear_error(tmp_path, uri):
+    tracker = RunTracker.start(tracking_uri=uri)
+    with pytest.raises(AsrflowError, match="no such file"):
+        tracker.log_artifact(tmp_path / "nope.pt")
+    tracker.end()

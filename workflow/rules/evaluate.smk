@@ -1,0 +1,13 @@
+rule evaluate:
+    input:
+        **stage_inputs("evaluate"),
+    output:
+        **stage_outputs("evaluate"),
+    params:
+        **stage_params("evaluate"),
+    conda:
+        "../envs/asrflow.yaml"
+    log:
+        "logs/evaluate.log",
+    shell:
+        stage_shell("evaluate")

@@ -1,0 +1,13 @@
+rule train:
+    input:
+        **stage_inputs("train"),
+    output:
+        **stage_outputs("train"),
+    params:
+        **stage_params("train"),
+    conda:
+        "../envs/asrflow.yaml"
+    log:
+        "logs/train.log",
+    shell:
+        stage_shell("train")
