@@ -112,6 +112,20 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     return Path(database)
 
 
+def resolve_tracking_uri(tracking_uri: str) -> str:
+    """Make a relative ``sqlite:`` URI absolute (against the cwd); other URIs unchanged.
+
+    MLflow caches one store per URI string for the whole process, so a relative
+    ``sqlite:///mlflow.db`` would keep writing to the first directory it was opened in.
+    """
+    db = sqlite_path(tracking_uri)
+    if db is None or db.is_absolute():
+        return tracking_uri
+    from sqlalchemy.engine import make_url
+
+    return make_url(tracking_uri).set(database=str(db.resolve())).render_as_string(hide_password=False)
+
+
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     """``file://`` URI of ``mlartifacts/<experiment>`` beside a SQLite store, else None.
 
@@ -197,6 +211,7 @@ class RunTracker:
         self._replaces_run_id = replaces_run_id
         self._pending: list[tuple[str, int, float, int]] = []  # (key, step, value, timestamp ms)
         self._recorded_through = -1
+        self._written_through = -1
         self._skip: set[tuple[str, int]] = set()
         self._ended = False
 
@@ -224,7 +239,7 @@ class RunTracker:
             create_if_missing: if ``run_id`` is not in the store, start a new run (tagged
                 ``asrflow.replaces_run_id``) instead of raising :class:`AsrflowError`.
         """
-        uri = tracking_uri or default_tracking_uri()
+        uri = resolve_tracking_uri(tracking_uri or default_tracking_uri())
         db = sqlite_path(uri)
         if db is not None:
             db.resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -388,15 +403,13 @@ class RunTracker:
         and at the end. A chunk that has been written leaves the buffer at once, so a flush
         that failed half-way can simply be called again.
         """
-        if not self._pending:
-            return
-        through = max(step for _, step, _, _ in self._pending)
-        while self._pending:
+        while self._pending:  # in step order, so every chunk written covers the steps before it
             chunk = self._pending[: self.max_metrics_per_batch]
             self._write_metrics([Metric(key, value, ts, step) for key, step, value, ts in chunk])
             del self._pending[: len(chunk)]
-        if through > self._logged_through:
-            self._write_watermark(through)
+            self._written_through = max(self._written_through, max(point[1] for point in chunk))
+        if self._written_through > self._logged_through:
+            self._write_watermark(self._written_through)
 
     def _write_metrics(self, metrics: list[Metric]) -> None:
         """One store call, one commit: at most ``max_metrics_per_batch`` metrics."""
@@ -484,12 +497,19 @@ class RunTracker:
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Copy a file or a whole folder into the run's artifacts (under ``artifact_path``)."""
         path = Path(path)
-        if path.is_dir():
-            self._client.log_artifacts(self.run_id, str(path), artifact_path)
-        elif path.is_file():
-            self._client.log_artifact(self.run_id, str(path), artifact_path)
-        else:
+        if not path.exists():
             raise AsrflowError(f"cannot log artifact {path}: no such file or folder")
+        try:
+            if path.is_dir():
+                self._client.log_artifacts(self.run_id, str(path), artifact_path)
+            else:
+                self._client.log_artifact(self.run_id, str(path), artifact_path)
+        except MlflowException as error:
+            raise AsrflowError(
+                f"cannot store artifact {path} at {self.artifact_uri} ({error.message}); if the "
+                "experiment was created by an MLflow server, set MLFLOW_TRACKING_URI to that "
+                "server's http:// address, or use another experiment name"
+            ) from None
 
     def end(self, status: str = "FINISHED") -> None:
         """Flush, then mark the run ``FINISHED``, ``FAILED`` or ``KILLED``.

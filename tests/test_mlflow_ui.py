@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -65,10 +66,8 @@ def stop(server: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=15)
-    try:  # workers left behind in the group
+    with contextlib.suppress(ProcessLookupError):  # workers left behind in the group
         os.killpg(server.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def test_mlflow_ui_shows_run_metrics_and_artifacts(tmp_path, monkeypatch):

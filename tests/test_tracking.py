@@ -23,6 +23,7 @@ from asrflow.tracking import (
     default_artifact_location,
     default_tracking_uri,
     param_value,
+    resolve_tracking_uri,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +98,8 @@ class CrashingTracker(RunTracker):
 
 
 # --------------------------------------------------------------------------- store and URIs
-def test_default_tracking_uri_and_env_override(monkeypatch, tmp_path):
+def test_default_tracking_uri_and_env_override(monkeypatch, tmp_path, empty_store):
+    shutil.copyfile(empty_store, tmp_path / "other.db")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert default_tracking_uri() == "sqlite:///mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other.db")
@@ -105,20 +107,22 @@ def test_default_tracking_uri_and_env_override(monkeypatch, tmp_path):
     tracker = RunTracker.start(run_name="train")
     tracker.end()
     assert tracker.tracking_uri == f"sqlite:///{tmp_path}/other.db"
-    assert (tmp_path / "other.db").is_file()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/other.db")
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
 
 
-def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path):
+def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path, empty_store):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     work = tmp_path / "work"
     work.mkdir()
+    shutil.copyfile(empty_store, work / "mlflow.db")
     monkeypatch.chdir(work)
     (work / "notes.txt").write_text("hello")
     tracker = RunTracker.start(experiment="my exp", run_name="train")
     tracker.log_artifact("notes.txt", artifact_path="docs")
     tracker.end()
 
-    assert (work / "mlflow.db").is_file()
+    assert tracker.tracking_uri == f"sqlite:///{work}/mlflow.db"
     assert tracker.artifact_uri.startswith((work / "mlartifacts").resolve().as_uri() + "/")
     stored = work / "mlartifacts" / "my_exp" / tracker.run_id / "artifacts" / "docs" / "notes.txt"
     assert stored.read_text() == "hello"
@@ -130,6 +134,20 @@ def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path):
     assert Path(local).read_text() == "hello"
 
 
+def test_relative_store_follows_cwd(monkeypatch, tmp_path, empty_store):
+    """MLflow caches stores by URI: a relative sqlite URI must not stick to the first cwd."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copyfile(empty_store, tmp_path / name / "mlflow.db")
+        monkeypatch.chdir(tmp_path / name)
+        tracker = RunTracker.start(tracking_uri="sqlite:///mlflow.db")
+        tracker.end()
+        assert tracker.tracking_uri == f"sqlite:///{tmp_path / name / 'mlflow.db'}"
+        client = MlflowClient(tracking_uri=tracker.tracking_uri)
+        assert len(client.search_runs([tracker.experiment_id])) == 1
+
+
 def test_artifact_location_for_uris(tmp_path):
     assert default_artifact_location(f"sqlite:///{tmp_path}/a/m.db", "asrflow") == (
         (tmp_path / "a" / "mlartifacts" / "asrflow").as_uri()
@@ -137,17 +155,13 @@ def test_artifact_location_for_uris(tmp_path):
     assert default_artifact_location("sqlite:///m.db", "x").startswith("file:///")
     assert default_artifact_location("http://127.0.0.1:5000", "x") is None
     assert default_artifact_location("sqlite:///:memory:", "x") is None
+    assert resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert resolve_tracking_uri(f"sqlite:///{tmp_path}/m.db") == f"sqlite:///{tmp_path}/m.db"
 
 
-def test_store_folder_is_created(tmp_path):
-    tracker = RunTracker.start(tracking_uri=f"sqlite:///{tmp_path}/deep/er/mlflow.db")
-    tracker.end()
-    assert (tmp_path / "deep" / "er" / "mlflow.db").is_file()
-
-
-def test_start_is_quiet(tmp_path, capfd):
-    """Creating a fresh store, truncating a param and flushing print nothing."""
-    tracker = RunTracker.start(tracking_uri=f"sqlite:///{tmp_path}/fresh.db", run_name="train")
+def test_fresh_store_in_new_folder_quietly(tmp_path, capfd):
+    """Creating a store (and its folder), truncating a param and flushing print nothing."""
+    tracker = RunTracker.start(tracking_uri=f"sqlite:///{tmp_path}/deep/er/mlflow.db", run_name="train")
     tracker.log_params({"long": "x" * 7000})
     record_steps(tracker, 1, 3)
     tracker.flush()
@@ -155,6 +169,7 @@ def test_start_is_quiet(tmp_path, capfd):
     captured = capfd.readouterr()
     assert captured.out == ""
     assert captured.err == ""
+    assert (tmp_path / "deep" / "er" / "mlflow.db").is_file()
 
 
 # --------------------------------------------------------------------------- params and tags
@@ -231,6 +246,26 @@ def test_flush_more_than_one_batch(uri, client):
     tracker.end()
     assert_history(client, tracker.run_id, 700)
     assert client.get_metric_history(tracker.run_id, "valid/wer") == []
+
+
+def test_flush_failed_half_way_can_be_called_again(uri, client):
+    tracker = CrashingTracker.start(tracking_uri=uri)
+    tracker.max_metrics_per_batch = 4
+    record_steps(tracker, 1, 10)
+    tracker.chunks_before_crash = 2
+    with pytest.raises(Crash):
+        tracker.flush()
+    assert tracker.pending == 12
+    tracker.chunks_before_crash = None
+    tracker.crash_before_tag = True
+    with pytest.raises(Crash):
+        tracker.flush()
+    assert tracker.pending == 0
+    tracker.crash_before_tag = False
+    tracker.flush()  # nothing left to write, but the tag is still due
+    assert client.get_run(tracker.run_id).data.tags[LOGGED_THROUGH_TAG] == "10"
+    tracker.end()
+    assert_history(client, tracker.run_id, 10)
 
 
 def test_state_dict_is_plain_json(uri):
@@ -530,4 +565,14 @@ def test_missing_artifact_is_clear_error(tmp_path, uri):
     tracker = RunTracker.start(tracking_uri=uri)
     with pytest.raises(AsrflowError, match="no such file"):
         tracker.log_artifact(tmp_path / "nope.pt")
+    tracker.end()
+
+
+def test_artifact_store_unreachable_is_clear_error(tmp_path, uri, client):
+    """An experiment made by `mlflow server` stores artifacts through it, not through SQLite."""
+    client.create_experiment("served", artifact_location="mlflow-artifacts:/served")
+    tracker = RunTracker.start(tracking_uri=uri, experiment="served")
+    (tmp_path / "model.pt").write_bytes(b"x")
+    with pytest.raises(AsrflowError, match="MLFLOW_TRACKING_URI"):
+        tracker.log_artifact(tmp_path / "model.pt")
     tracker.end()

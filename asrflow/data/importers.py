@@ -132,14 +132,14 @@ def _decode_loose(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def _probe(root: Path, pending: list[tuple[str, str]]) -> list[Recording | ItemRejected]:
+def _probe(root: Path, pending: list[tuple[str, str]], split: str) -> list[Recording | ItemRejected]:
     """Resolve and open ``(recording_id, raw_path)`` pairs in a thread pool."""
 
     def probe(item: tuple[str, str]) -> Recording:
         recording_id, raw = item
         return open_recording(resolve_inside(root, raw), recording_id)
 
-    return map_in_threads(probe, pending)
+    return map_in_threads(probe, pending, f"reading audio headers ({split})")
 
 
 # --------------------------------------------------------------------------- folder + TSV
@@ -200,7 +200,7 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         unique.append(entry)
 
     recordings, supervisions = [], []
-    probed = _probe(root, [(item_id, raw) for item_id, raw, _, _ in unique])
+    probed = _probe(root, [(item_id, raw) for item_id, raw, _, _ in unique], split)
     for (item_id, raw, text, speaker), result in zip(unique, probed, strict=True):
         if isinstance(result, ItemRejected):
             rejected.append(Rejection(split, item_id, raw, result.reason, result.detail))
@@ -222,11 +222,8 @@ def _folder_id(root: Path, raw_path: str) -> str | None:
     if not raw_path:
         return None
     path = Path(raw_path)
-    if path.is_absolute():
-        try:
-            path = path.relative_to(root)
-        except ValueError:
-            return raw_path
+    if path.is_absolute() and path.is_relative_to(root):
+        path = path.relative_to(root)
     return path.with_suffix("").as_posix()
 
 
@@ -275,9 +272,14 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
             )
     rejected: list[Rejection] = []
 
-    # wav.scp: recording id -> raw path, or the reason it cannot be used
+    # wav.scp: recording id -> raw path, or the reason it cannot be used. An unreadable
+    # line rejects the utterances of its recording (utterances are the items).
     wav: dict[str, str | ItemRejected] = {}
-    for line, (rec_id, rest) in _kaldi_table(folder / "wav.scp", split, 2, rejected, "id path"):
+    unreadable: list[Rejection] = []
+    rows = _kaldi_table(folder / "wav.scp", split, 2, unreadable, "id path")
+    for bad in unreadable:
+        wav.setdefault(bad.id, ItemRejected(bad.reason, bad.detail))
+    for line, (rec_id, rest) in rows:
         rest = rest.strip()
         if rec_id in wav:
             rejected.append(Rejection(split, rec_id, rest, DUPLICATE_ID,
@@ -352,7 +354,7 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
                                       f"text lists {utt_id!r} but segments has no line for it"))
 
     needed = sorted({rec_id for _, rec_id, _, _ in utterances if isinstance(wav.get(rec_id), str)})
-    probed = dict(zip(needed, _probe(root, [(rec_id, wav[rec_id]) for rec_id in needed]), strict=True))
+    probed = dict(zip(needed, _probe(root, [(rec_id, wav[rec_id]) for rec_id in needed], split), strict=True))
     recordings: dict[str, Recording] = {}
     supervisions = []
     for utt_id, rec_id, start, end in utterances:

@@ -74,6 +74,7 @@ from lhotse.supervision import AlignmentItem
 from lhotse.utils import fastcopy
 
 from asrflow.data.text import TextConfig, normalize_text
+from asrflow.logs import progress
 
 logger = logging.getLogger("asrflow")
 
@@ -185,17 +186,23 @@ class ValidatedSplit:
 
 
 def first_line(error: BaseException) -> str:
-    """The first non-empty line of an exception's message (for one-line details)."""
-    for line in str(error).splitlines():
-        if line.strip():
-            return line.strip()
-    return type(error).__name__
+    """A one-line summary of an exception's message.
+
+    Lhotse's audio errors list one line per backend (``Exception #0 (<backend>): <type>:
+    message``); the first backend's message is the telling one, so it is used when present.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("Exception #0"):
+            return line.rsplit("'>: ", 1)[-1]
+    return lines[0] if lines else type(error).__name__
 
 
-def map_in_threads(function: Callable[[T], R], items: Iterable[T]) -> list[R | ItemRejected]:
+def map_in_threads(function: Callable[[T], R], items: Iterable[T], desc: str) -> list[R | ItemRejected]:
     """Apply ``function`` to every item in a thread pool (I/O bound), keeping input order.
 
-    An :class:`ItemRejected` raised for an item is returned in its place.
+    An :class:`ItemRejected` raised for an item is returned in its place. ``desc`` labels
+    the progress bar (or the periodic log line when stderr is not a terminal).
     """
 
     def guarded(item: T) -> R | ItemRejected:
@@ -209,7 +216,7 @@ def map_in_threads(function: Callable[[T], R], items: Iterable[T]) -> list[R | I
         return [guarded(item) for item in items]
     workers = max(1, min(16, 2 * (os.cpu_count() or 1)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(guarded, items))
+        return list(progress(pool.map(guarded, items), desc, total=len(items)))
 
 
 def resolve_inside(root: Path, raw: str) -> Path:
@@ -371,7 +378,13 @@ def _choose_channel(recording: Recording, supervision: SupervisionSegment, rules
     if len(channel_ids) == 1:
         return channel_ids[0]
     if per_channel:
-        return supervision.channel
+        named = supervision.channel if isinstance(supervision.channel, list) else [supervision.channel]
+        if all(channel in channel_ids for channel in named):
+            return supervision.channel
+        raise ItemRejected(
+            CHANNEL_OUT_OF_RANGE,
+            f"the supervision names channel(s) {named} but the recording has channels {channel_ids}",
+        )
     if rules.channel == "mix":
         return channel_ids
     if rules.channel in channel_ids:
@@ -466,7 +479,8 @@ def validate_split(
         by_id[recording.id] = recording
     supervisions = list(supervisions)
     used = sorted({s.recording_id for s in supervisions if s.recording_id in by_id})
-    checked = dict(zip(used, map_in_threads(lambda rid: check_recording(by_id[rid]), used), strict=True))
+    results = map_in_threads(lambda rid: check_recording(by_id[rid]), used, f"checking audio ({split})")
+    checked = dict(zip(used, results, strict=True))
 
     channels_named: dict[str, set] = defaultdict(set)
     for supervision in supervisions:

@@ -75,8 +75,8 @@ def _log_add(a: float, b: float) -> float:
     return a + math.log1p(math.exp(b - a))
 
 
-def _prefix_beam_search_one(frames: list[list[float]], beam_size: int, blank: int, token_beam: float) -> list[int]:
-    """Prefix beam search over ``frames`` (``T`` rows of ``V`` log-probs) of one utterance.
+def _prefix_beam_search_one(log_probs: Tensor, beam_size: int, blank: int, token_beam: float) -> list[int]:
+    """Prefix beam search over one utterance's ``log_probs`` ``(T, V)``.
 
     Prefixes live in a tree: node 0 is the empty prefix; ``parent[k]`` and ``token[k]``
     give node ``k``'s last token, ``children[(k, c)]`` its extension by ``c``. Each beam
@@ -97,20 +97,18 @@ def _prefix_beam_search_one(frames: list[list[float]], beam_size: int, blank: in
         return child
 
     beams: dict[int, tuple[float, float]] = {0: (0.0, _NEG_INF)}
-    num_tokens = len(frames[0]) if frames else 0
-    top_k = min(num_tokens, max(beam_size, 2))
-    for row in frames:
-        # Per-frame pruning: the top_k tokens within token_beam of the frame's best.
-        best_tokens = heapq.nlargest(top_k, range(num_tokens), key=row.__getitem__)
-        floor = row[best_tokens[0]] - token_beam
-        candidates = [c for c in best_tokens if row[c] >= floor]
+    # Per-frame pruning: the top_k tokens, best first, within token_beam of the best.
+    top_k = min(log_probs.shape[-1], max(beam_size, 2))
+    top_values, top_tokens = log_probs.topk(top_k, dim=-1)  # (T, top_k), (T, top_k)
+    for values, tokens in zip(top_values.tolist(), top_tokens.tolist(), strict=True):
+        floor = values[0] - token_beam
+        candidates = [(c, p) for c, p in zip(tokens, values, strict=True) if p >= floor]
 
         nxt: dict[int, list[float]] = {}
         for node, (pb, pnb) in beams.items():
             total = _log_add(pb, pnb)
             last = token[node]
-            for c in candidates:
-                p = row[c]
+            for c, p in candidates:
                 if c == blank:
                     entry = nxt.setdefault(node, [_NEG_INF, _NEG_INF])
                     entry[0] = _log_add(entry[0], total + p)
@@ -142,8 +140,8 @@ def prefix_beam_search(
 
     Keeps the ``beam_size`` most probable label prefixes, each with the summed
     probability of all its alignments (ending in blank / in its last token), merging
-    alignments that collapse to the same prefix. Per frame only the ``beam_size`` best
-    tokens within ``token_beam`` (natural log) of the frame's best are expanded.
+    alignments that collapse to the same prefix. Per frame only the ``max(beam_size, 2)``
+    best tokens within ``token_beam`` (natural log) of the frame's best are expanded.
 
     Args:
         log_probs: ``(N, T, V)`` log-posteriors.
@@ -158,9 +156,9 @@ def prefix_beam_search(
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     lengths = _check_inputs(log_probs, lengths, blank)
-    frames = log_probs.detach().to("cpu", torch.float64)
+    frames = log_probs.detach().to("cpu", torch.float64)  # (N, T, V)
     return [
-        _prefix_beam_search_one(frames[n, : int(lengths[n])].tolist(), beam_size, blank, token_beam)
+        _prefix_beam_search_one(frames[n, : int(lengths[n])], beam_size, blank, token_beam)
         for n in range(frames.shape[0])
     ]
 

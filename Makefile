@@ -1,0 +1,40 @@
+# asrflow: `make run` trains and evaluates on the default corpus; `make test` runs the tests.
+# Both create .venv and install everything on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export GIT_PYTHON_REFRESH := quiet
+
+.PHONY: setup run test test-fast bench lint mlflow-ui clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.14.1" "torchaudio==2.11.0" -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	. $(BIN)/activate && snakemake --cores all
+	@. $(BIN)/activate && python -c "import json; m = json.load(open('exp/eval/metrics.json')); print(f\"test WER {100 * m['wer']:.2f}%  CER {100 * m['cer']:.2f}%\")"
+	@echo "Browse every run: . $(BIN)/activate && mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
+
+test: $(STAMP)
+	. $(BIN)/activate && ruff check . && python -m pytest -q
+
+test-fast: $(STAMP)
+	. $(BIN)/activate && python -m pytest -q -m "not pipeline"
+
+bench: $(STAMP)
+	. $(BIN)/activate && python -m bench.run_all
+
+lint: $(STAMP)
+	. $(BIN)/activate && ruff check . && snakemake --lint
+
+mlflow-ui: $(STAMP)
+	. $(BIN)/activate && mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1
+
+clean:
+	rm -rf data/manifests data/fbank data/lang exp logs .snakemake mlflow.db mlartifacts

@@ -1,0 +1,79 @@
+"""Shared fixtures: the repository root, and a tiny prepared yesno dataset for training tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def yesno_data(tmp_path_factory) -> Path:
+    """prepare + features + tokenizer run on the shipped yesno corpus, once per session.
+
+    Returns a folder holding ``manifests/``, ``fbank/`` and ``lang/``. The cuts point at
+    features with absolute paths, so the folder can be used from any working directory.
+    """
+    from asrflow.data.features import FeatureConfig, compute_features
+    from asrflow.data.manifests import load_cuts
+    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+    from asrflow.tokenizer import TokenizerConfig, train_tokenizer
+
+    root = tmp_path_factory.mktemp("yesno")
+    prepare_corpus(PrepareConfig(corpus_dir=str(REPO / "data/corpora/yesno")), root / "manifests", seed=42)
+    compute_features(root / "manifests", root / "fbank", FeatureConfig(num_jobs=1))
+    texts = [" ".join(s.text for s in cut.supervisions) for cut in load_cuts(root / "manifests", "train")]
+    train_tokenizer(texts, root / "lang", TokenizerConfig())
+    return root
+
+
+def tiny_train_config(**overrides):
+    """A TrainConfig for a model small enough to train in seconds on the CPU."""
+    from asrflow.training.config import TrainConfig
+
+    tiny = TrainConfig(
+        d_model=32, num_heads=2, ffn_dim=64, num_layers=1, conv_kernel_size=7, dropout=0.1,
+        max_duration_s=30.0, num_workers=0, epochs=2, warmup_steps=5, num_threads=1,
+        checkpoint_every_steps=4, validate_every_steps=4, keep_last=20, average_last=1,
+    )
+    return replace(tiny, **overrides)
+
+
+def train_paths(data: Path, exp: Path):
+    """TrainPaths reading ``data`` (from :func:`yesno_data`) and writing under ``exp``."""
+    from asrflow.training.trainer import TrainPaths
+
+    return TrainPaths(
+        fbank_dir=data / "fbank",
+        lang_dir=data / "lang",
+        model_path=exp / "model.pt",
+        checkpoint_dir=exp / "checkpoints",
+        loss_csv=exp / "plots" / "train_loss.csv",
+        bad_batches=exp / "bad_batches.jsonl",
+    )
+
+
+def copy_repo(destination: Path) -> Path:
+    """A copy of the repository's tracked-looking files (no .venv, outputs or caches) for tool runs."""
+    ignore = shutil.ignore_patterns(
+        ".venv", ".git", "__pycache__", ".snakemake", "exp", "logs", "mlflow.db", "mlartifacts", "mlruns",
+        "manifests", "fbank", "lang", ".pytest_cache", ".ruff_cache", "*.egg-info", ".dvc",
+    )
+    shutil.copytree(REPO, destination, ignore=ignore)
+    return destination
+
+
+sys.path.insert(0, str(Path(__file__).parent))
