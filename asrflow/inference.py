@@ -8,6 +8,7 @@ from lhotse.dataset import OnTheFlyFeatures
 from lhotse.dataset.collation import collate_features
 
 from asrflow.bundle import Bundle
+from asrflow.data.audio import to_mono
 from asrflow.errors import AsrflowError
 
 
@@ -37,9 +38,7 @@ def audio_cut(path: str):
     """
     try:
         recording = Recording.from_file(path)
-        cut = recording.to_cut()
-        if recording.num_channels > 1:
-            cut = cut.to_mono(mono_downmix=True)
+        cut = to_mono(recording.to_cut())
         if cut.duration <= 0:
             raise ValueError("it holds no audio")
         cut.load_audio()  # fail here, with the file's name, rather than inside a batch

@@ -155,7 +155,8 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.augment = augment
         self.extractor = extractor
-        self.noise_cuts = list(noise_cuts) if noise_cuts is not None else []
+        # Sorted by id: the noise drawn for a batch must not depend on the order a folder was listed in.
+        self.noise_cuts = sorted(noise_cuts, key=lambda cut: cut.id) if noise_cuts is not None else []
 
     def __len__(self) -> int:
         return len(self.cuts)
@@ -199,10 +200,25 @@ class AsrBatchDataset(torch.utils.data.Dataset):
             if factor != 1.0:
                 cut = cut.perturb_speed(factor)
         if self.noise_cuts:
-            noise = rng.choice(self.noise_cuts)
-            low, high = self.augment.noise_snr_db if self.augment else (10.0, 20.0)
-            cut = cut.mix(noise, snr=rng.uniform(low, high), allow_padding=True)
+            cut = self._mix_noise(cut, rng)
         return cut
+
+    def _mix_noise(self, cut, rng: random.Random):
+        """Noise over the whole of ``cut`` at an SNR drawn from ``noise_snr_db``; same duration as ``cut``.
+
+        A longer noise is cut at a random offset; a shorter one is repeated (as Lhotse's
+        ``CutSet.mix`` does), so the utterance is neither lengthened nor only partly noisy.
+        """
+        noise = rng.choice(self.noise_cuts)
+        low, high = self.augment.noise_snr_db if self.augment else (10.0, 20.0)
+        snr = rng.uniform(low, high)
+        if noise.duration > cut.duration:
+            noise = noise.truncate(offset=rng.uniform(0.0, noise.duration - cut.duration), duration=cut.duration)
+        mixed, covered = cut, 0.0
+        while covered < cut.duration:
+            mixed = mixed.mix(noise, offset_other_by=covered, snr=snr, allow_padding=True)
+            covered = round(covered + noise.duration, 8)
+        return mixed.truncate(duration=cut.duration)
 
 
 class TrainingBatches:

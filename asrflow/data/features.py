@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 from lhotse import CutSet, Fbank, FbankConfig, LilcomChunkyWriter
 from lhotse.dataset import GlobalMVN
 
+from asrflow.data.audio import to_mono
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
@@ -25,6 +28,8 @@ from asrflow.io import atomic_path
 logger = logging.getLogger("asrflow.features")
 
 CMVN_FILE = "cmvn.json"
+#: Seconds of audio that justify one more feature-extraction process.
+AUDIO_S_PER_JOB = 600.0
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,10 @@ def cmvn_from_dict(stats: dict[str, list[float]]) -> GlobalMVN:
 
 
 def _prepare_cuts(cuts: CutSet, config: FeatureConfig) -> CutSet:
-    """Resample every cut to the target rate and downmix to one channel (eager)."""
+    """Resample every cut to the target rate and average its channels into one (eager)."""
     out = []
     for cut in cuts:
-        if cut.num_channels is not None and cut.num_channels > 1:
-            cut = cut.to_mono(mono_downmix=True)
+        cut = to_mono(cut)
         if cut.sampling_rate != config.sampling_rate:
             cut = cut.resample(config.sampling_rate)
         out.append(cut)
@@ -92,9 +96,8 @@ def compute_features(
     The whole folder appears at once. Returns the number of cuts per split.
     """
     output_dir = Path(output_dir)
+    auto_jobs = config.num_jobs == 0
     num_jobs = config.num_jobs or os.cpu_count() or 1
-    if num_jobs > 1:
-        torch.set_num_threads(1)  # one thread per extraction process avoids oversubscription
     extractor = config.extractor()
     counts: dict[str, int] = {}
     with atomic_path(output_dir) as tmp_dir:
@@ -107,13 +110,8 @@ def compute_features(
             if split == "train" and len(cuts) == 0:
                 raise AsrflowError("the train split has no cuts: check data/manifests/rejected.jsonl")
             if len(cuts) and not config.on_the_fly:
-                logger.info("%s: fbank for %d cuts with %d jobs", split, len(cuts), num_jobs)
-                cuts = cuts.compute_and_store_features(
-                    extractor=extractor,
-                    storage_path=tmp_dir / f"{split}_feats",
-                    num_jobs=num_jobs if len(cuts) >= 2 * num_jobs else 1,
-                    storage_type=LilcomChunkyWriter,
-                ).to_eager()
+                jobs = jobs_for(cuts, num_jobs) if auto_jobs else num_jobs
+                cuts = _extract(cuts, extractor, tmp_dir / f"{split}_feats", jobs, split)
             if split == "train":
                 save_cmvn(_train_statistics(cuts, config), tmp_dir / CMVN_FILE)
             if not config.on_the_fly:
@@ -121,6 +119,48 @@ def compute_features(
             cuts.to_file(cuts_path(tmp_dir, split))
         (tmp_dir / "config.json").write_text(json.dumps(asdict(config), indent=1) + "\n")
     return counts
+
+
+def jobs_for(cuts: CutSet, requested: int) -> int:
+    """With ``features.num_jobs: 0``, the processes worth starting: one per ``AUDIO_S_PER_JOB``
+    of audio, at most ``requested`` (the cores).
+
+    Spawning a worker costs seconds (it imports torch and Lhotse), more than a few minutes
+    of audio take to extract on one core.
+    """
+    total = sum(cut.duration for cut in cuts)
+    return max(1, min(requested, int(total // AUDIO_S_PER_JOB)))
+
+
+def _single_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _extract(cuts: CutSet, extractor: Fbank, storage_path: Path, num_jobs: int, split: str) -> CutSet:
+    """Fbank into Lhotse storage; workers run one torch thread each. Dropped cuts are reported."""
+    logger.info("%s: fbank for %d cuts with %d job(s)", split, len(cuts), num_jobs)
+    executor = (
+        ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_single_thread)
+        if num_jobs > 1
+        else None
+    )
+    try:
+        done = cuts.compute_and_store_features(
+            extractor=extractor,
+            storage_path=storage_path,
+            num_jobs=num_jobs,
+            executor=executor,
+            storage_type=LilcomChunkyWriter,
+        ).to_eager()
+    finally:
+        if executor is not None:
+            executor.shutdown()
+    lost = sorted(set(cuts.ids) - set(done.ids))
+    if lost:
+        logger.warning(
+            "%s: %d cut(s) dropped because their audio could not be read: %s", split, len(lost), ", ".join(lost[:10])
+        )
+    return done
 
 
 def _relocate_features(cuts: CutSet, tmp_dir: Path, final_dir: Path) -> CutSet:

@@ -12,6 +12,7 @@ from lhotse import CutSet
 from asrflow.bundle import Bundle, load_bundle
 from asrflow.data.manifests import cut_text, load_cuts
 from asrflow.decoding.ctc import build_decoder
+from asrflow.errors import AsrflowError
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.evaluation.report import write_report
 from asrflow.inference import cut_features, log_probs
@@ -53,13 +54,12 @@ def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[
     """
     pieces = bundle.tokenizer.pieces
     decoders = {
-        "greedy": build_decoder("greedy", pieces, BLANK_ID, 1, None, 0.0, 0.0),
-        "beam": build_decoder("beam", pieces, BLANK_ID, config.beam_size, config.lm_path,
-                              config.lm_weight, config.word_score),
+        kind: build_decoder(kind, pieces, BLANK_ID, config.beam_size, config.lm_path, config.lm_weight,
+                            config.word_score)
+        for kind in ("greedy", "beam")
     }
-    chosen = config.decoder if config.decoder in decoders else build_decoder(
-        config.decoder, pieces, BLANK_ID, config.beam_size, config.lm_path, config.lm_weight, config.word_score
-    )
+    if config.decoder not in decoders:
+        raise AsrflowError(f"params.yaml: evaluate.decoder = {config.decoder!r}; use greedy or beam")
     seconds = {"encoder": 0.0, "greedy": 0.0, "beam": 0.0}
     hyps: dict[str, str] = {}
     batches = _batches(cuts, config.max_batch_duration_s)
@@ -73,7 +73,7 @@ def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[
             start = time.perf_counter()
             results[name] = decode(scores, out_lens)
             seconds[name] += time.perf_counter() - start
-        for cut, ids in zip(batch, results[chosen], strict=True):
+        for cut, ids in zip(batch, results[config.decoder], strict=True):
             hyps[cut.id] = bundle.tokenizer.decode(ids)
     audio = sum(cut.duration for cut in cuts)
     rtf = {name: (seconds["encoder"] + seconds[name]) / max(audio, 1e-9) for name in ("greedy", "beam")}

@@ -47,6 +47,17 @@ class Conv2dSubsampling(nn.Module):
         return self.out(x.transpose(1, 2).reshape(n, t, c * f))  # (N, T', d_model)
 
 
+class FrameLayerNorm(nn.Module):
+    """LayerNorm over channels for each frame of a (N, C, T) tensor."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x.transpose(1, 2)).transpose(1, 2)  # (N, C, T)
+
+
 class ConformerCtc(nn.Module):
     """Fbank frames in, per-frame log-probabilities over the vocabulary (blank = 0) out."""
 
@@ -62,10 +73,16 @@ class ConformerCtc(nn.Module):
             num_layers=config.num_layers,
             depthwise_conv_kernel_size=config.conv_kernel_size,
             dropout=config.dropout,
-            # GroupNorm, not BatchNorm: per-utterance statistics, so accumulation and DDP
-            # shards give the same result as one large batch.
-            use_group_norm=True,
+            use_group_norm=True,  # replaced just below
         )
+        # Normalise each frame over its channels (not BatchNorm's batch statistics, nor
+        # GroupNorm's statistics over all frames, padding included): an utterance's output
+        # then does not depend on the batch it is in, nor on how much it was padded, except
+        # that the depthwise convolution still sees up to kernel_size // 2 padded frames at
+        # the end of each utterance.
+        for layer in self.encoder.conformer_layers:
+            norm_index = next(i for i, m in enumerate(layer.conv_module.sequential) if isinstance(m, nn.GroupNorm))
+            layer.conv_module.sequential[norm_index] = FrameLayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size)
 
     def forward(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:

@@ -48,11 +48,15 @@ def save_checkpoint(state: dict, directory: str | Path, step: int, keep_last: in
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
     tmp = final.with_name(f".{final.name}.tmp")
-    with open(tmp, "wb") as handle:
-        torch.save({**state, "format": FORMAT_VERSION, "step": step}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save({**state, "format": FORMAT_VERSION, "step": step}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed save (unpicklable state, full disk) leaves nothing behind
+        raise
     if is_best:
         link = directory / f".{BEST}.tmp"
         link.unlink(missing_ok=True)

@@ -7,6 +7,12 @@ rank backpropagates ``local_sum / step_tokens * world_size``; DDP's gradient ave
 divides by ``world_size`` again, so ``accum_grad`` micro-batches on ``w`` ranks give the
 update of one process holding the ``accum_grad * w``-fold batch. DDP synchronises
 gradients only on the last micro-batch (``no_sync`` on the others).
+
+Dropout: before each micro-batch's forward pass the torch RNG is seeded from ``(seed,
+epoch, batch index)``, as the batch's augmentation is. The masks then depend only on which
+planned batch it is, not on the rank, the number of ranks or where a resumed run started:
+``w`` ranks train exactly as one process with the same global batch would, and a resume
+(on any rank) continues exactly.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,6 +56,17 @@ def ctc_loss_sum(log_probs: torch.Tensor, out_lens: torch.Tensor, batch: dict) -
     )
 
 
+#: Keeps a batch's dropout stream apart from its augmentation stream (same seed, epoch, index).
+_DROPOUT_STREAM = 1
+
+
+def seed_dropout(seed: int, batch: dict) -> None:
+    """Seed the torch RNG (dropout) from the run's ``seed`` and the batch's place in the plan."""
+    item = batch["item"]
+    entropy = [seed, item.epoch, item.batch_index, _DROPOUT_STREAM]
+    torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1))
+
+
 def train_step(
     model: nn.Module,
     micro_batches: list[dict],
@@ -61,11 +79,13 @@ def train_step(
     device: torch.device,
     inject_nonfinite: bool = False,
     stop_requested: bool = False,
+    seed: int | None = None,
 ) -> StepResult:
     """Accumulate gradients over ``micro_batches``, clip, and step unless anything is non-finite.
 
     Every rank reaches the same decisions (apply the step? stop after it?) through one
-    all-reduce, which also sums the loss for logging.
+    all-reduce, which also sums the loss for logging. With ``seed``, dropout is seeded per
+    micro-batch (see :func:`seed_dropout`; batches then need their ``item``).
     """
     optimizer.zero_grad(set_to_none=True)
     local_loss = 0.0
@@ -74,6 +94,8 @@ def train_step(
         last = index == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not dist.enabled else model.no_sync()
         with sync:
+            if seed is not None:
+                seed_dropout(seed, batch)
             with precision.autocast():
                 log_probs, out_lens = model(batch["features"].to(device), batch["feature_lens"].to(device))
             targets = {key: batch[key].to(device) for key in ("targets", "target_lens")}
@@ -84,9 +106,13 @@ def train_step(
         local_loss += float(loss_sum.detach())
     scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    finite, global_loss, stop = agree_on_step(dist, local_loss, grad_norm, stop_requested)
+    # With fp16, overflowing gradients under a finite loss are the scaler's business: it skips
+    # the update and lowers the scale (every rank alike, the gradients being all-reduced). Only
+    # a non-finite loss makes a bad step then; otherwise scale calibration would look like one.
+    checked_norm = 0.0 if precision.uses_scaler else grad_norm
+    finite, global_loss, stop = agree_on_step(dist, local_loss, checked_norm, stop_requested)
     if finite:
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # with fp16, skipped by the scaler itself when gradients overflowed
     scaler.update()
     if not finite:
         optimizer.zero_grad(set_to_none=True)

@@ -22,6 +22,7 @@ from asrflow.data.batches import AsrBatchDataset, TrainingBatches, plan_digest
 from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible
 from asrflow.data.manifests import cuts_path, load_cuts
+from asrflow.data.workers import init_worker, pass_through
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
 from asrflow.model.conformer_ctc import ModelConfig, build_model, count_parameters
@@ -72,17 +73,6 @@ class Progress:
     last_dev_loss: float = math.nan
     last_dev_step: int = -1
     history: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": [], "grad_norm": []})
-
-
-def _identity(batch):
-    return batch
-
-
-def _worker_init(_worker_id: int) -> None:
-    # Workers leave interruption to the main process, which finishes the step and saves.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(1)
 
 
 class Trainer:
@@ -298,11 +288,14 @@ class Trainer:
             self.dataset,
             sampler=self.batches,
             batch_size=None,
-            collate_fn=_identity,
+            collate_fn=pass_through,
             num_workers=workers,
             multiprocessing_context=config.mp_start_method if workers else None,
-            worker_init_fn=_worker_init if workers else None,
+            worker_init_fn=init_worker if workers else None,
             prefetch_factor=4 if workers else None,
+            # Its own generator: iter() draws the workers' base seed from it, not from the global torch
+            # RNG, which a resume restores from the checkpoint and a draw here would shift (exact resume).
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def _on_signal(self, signum, _frame) -> None:
@@ -328,7 +321,7 @@ class Trainer:
                 self.ddp_model, micro_batches, micro_batches[0]["step_tokens"], self.optimizer, self.scaler,
                 self.precision, config.max_grad_norm, self.dist, self.device,
                 inject_nonfinite=step_number in config.inject_nonfinite_steps,
-                stop_requested=self._stop_requested,
+                stop_requested=self._stop_requested, seed=self.seed,
             )
             self.scheduler.step()
             elapsed = time.perf_counter() - wait_start
@@ -396,8 +389,13 @@ class Trainer:
             raise AsrflowError("non-finite steps and no checkpoint to roll back to")
         state, path = latest
         lr_scale = self.progress.lr_scale * self.config.rollback_lr_factor
+        skipped = self.guard.total_skipped
         self._restore(state)
-        self.guard.rollbacks = rollbacks
+        # The checkpoint's guard counts are older: keep the run's totals (bad_batches.jsonl lists
+        # every skipped step), count this rollback and restart the count of skips in a row.
+        self.guard.total_skipped = skipped
+        self.guard.rollbacks = rollbacks - 1
+        self.guard.rolled_back()
         self.progress.lr_scale = lr_scale
         self._apply_lr_scale()
         if self.tracker:

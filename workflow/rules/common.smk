@@ -1,5 +1,7 @@
 # Helpers that turn a dvc.yaml stage into a Snakemake rule's input, output, params and shell.
+import json
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -62,3 +64,64 @@ def stage_params(stage):
 
 def stage_shell(stage):
     return _resolve(DVC_STAGES[stage]["cmd"]) + " > {log} 2>&1"
+
+
+# A Snakemake killed with SIGKILL (OOM killer, preempted node, power cut) leaves its locks in
+# .snakemake/locks, and the next `snakemake` refuses to start until `snakemake --unlock`.
+# So a run records who holds the locks (host, pid, process start time) once it has taken
+# them, and a later run on the same host removes them when that process no longer exists.
+# A live run, or one on another host sharing the folder, keeps its locks.
+LOCK_HOLDER = Path(".snakemake/asrflow_lock_holder.json")
+
+
+def _this_process():
+    import socket
+
+    import psutil
+
+    process = psutil.Process()
+    return {"host": socket.gethostname(), "pid": process.pid, "started": process.create_time()}
+
+
+def _still_running(holder):
+    import psutil
+
+    try:
+        return abs(psutil.Process(holder["pid"]).create_time() - holder["started"]) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+
+
+def clear_stale_locks():
+    try:
+        holder = json.loads(LOCK_HOLDER.read_text())
+    except (OSError, ValueError):
+        return
+    if holder.get("host") != _this_process()["host"] or _still_running(holder):
+        return
+    stale = sorted(Path(".snakemake/locks").glob("*.lock"))
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+    LOCK_HOLDER.unlink(missing_ok=True)
+    if stale:
+        print(
+            f"asrflow: removed the locks of an interrupted Snakemake run (pid {holder['pid']}, now gone)",
+            file=sys.stderr,
+        )
+
+
+clear_stale_locks()
+
+
+onstart:
+    LOCK_HOLDER.write_text(json.dumps(_this_process()))
+
+
+onsuccess:
+    LOCK_HOLDER.unlink(missing_ok=True)
+
+
+onerror:
+    LOCK_HOLDER.unlink(missing_ok=True)

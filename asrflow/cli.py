@@ -1,0 +1,294 @@
+"""The ``asrflow`` command: use a trained model bundle (``exp/model.pt``) outside the pipeline.
+
+Subcommands:
+
+``asrflow transcribe --model exp/model.pt [--decoder greedy|beam] AUDIO...``
+    Prints ``<path><TAB><transcript>`` per audio file, in the order given. Any format and
+    sample rate Lhotse reads works (WAV, FLAC, ...); multi-channel audio is averaged to
+    mono and everything is resampled to the model's rate. A file that cannot be
+    transcribed gets one ``error:`` line on stderr naming it; the others still are.
+
+``asrflow export --model exp/model.pt --format onnx|torchscript --out FILE``
+    Writes the encoder (normalised fbank in, CTC log-probabilities out) for serving; see
+    :mod:`asrflow.export`.
+
+Exit codes: 0 success; 1 some audio files failed (the rest were transcribed); 2 a usage
+error or a problem with the model file (nothing was done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from asrflow.errors import EXIT_USER_ERROR, AsrflowError
+
+#: Choices of --decoder and export --format (asrflow.decoding.ctc.DECODER_KINDS and asrflow.export.FORMATS;
+#: repeated here so that ``--help`` answers without importing torch).
+DECODERS = ("greedy", "beam")
+EXPORT_FORMATS = ("onnx", "torchscript")
+
+#: Exit code when at least one audio file could not be transcribed.
+EXIT_SOME_FILES_FAILED = 1
+
+#: Shorter audio cannot fill the encoder's two stride-2 convolutions; it is reported as an error.
+MIN_DURATION_S = 0.1
+
+logger = logging.getLogger("asrflow.cli")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``asrflow`` argument parser with one sub-parser per command."""
+    parser = argparse.ArgumentParser(
+        prog="asrflow",
+        description="Use a trained asrflow model: transcribe audio files or export the model for serving.",
+        epilog="Run 'asrflow COMMAND --help' for a command's options. Train a model first with "
+        "'snakemake --cores all' (or 'dvc repro'); it is written to exp/model.pt.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    transcribe = commands.add_parser(
+        "transcribe",
+        help="print the transcript of each audio file",
+        description="Transcribe audio files with a model bundle.\n\n"
+        "Prints one line per file, '<path><TAB><transcript>', in the order given. Any format\n"
+        "and sample rate Lhotse reads works (WAV, FLAC, ...): multi-channel audio is averaged\n"
+        "to mono and resampled to the model's rate. Files are decoded in batches of up to\n"
+        "--batch-seconds of audio.",
+        epilog="A file that cannot be read (missing, empty, corrupt, too short) gets one 'error:'\n"
+        "line on stderr naming it, and the other files are still transcribed.\n\n"
+        "exit status:\n"
+        "  0  every file was transcribed\n"
+        "  1  at least one file failed (the others were transcribed)\n"
+        "  2  usage error, or the model file is missing or unusable\n\n"
+        "example:\n"
+        "  asrflow transcribe --model exp/model.pt a.wav b.flac > transcripts.tsv",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    transcribe.add_argument("--model", required=True, type=Path, help="model bundle written by training")
+    transcribe.add_argument("--decoder", choices=DECODERS, default="greedy",
+                            help="CTC decoding: best token per frame, or prefix beam search (default: %(default)s)")
+    transcribe.add_argument("--beam-size", type=_positive_int, default=8,
+                            help="hypotheses kept by --decoder beam (default: %(default)s)")
+    transcribe.add_argument("--lm", type=Path, default=None,
+                            help="KenLM n-gram over tokens for --decoder beam (see asrflow.decoding.ctc)")
+    transcribe.add_argument("--lm-weight", type=float, default=0.5,
+                            help="weight of --lm's log10-probabilities (default: %(default)s)")
+    transcribe.add_argument("--word-score", type=float, default=0.0,
+                            help="score added per word with --lm (default: %(default)s)")
+    transcribe.add_argument("--batch-seconds", type=_positive_float, default=60.0,
+                            help="seconds of audio decoded together; a longer file goes alone (default: %(default)s)")
+    transcribe.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files to transcribe")
+    transcribe.set_defaults(handler=run_transcribe)
+
+    export = commands.add_parser(
+        "export",
+        help="export the model's encoder to ONNX or TorchScript",
+        description="Export the encoder of a model bundle for serving without asrflow.\n\n"
+        "inputs:  features  (N, T, F) float32, fbank normalised with the bundle's CMVN\n"
+        "         lengths   (N,) int64, valid frames per utterance\n"
+        "outputs: log_probs (N, T', V) float32, CTC log-probabilities (blank = 0)\n"
+        "         out_lens  (N,) int64, valid output frames (40 ms each)\n"
+        "N and T are dynamic. Token pieces, feature settings and CMVN statistics are stored\n"
+        "in the file as JSON metadata (ONNX metadata_props, TorchScript extra files).",
+        epilog="example:\n  asrflow export --model exp/model.pt --format onnx --out exp/model.onnx",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("--model", required=True, type=Path, help="model bundle written by training")
+    export.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="what to write")
+    export.add_argument("--out", required=True, type=Path, help="file to write (replaced atomically)")
+    export.set_defaults(handler=run_export)
+    return parser
+
+
+# ---------------------------------------------------------------- transcribe
+def _unreadable_reason(path: str) -> str | None:
+    """A short reason why ``path`` is certainly not audio, checked before Lhotse opens it."""
+    file = Path(path)
+    if not file.exists():
+        return "no such file"
+    if file.is_dir():
+        return "is a directory, not an audio file"
+    if file.stat().st_size == 0:
+        return "the file is empty (0 bytes)"
+    return None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _one_line(path: str, error: Exception) -> str:
+    """``error`` (possibly Lhotse's multi-line report of every backend tried) as one line naming ``path``."""
+    reason = re.search(r"LibsndfileError'>: Error opening .*?: (.+)", str(error))
+    if reason:
+        return (f"{path}: cannot read audio ({reason.group(1).strip().rstrip('.')}); "
+                "check the file or convert it to WAV/FLAC")
+    first = _first_line(error)
+    return first if path in first else f"{path}: {first}"
+
+
+def _read_audio(paths: Sequence[str]) -> Iterator[tuple[str, object | None, str | None]]:
+    """``(path, cut, None)`` for each readable file, ``(path, None, message)`` for the others."""
+    from asrflow.inference import audio_cut
+
+    for index, path in enumerate(paths):
+        reason = _unreadable_reason(path)
+        if reason:
+            yield path, None, f"{path}: {reason}"
+            continue
+        try:
+            cut = audio_cut(path)
+        except AsrflowError as error:
+            yield path, None, _one_line(path, error)
+            continue
+        if cut.duration < MIN_DURATION_S:
+            yield path, None, (f"{path}: too short to transcribe ({cut.duration:.3f} s of audio; "
+                               f"at least {MIN_DURATION_S} s is needed)")
+            continue
+        # Unique ids: files with the same name in different folders stay apart.
+        yield path, cut.with_id(f"input-{index}"), None
+
+
+def _batches(cuts: list[tuple[int, object]], max_seconds: float) -> Iterator[list[tuple[int, object]]]:
+    """``(index, cut)`` pairs sorted by duration, grouped into batches of at most ``max_seconds`` of audio.
+
+    Sorting keeps padding small: the model's output for an utterance depends a little on
+    the padding beside it. A file longer than ``max_seconds`` forms a batch of its own.
+    """
+    batch: list[tuple[int, object]] = []
+    seconds = 0.0
+    for index, cut in sorted(cuts, key=lambda item: item[1].duration):
+        if batch and seconds + cut.duration > max_seconds:
+            yield batch
+            batch, seconds = [], 0.0
+        batch.append((index, cut))
+        seconds += cut.duration
+    if batch:
+        yield batch
+
+
+def transcribe_files(
+    bundle, paths: Sequence[str], decode, batch_seconds: float = 60.0
+) -> Iterator[tuple[str, str | None, str | None]]:
+    """Transcribe ``paths`` with ``bundle`` and ``decode`` (a :data:`asrflow.decoding.ctc.Decoder`).
+
+    Yields ``(path, transcript, None)`` or ``(path, None, error message)`` per path, in
+    input order, each as soon as it and every path before it are done. A batch that fails
+    as a whole is retried file by file, so one bad file only costs its own transcript.
+    """
+    from lhotse import CutSet
+
+    from asrflow.inference import cut_features, log_probs
+
+    def run(cuts: list) -> list[str]:
+        features, lengths = cut_features(bundle, CutSet.from_cuts(cuts))  # (N, T, F), (N,)
+        scores, out_lens = log_probs(bundle, features, lengths)  # (N, T', V), (N,)
+        return [" ".join(bundle.tokenizer.decode(ids).split()) for ids in decode(scores, out_lens)]
+
+    done: dict[int, tuple[str | None, str | None]] = {}
+    readable: list[tuple[int, object]] = []
+    for index, (_, cut, message) in enumerate(_read_audio(paths)):
+        if cut is None:
+            done[index] = (None, message)
+        else:
+            readable.append((index, cut))
+
+    next_index = 0
+    batches = list(_batches(readable, batch_seconds))
+    for number, batch in enumerate(batches, start=1):
+        while next_index in done:
+            yield paths[next_index], *done.pop(next_index)
+            next_index += 1
+        logger.info("batch %d/%d: %d files, %.1f s of audio", number, len(batches), len(batch),
+                    sum(cut.duration for _, cut in batch))
+        try:
+            texts = run([cut for _, cut in batch])
+            done.update((index, (text, None)) for (index, _), text in zip(batch, texts, strict=True))
+        except Exception:
+            logger.debug("a batch failed; retrying its files one by one", exc_info=True)
+            for index, cut in batch:
+                try:
+                    done[index] = (run([cut])[0], None)
+                except Exception as error:
+                    done[index] = (None, f"{paths[index]}: could not be transcribed ({_first_line(error)})")
+    while next_index in done:
+        yield paths[next_index], *done.pop(next_index)
+        next_index += 1
+
+
+def run_transcribe(args: argparse.Namespace) -> int:
+    """``asrflow transcribe``: print transcripts, report bad files; return the exit code."""
+    from asrflow.bundle import load_bundle
+    from asrflow.decoding.ctc import build_decoder
+    from asrflow.tokenizer import BLANK_ID
+
+    if args.lm is not None and args.decoder != "beam":
+        raise AsrflowError("--lm needs --decoder beam")
+    bundle = load_bundle(args.model)
+    decode = build_decoder(
+        args.decoder, bundle.tokenizer.pieces, BLANK_ID, args.beam_size,
+        str(args.lm) if args.lm else None, args.lm_weight, args.word_score,
+    )
+    failed = 0
+    for path, text, message in transcribe_files(bundle, args.audio, decode, args.batch_seconds):
+        if message is not None:
+            failed += 1
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        else:
+            print(f"{path}\t{text}", flush=True)
+    if failed:
+        print(f"error: {failed} of {len(args.audio)} files could not be transcribed", file=sys.stderr)
+        return EXIT_SOME_FILES_FAILED
+    return 0
+
+
+# ---------------------------------------------------------------- export
+def run_export(args: argparse.Namespace) -> int:
+    """``asrflow export``: write the encoder as ONNX or TorchScript."""
+    from asrflow.export import export_model
+
+    out = export_model(args.model, args.format, args.out)
+    print(f"wrote {out} ({args.format}, {out.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``asrflow`` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.verbose:
+        from asrflow.logs import setup_logging
+
+        setup_logging(logging.INFO)
+    try:
+        return args.handler(args)
+    except AsrflowError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Decoding real-time factor of greedy and beam search on the yesno test split.
+
+Runs :func:`asrflow.evaluation.evaluate.decode_split` (the evaluate stage's decoding:
+stored fbank, CMVN, encoder, then greedy and prefix beam search with params.yaml's
+``evaluate:`` settings) on the shipped yesno corpus' test split. Its RTFs are
+(encoder seconds + that decoder's seconds) / audio seconds.
+
+* figures: ``rtf_greedy``, ``rtf_beam`` (medians over the repeats);
+* baseline: ``rtf_encoder``, the features + encoder alone on the same batches, measured in
+  the same run; ``greedy_vs_encoder``, ``beam_vs_encoder`` and ``beam_vs_greedy`` are the
+  ratios. ``wer`` is printed as a check that the model is a trained one.
+
+The model: the repository's ``exp/model.pt`` when it loads; else one trained here with
+params.yaml's model for a few epochs (``--quick``: an untrained one, which only checks
+that decoding runs).
+
+Usage: ``python -m bench.decode_rtf [--quick] [--workdir DIR]``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.common import REPO, emit, parse_args, ratio, repo_params, rounded, workdir, yesno_data
+
+REPEATS = {"full": 3, "quick": 1}
+#: Epochs of the fallback model (when exp/model.pt is missing), full mode.
+FALLBACK_EPOCHS = 5
+
+
+def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
+    """A model file to decode with, and where it came from."""
+    from asrflow.bundle import load_bundle
+    from asrflow.errors import AsrflowError
+
+    repo_model = REPO / "exp" / "model.pt"
+    try:
+        load_bundle(repo_model)
+        copy = work / "decode-model.pt"
+        shutil.copyfile(repo_model, copy)  # the training stage may replace it meanwhile
+        return copy, "exp/model.pt"
+    except AsrflowError:
+        pass
+    return (untrained(data, work), "untrained (no exp/model.pt)") if quick else (
+        trained(data, work), f"trained here: {FALLBACK_EPOCHS} epochs on yesno (no exp/model.pt)")
+
+
+def untrained(data: Path, work: Path) -> Path:
+    """A bundle of params.yaml's model with its initial weights."""
+    import torch
+
+    from asrflow.bundle import save_bundle
+    from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
+    from asrflow.model.conformer_ctc import ModelConfig, build_model
+    from asrflow.params import build_config
+    from asrflow.tokenizer import MODEL_FILE, Tokenizer
+    from asrflow.training.config import TrainConfig
+
+    params = repo_params()
+    train = build_config(TrainConfig, params.get("train"), "train")
+    features = build_config(FeatureConfig, params.get("features"), "features")
+    tokenizer = Tokenizer(data / "lang" / MODEL_FILE)
+    config = ModelConfig(input_dim=features.num_mel_bins, vocab_size=tokenizer.vocab_size, d_model=train.d_model,
+                         num_heads=train.num_heads, ffn_dim=train.ffn_dim, num_layers=train.num_layers,
+                         conv_kernel_size=train.conv_kernel_size, dropout=train.dropout)
+    torch.manual_seed(0)
+    cmvn = {k: v.tolist() for k, v in load_cmvn(data / "fbank" / CMVN_FILE).state_dict().items()}
+    path = work / "decode-model-untrained.pt"
+    save_bundle(path, build_model(config).state_dict(), config, tokenizer, features, cmvn, None)
+    return path
+
+
+def trained(data: Path, work: Path) -> Path:
+    """Train params.yaml's model on yesno for a few epochs with the Trainer."""
+    from asrflow.data.features import FeatureConfig
+    from asrflow.params import build_config
+    from asrflow.training.config import TrainConfig
+    from asrflow.training.trainer import Trainer, TrainPaths
+
+    params = repo_params()
+    train = replace(build_config(TrainConfig, params.get("train"), "train"), epochs=FALLBACK_EPOCHS,
+                    num_workers=0, warmup_steps=5, average_last=1)
+    features = build_config(FeatureConfig, params.get("features"), "features")
+    exp = work / "decode-exp"
+    shutil.rmtree(exp, ignore_errors=True)
+    paths = TrainPaths(fbank_dir=data / "fbank", lang_dir=data / "lang", model_path=exp / "model.pt",
+                       checkpoint_dir=exp / "checkpoints", loss_csv=exp / "plots" / "train_loss.csv",
+                       bad_batches=exp / "bad_batches.jsonl")
+    Trainer(train, features, int(params.get("seed", 0)), params, paths,
+            tracking_uri=f"sqlite:///{work / 'bench-mlflow.db'}").run()
+    return paths.model_path
+
+
+def encoder_seconds(bundle, cuts, max_batch_duration_s: float) -> float:
+    """Seconds of features + encoder over the batches ``decode_split`` makes."""
+    from asrflow.evaluation.evaluate import _batches
+    from asrflow.inference import cut_features, log_probs
+
+    start = time.perf_counter()
+    for batch in _batches(cuts, max_batch_duration_s):
+        features, lengths = cut_features(bundle, batch)
+        log_probs(bundle, features, lengths)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    import torch
+
+    from asrflow.bundle import load_bundle
+    from asrflow.data.manifests import cut_text, load_cuts
+    from asrflow.evaluation.evaluate import EvaluateConfig, decode_split
+    from asrflow.evaluation.metrics import score_corpus
+    from asrflow.params import build_config
+
+    mode = "quick" if args.quick else "full"
+    config = build_config(EvaluateConfig, repo_params().get("evaluate"), "evaluate")
+    with workdir(args.workdir) as work:
+        data = yesno_data(work)
+        model_path, source = model_bundle(data, work, args.quick)
+        bundle = load_bundle(model_path)
+        cuts = load_cuts(data / "fbank", "test").to_eager()
+        audio = sum(cut.duration for cut in cuts)
+        decode_split(bundle, cuts, config)  # warm-up
+        greedy, beam, encoder = [], [], []
+        for _ in range(REPEATS[mode]):  # interleaved, so all see the same load
+            hyps, rtf = decode_split(bundle, cuts, config)
+            greedy.append(rtf["greedy"])
+            beam.append(rtf["beam"])
+            encoder.append(encoder_seconds(bundle, cuts, config.max_batch_duration_s) / audio)
+        score = score_corpus({cut.id: cut_text(cut) for cut in cuts}, hyps)
+        rtf_greedy, rtf_beam, rtf_encoder = (statistics.median(x) for x in (greedy, beam, encoder))
+        return [emit({
+            "benchmark": "decode_rtf",
+            "mode": mode,
+            "model": source,
+            "parameters": sum(p.numel() for p in bundle.model.parameters()),
+            "utterances": len(cuts),
+            "audio_s": rounded(audio),
+            "decoder_in_params": config.decoder,
+            "beam_size": config.beam_size,
+            "torch_threads": torch.get_num_threads(),
+            "rtf_greedy": rounded(rtf_greedy),
+            "rtf_beam": rounded(rtf_beam),
+            "rtf_encoder": rounded(rtf_encoder),
+            "greedy_vs_encoder": rounded(ratio(rtf_greedy, rtf_encoder)),
+            "beam_vs_encoder": rounded(ratio(rtf_beam, rtf_encoder)),
+            "beam_vs_greedy": rounded(ratio(rtf_beam, rtf_greedy)),
+            "repeats": REPEATS[mode],
+            "wer": rounded(score.wer),
+        })]
+
+
+if __name__ == "__main__":
+    main()

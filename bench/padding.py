@@ -1,0 +1,117 @@
+"""Padding of training batches: asrflow's bucketed plan vs random batching of the same corpus.
+
+A batch of ``N`` utterances is padded to its longest one, so it holds ``N * max(frames)``
+frames of which ``sum(frames)`` are real. The padding ratio of an epoch is
+``1 - sum(real frames) / sum(padded frames)`` over all its batches (what the train loop
+logs per step as ``train/padding_ratio``).
+
+* figure: the epochs planned by :func:`asrflow.data.batches.plan_epoch` (Lhotse's
+  ``DynamicBucketingSampler``, params.yaml's ``train.max_duration_s`` and ``num_buckets``);
+* baseline: Lhotse's ``SimpleCutSampler`` with ``shuffle=True`` at the same
+  ``max_duration`` (random batches), same cuts, same seed and epochs;
+* ``ratio`` = figure / baseline; goal: figure <= 0.05.
+
+Also printed: the figure for other ``num_buckets`` values (``by_num_buckets``), to show
+what the setting buys, and the mean audio seconds per batch (``mean_batch_audio_s_*``):
+bucketing a small corpus leaves few utterances per bucket, so batches stay far below
+``max_duration_s``. Corpora: the generated training corpus (utterances of 1-15 s,
+uniform) and the shipped yesno corpus (all about 6 s). Only manifest metadata is read.
+
+Usage: ``python -m bench.padding [--quick] [--workdir DIR]``.
+"""
+
+from __future__ import annotations
+
+from bench.common import emit, generated_data, parse_args, ratio, repo_params, rounded, workdir, yesno_data
+
+#: Utterances of the generated corpus (shared with bench.train_throughput), per mode.
+GENERATED = {"full": 2000, "quick": 200}
+EPOCHS = 3
+OTHER_NUM_BUCKETS = (5, 20, 30, 50)
+
+
+def padding_of(batches: list[list[int]]) -> tuple[float, int, float]:
+    """Padding ratio of batches given as lists of frame counts, the number of batches, and
+    their mean number of real frames."""
+    real = sum(sum(batch) for batch in batches)
+    padded = sum(len(batch) * max(batch) for batch in batches)
+    return 1.0 - real / padded, len(batches), real / len(batches)
+
+
+def frames_of(cuts) -> dict[str, int]:
+    return {cut.id: cut.num_frames for cut in cuts}
+
+
+def planned(cuts, frames: dict[str, int], seed: int, max_duration_s: float,
+            num_buckets: int) -> tuple[float, int, float]:
+    """Padding of asrflow's plan over ``EPOCHS`` epochs."""
+    from asrflow.data.batches import plan_epoch
+
+    batches = [[frames[cut_id] for cut_id in batch]
+               for epoch in range(EPOCHS)
+               for batch in plan_epoch(cuts, epoch, seed, max_duration_s, num_buckets)]
+    return padding_of(batches)
+
+
+def random_batches(cuts, frames: dict[str, int], seed: int, max_duration_s: float) -> tuple[float, int, float]:
+    """Padding of shuffled ``SimpleCutSampler`` batches over ``EPOCHS`` epochs."""
+    from lhotse.dataset import SimpleCutSampler
+
+    sampler = SimpleCutSampler(cuts, max_duration=max_duration_s, shuffle=True, seed=seed, drop_last=False)
+    batches = []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        batches.extend([frames[cut.id] for cut in batch] for batch in sampler)
+    return padding_of(batches)
+
+
+def measure(corpus: str, data, params: dict) -> dict:
+    from asrflow.data.manifests import load_cuts
+
+    train = params.get("train", {})
+    max_duration = float(train.get("max_duration_s", 120.0))
+    num_buckets = int(train.get("num_buckets", 10))
+    seed = int(params.get("seed", 0))
+    cuts = load_cuts(data / "fbank", "train").to_eager()
+    frames = frames_of(cuts)
+    durations = sorted(cut.duration for cut in cuts)
+    figure, n_planned, fill_planned = planned(cuts, frames, seed, max_duration, num_buckets)
+    baseline, n_random, fill_random = random_batches(cuts, frames, seed, max_duration)
+    frame_s = cuts[0].frame_shift
+    return {
+        "benchmark": "padding",
+        "corpus": corpus,
+        "utterances": len(cuts),
+        "duration_s_min_median_max": [rounded(durations[0]), rounded(durations[len(durations) // 2]),
+                                      rounded(durations[-1])],
+        "max_duration_s": max_duration,
+        "num_buckets": num_buckets,
+        "epochs": EPOCHS,
+        "padding_ratio": rounded(figure),
+        "baseline_random_padding_ratio": rounded(baseline),
+        "ratio": rounded(ratio(figure, baseline)),
+        "batches_planned": n_planned,
+        "batches_random": n_random,
+        "mean_batch_audio_s_planned": rounded(fill_planned * frame_s),
+        "mean_batch_audio_s_random": rounded(fill_random * frame_s),
+        "goal": "padding_ratio <= 0.05",
+        "meets_goal": figure <= 0.05,
+        "by_num_buckets": {
+            str(n): rounded(planned(cuts, frames, seed, max_duration, n)[0]) for n in OTHER_NUM_BUCKETS
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    mode = "quick" if args.quick else "full"
+    params = repo_params()
+    with workdir(args.workdir) as work:
+        return [
+            emit({**measure("generated", generated_data(work, GENERATED[mode]), params), "mode": mode}),
+            emit({**measure("yesno", yesno_data(work), params), "mode": mode}),
+        ]
+
+
+if __name__ == "__main__":
+    main()

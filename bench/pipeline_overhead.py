@@ -1,0 +1,119 @@
+"""Pipeline tool overhead: ``snakemake --cores all`` and ``dvc repro`` with nothing to do.
+
+In a temporary copy of the repository (``bench.common.copy_repo``, as the pipeline tests
+copy it) whose params.yaml is made tiny (1 epoch of a small model, one feature job, no
+data workers), the whole pipeline is built once with ``snakemake --cores all`` on the
+shipped yesno corpus, DVC is set up (``dvc init --no-scm``) and records the same outputs
+with ``dvc commit -f`` (so ``dvc.lock`` matches what Snakemake built). Then each tool is
+run again on the up-to-date pipeline; each no-op run must report nothing to do.
+
+Figures: the median wall seconds of the no-op runs (``noop_s``); baseline: the median of
+``--version`` of the same tool (``startup_s``, start-up cost of the tool alone) in the same
+run; ``ratio`` = noop / startup. ``snakemake_build_s`` is the one full build, for scale.
+
+Usage: ``python -m bench.pipeline_overhead [--quick] [--workdir DIR]`` (3 repeats; 2 with
+``--quick``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import copy_repo, emit, parse_args, ratio, rounded, workdir
+
+REPEATS = {"full": 3, "quick": 2}
+#: params.yaml changes that make the copy's pipeline quick to build.
+TINY = {
+    "features": {"num_jobs": 1},
+    "train": {"epochs": 1, "d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "conv_kernel_size": 7,
+              "num_workers": 0, "max_duration_s": 60.0, "warmup_steps": 2, "average_last": 1, "num_threads": 1},
+}
+
+
+def tool(name: str) -> str:
+    """The tool from this interpreter's environment (falls back to PATH)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def run(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
+    """Run ``command``; wall seconds and its output. Raises on a non-zero exit."""
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {output[-2000:]}")
+    return elapsed, output
+
+
+def tiny_copy(destination: Path) -> Path:
+    """The repository copied to ``destination`` with the :data:`TINY` params."""
+    copy_repo(destination)
+    params_file = destination / "params.yaml"
+    params = yaml.safe_load(params_file.read_text())
+    for section, values in TINY.items():
+        params[section].update(values)
+    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+    return destination
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    mode = "quick" if args.quick else "full"
+    repeats = REPEATS[mode]
+    env = {**os.environ, "GIT_PYTHON_REFRESH": "quiet", "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # the copy's own sqlite:///mlflow.db
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    snakemake, dvc = tool("snakemake"), tool("dvc")
+    with workdir(args.workdir) as work:
+        repo = work / "pipeline-copy"
+        shutil.rmtree(repo, ignore_errors=True)
+        tiny_copy(repo)
+        build_s, _ = run([snakemake, "--cores", "all"], repo, env)
+        run([dvc, "init", "--no-scm", "-q"], repo, env)
+        commit_s, _ = run([dvc, "commit", "-f", "-q"], repo, env)
+        commands = {
+            "snakemake": ([snakemake, "--cores", "all"], [snakemake, "--version"],
+                          lambda out: "Nothing to be done" in out),
+            "dvc": ([dvc, "repro"], [dvc, "--version"],
+                    lambda out: "up to date" in out and "Running stage" not in out),
+        }
+        records = []
+        for name, (noop, version, nothing_done) in commands.items():
+            noop_times, startup_times, idle = [], [], True
+            for _ in range(repeats):  # interleaved, so both see the same load
+                elapsed, output = run(noop, repo, env)
+                noop_times.append(elapsed)
+                idle = idle and nothing_done(output)
+                startup_times.append(run(version, repo, env)[0])
+            noop_s, startup_s = statistics.median(noop_times), statistics.median(startup_times)
+            records.append(emit({
+                "benchmark": "pipeline_overhead",
+                "status": "ok" if idle else "failed: the no-op run did work",
+                "mode": mode,
+                "tool": name,
+                "command": " ".join([Path(noop[0]).name, *noop[1:]]),
+                "noop_s": rounded(noop_s),
+                "noop_s_all": [rounded(t) for t in noop_times],
+                "startup_s": rounded(startup_s),
+                "ratio": rounded(ratio(noop_s, startup_s)),
+                "snakemake_build_s": rounded(build_s),
+                "dvc_commit_s": rounded(commit_s),
+                "repeats": repeats,
+                "nothing_to_do": idle,
+            }))
+        shutil.rmtree(repo, ignore_errors=True)
+        return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Resume cost: seconds from process start to the first resumed training step, by position in the epoch.
+
+A resume jumps to batch ``k`` of the epoch's plan (made from manifest metadata) instead of
+replaying the data pipeline, so its cost should not grow with ``k``. This benchmark checks
+that: it resumes the same run from checkpoints at 10 %, 50 % and 90 % of an epoch and
+times each resume as a real training process (``tests/training/train_entry.py``: the
+Trainer with the tiny test model, two spawned data workers) from launch to the end of its
+first step, in wall-clock seconds and in CPU seconds of the trainer's process. The baseline,
+measured in the same run, is a fresh start on the same data (launch to the end of step 1).
+
+Corpus: the shipped yesno corpus, prepared and featurised once, its train cuts replicated
+under new ids until an epoch holds >= 100 batches (``--quick``: ~40, no data workers).
+Checkpoints: the first fresh-start run (itself timed as the baseline) trains on past 90 % of
+the epoch with a checkpoint every tenth of it and is then killed; each resume starts from a
+copy of that run cut back to one of them.
+
+Prints one JSON object: the three times, their spread ((max - min) / mean), the baseline,
+each time's ratio to it, the same in CPU seconds, where the time goes (log timestamps of the
+resume decision, the MLflow reopen and the first step), and for comparison the CPU time a
+resume that replayed the data pipeline up to the position would add::
+
+    python bench/resume_cost.py            # < 3 minutes on 2 CPU cores
+    python bench/resume_cost.py --quick    # smoke run, < 40 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests" / "training"), str(REPO / "tests"), str(REPO)]
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+from train_entry import TrainingProcess, fresh_mlflow_store  # noqa: E402
+
+POSITIONS = (0.1, 0.5, 0.9)
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \[[^\]]+\] (.*)$", re.MULTILINE)
+
+
+def build_corpus(root: Path, replicas: int) -> Path:
+    """yesno prepared and featurised into ``root``, its train cuts repeated ``replicas`` times."""
+    from lhotse import CutSet
+
+    from asrflow.data.features import FeatureConfig, compute_features
+    from asrflow.data.manifests import cut_text, cuts_path, load_cuts
+    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+    from asrflow.tokenizer import TokenizerConfig, train_tokenizer
+
+    prepare_corpus(PrepareConfig(corpus_dir=str(REPO / "data/corpora/yesno")), root / "manifests", seed=42)
+    test = load_cuts(root / "manifests", "test")
+    test.subset(first=1).to_file(cuts_path(root / "manifests", "test"))  # training never reads it: spare its fbank
+    compute_features(root / "manifests", root / "fbank", FeatureConfig(num_jobs=1))
+    train = load_cuts(root / "fbank", "train").to_eager()
+    train_tokenizer([cut_text(cut) for cut in train], root / "lang", TokenizerConfig())
+    # New cut ids over the same stored features: more batches, no more feature extraction.
+    many = CutSet.from_cuts(cut.with_id(f"{cut.id}-r{r:03d}") for r in range(replicas) for cut in train)
+    many.to_file(cuts_path(root / "fbank", "train"))
+    return root
+
+
+def batches_per_epoch(data: Path, max_duration_s: float, num_buckets: int) -> int:
+    from asrflow.data.batches import plan_epoch
+    from asrflow.data.manifests import load_cuts
+
+    return len(plan_epoch(load_cuts(data / "fbank", "train").to_eager(), 0, 42, max_duration_s, num_buckets))
+
+
+def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count: int = 30) -> float:
+    """CPU seconds to build one training batch (features, CMVN, SpecAugment, targets) in one process."""
+    import torch
+
+    from asrflow.data.batches import AsrBatchDataset, AugmentConfig, TrainingBatches
+    from asrflow.data.features import CMVN_FILE, load_cmvn
+    from asrflow.data.manifests import load_cuts
+    from asrflow.tokenizer import MODEL_FILE, Tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cuts = load_cuts(data / "fbank", "train").to_eager()
+        tokenizer = Tokenizer(data / "lang" / MODEL_FILE)
+        dataset = AsrBatchDataset(cuts, tokenizer, load_cmvn(data / "fbank" / CMVN_FILE), 42, AugmentConfig())
+        items = iter(TrainingBatches(cuts, 42, max_duration_s, num_buckets, 1, 1, 0, 0, 0, 1))
+        dataset[next(items)]  # warm-up
+        batch = list(itertools.islice(items, count))
+        began = time.process_time()
+        for item in batch:
+            dataset[item]
+        return (time.process_time() - began) / len(batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _log_times(log: str) -> dict[str, float]:
+    """Unix time of the first log line starting with each marker of interest."""
+    found = {}
+    markers = {"decision": "resuming from", "fresh": "starting a fresh run", "mlflow": "MLflow run"}
+    for stamp, message in _LOG_TIME.findall(log):
+        for name, marker in markers.items():
+            if name not in found and marker in message:
+                found[name] = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return found
+
+
+def time_first_step(
+    data: Path, exp: Path, overrides: dict, uri: str, first_step: int, log: Path, stop_after: int | None = None
+) -> dict:
+    """Launch training in ``exp``, time its first step, SIGKILL it after step ``stop_after`` (default: the first)."""
+    stop_after = stop_after or first_step
+    process = TrainingProcess(data, exp, overrides, log_path=log, pause_after_step=stop_after, tracking_uri=uri)
+    process.wait_paused(timeout=170)
+    process.kill()
+    steps = {step: (at, cpu) for step, at, cpu in process.steps()}
+    assert min(steps) == first_step, f"expected step {first_step} first, got {sorted(steps)}:\n{process.log()}"
+    at, cpu = steps[first_step]
+    marks = _log_times(process.log())
+    decision = marks.get("decision", marks.get("fresh"))
+    return {
+        "first_step_s": round(at - process.started, 3),
+        "main_process_cpu_s": round(cpu, 3),
+        "to_resume_decision_s": round(decision - process.started, 3) if decision else None,
+        "to_mlflow_open_s": round(marks["mlflow"] - process.started, 3) if "mlflow" in marks else None,
+    }
+
+
+def clone_run(source: Path, target: Path, upto_step: int) -> str:
+    """A copy of the run in ``source`` (exp + MLflow store) cut back to its checkpoint at ``upto_step``."""
+    from asrflow.training.checkpoint import checkpoint_path, list_checkpoints, step_of
+
+    shutil.copytree(source / "exp" / "checkpoints", target / "exp" / "checkpoints")
+    for path in list_checkpoints(target / "exp" / "checkpoints"):
+        if step_of(path) > upto_step:
+            path.unlink()
+    (target / "exp" / "checkpoints" / "best.pt").unlink(missing_ok=True)
+    shutil.copyfile(source / "mlflow.db", target / "mlflow.db")
+    uri = f"sqlite:///{(target / 'mlflow.db').resolve()}"
+    # Make the MLflow run look as a crash after that checkpoint leaves it: RUNNING, points
+    # flushed through ``upto_step``. (The later points stay in the table; the resume never reads
+    # them, as its watermark tag says they are not there.)
+    from mlflow.tracking import MlflowClient
+
+    from asrflow.tracking import LOGGED_THROUGH_TAG
+    from asrflow.training.checkpoint import load_checkpoint
+
+    run_id = load_checkpoint(checkpoint_path(target / "exp" / "checkpoints", upto_step))["tracker"]["run_id"]
+    client = MlflowClient(tracking_uri=uri)
+    client.update_run(run_id, status="RUNNING")
+    client.set_tag(run_id, LOGGED_THROUGH_TAG, str(upto_step))
+    return uri
+
+
+def _phase(name: str, began: float) -> None:
+    print(f"resume_cost: {name} ready after {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+
+
+def _spread(values: list[float]) -> float:
+    return round((max(values) - min(values)) / statistics.fmean(values), 3)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller epoch, no data workers (smoke run)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="launches per position, interleaved, medians reported (2; quick: 1)"
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the corpus and runs in a folder here")
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    logging.basicConfig(level=logging.WARNING)
+    began = time.perf_counter()
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    # A new folder every time: runs found in a reused one would be resumed, not started.
+    workdir = Path(tempfile.mkdtemp(prefix="resume-cost-", dir=args.workdir))
+    replicas, workers = (4, 0) if args.quick else (18, 2)
+    try:
+        data = build_corpus(workdir / "data", replicas)
+        _phase("corpus", began)
+        base = {"epochs": 1, "num_workers": workers, "validate_every_steps": 0, "keep_last": 100, "average_last": 1}
+        from conftest import tiny_train_config
+
+        config = tiny_train_config(**base)
+        steps = batches_per_epoch(data, config.max_duration_s, config.num_buckets)
+        batch_cpu_s = batch_cpu_seconds(data, config.max_duration_s, config.num_buckets)
+        every = max(2, round(steps / 10))  # >= 2: step 1 is never a checkpoint step
+        positions = {f"{round(f * 100)}%": every * max(1, round(f * steps / every)) for f in POSITIONS}
+        run_config = {**base, "checkpoint_every_steps": every}
+        trained = workdir / "fresh-0"
+        runs: dict[str, list[dict]] = {name: [] for name in ["fresh", *positions]}
+        for round_index in range(args.rounds):
+            for name in runs:  # interleaved, so a burst of load hits every position alike
+                target = workdir / f"{name.rstrip('%')}-{round_index}"
+                log = target / "train.log"
+                if name == "fresh":
+                    # The first fresh run trains on past the last position: its checkpoints are resumed.
+                    uri = fresh_mlflow_store(target)
+                    stop = max(positions.values()) + 1 if round_index == 0 else 1
+                    timing = time_first_step(data, target / "exp", run_config, uri, 1, log, stop)
+                else:
+                    uri = clone_run(trained, target, positions[name])
+                    timing = time_first_step(data, target / "exp", run_config, uri, positions[name] + 1, log)
+                runs[name].append(timing)
+            _phase(f"round {round_index + 1}", began)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def median(name: str, key: str) -> float:
+        return round(statistics.median(run[key] for run in runs[name]), 3)
+
+    wall = {name: median(name, "first_step_s") for name in positions}
+    cpu = {name: median(name, "main_process_cpu_s") for name in positions}
+    fresh = median("fresh", "first_step_s")
+    result = {
+        "benchmark": "resume_cost",
+        "quick": args.quick,
+        "rounds": args.rounds,
+        "train_cuts": 27 * replicas,
+        "batches_per_epoch": steps,
+        "num_workers": workers,
+        "checkpoint_step": positions,
+        "resume_first_step_s": wall,
+        "spread": _spread(list(wall.values())),
+        "baseline_fresh_start_first_step_s": fresh,
+        "ratio_to_fresh_start": {name: round(value / fresh, 3) for name, value in wall.items()},
+        "main_process_cpu_s": {**cpu, "fresh": median("fresh", "main_process_cpu_s")},
+        "cpu_spread": _spread(list(cpu.values())),
+        "replay_estimate_s": {name: round(step * batch_cpu_s, 3) for name, step in positions.items()},
+        "runs": runs,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "total_s": round(time.perf_counter() - began, 1),
+        "note": (
+            "resume_first_step_s: wall seconds from launching a training process (tiny test model, CPU) to the "
+            "end of its first resumed step: imports, data and model set-up, checkpoint load, MLflow reopen, "
+            "data workers' start, one step. A resume indexes into the epoch's plan instead of replaying it, "
+            "so neither figure should grow with the position; main_process_cpu_s is the trainer process's CPU "
+            "time and barely moves with other load on the machine, whereas the wall-clock spread carries that "
+            f"noise (1-minute load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores). "
+            "replay_estimate_s: CPU seconds that building the skipped batches would add if a resume replayed "
+            "the data pipeline instead (measured per batch in this process; tiny yesno batches, so small)."
+        ),
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Running Snakemake and DVC in temporary copies of the repository, and reading what they say.
+
+Every command runs with a timeout, the virtual environment's tools first on PATH, and the
+copy's own MLflow store, so nothing hangs and nothing touches the working repository.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+VENV_BIN = Path(sys.executable).parent
+STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
+
+# Every file the pipeline must leave behind, whichever tool ran it.
+EXPECTED_OUTPUTS = (
+    "data/fbank/cmvn.json",
+    "data/fbank/train_cuts.jsonl.gz",
+    "data/fbank/dev_cuts.jsonl.gz",
+    "data/fbank/test_cuts.jsonl.gz",
+    "exp/model.pt",
+    "exp/plots/train_loss.csv",
+    "exp/eval/metrics.json",
+    "exp/eval/per_utterance.jsonl",
+    "exp/eval/errors.txt",
+    "exp/eval/wer_by_duration.csv",
+)
+# Folders the stages write; their whole content is compared between the tools.
+OUTPUT_DIRS = ("data/manifests", "data/fbank", "data/lang", "exp")
+
+IDENTITY = ["-c", "user.name=asrflow tests", "-c", "user.email=tests@asrflow.invalid", "-c", "commit.gpgsign=false"]
+
+
+class ToolError(AssertionError):
+    """A tool run that failed, with the command, its exit status and the end of its output."""
+
+
+def tool_env(copy: Path) -> dict[str, str]:
+    """The environment for a tool run in ``copy``: our venv's python, the copy's MLflow store."""
+    env = os.environ.copy()
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["GIT_PYTHON_REFRESH"] = "quiet"
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{copy}/mlflow.db"
+    env["DVC_NO_ANALYTICS"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__/ in the copies (test_rerun checks it would not matter)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def run(
+    copy: Path, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``args`` in ``copy``; stdout and stderr come back together in ``.stdout``.
+
+    The command gets its own process group, killed whole on timeout: the stage a tool runs
+    (and its data-loader workers) would otherwise hold the output pipe open and hang us.
+    """
+    process = subprocess.Popen(
+        list(args),
+        cwd=copy,
+        env=env or tool_env(copy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+        output, _ = process.communicate()
+        raise ToolError(f"{' '.join(args)} ran past {timeout} s in {copy}:\n{tail(output)}") from None
+    except BaseException:  # Ctrl-C in pytest: do not leave the tool running on its own
+        kill_group(process)
+        raise
+    result = subprocess.CompletedProcess(list(args), process.returncode, output)
+    if check and result.returncode != 0:
+        raise ToolError(f"{' '.join(args)} exited {result.returncode} in {copy}:\n{tail(result.stdout)}")
+    return result
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process group that ``process`` leads (started with ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+def tail(text: str | bytes | None, lines: int = 60) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join((text or "").splitlines()[-lines:])
+
+
+def git_init(copy: Path) -> None:
+    """Make ``copy`` a git repository with one commit (DVC and Snakemake both expect one)."""
+    run(copy, "git", "init", "-q")
+    run(copy, "git", *IDENTITY, "add", "-A")
+    run(copy, "git", *IDENTITY, "commit", "-q", "-m", "asrflow test copy")
+
+
+def dvc_init(copy: Path, config: Path) -> None:
+    """``dvc init`` in ``copy``, then the repository's own .dvc/config (``config``) if it has one."""
+    run(copy, "dvc", "init", "-q")
+    if config.is_file():
+        shutil.copyfile(config, copy / ".dvc" / "config")
+    run(copy, "git", *IDENTITY, "add", "-A")
+    run(copy, "git", *IDENTITY, "commit", "-q", "-m", "dvc init")
+
+
+def output_files(copy: Path) -> set[str]:
+    """Every file under the stages' output folders, as paths relative to ``copy``."""
+    found = set()
+    for folder in OUTPUT_DIRS:
+        root = copy / folder
+        if root.is_dir():
+            found.update(path.relative_to(copy).as_posix() for path in root.rglob("*") if path.is_file())
+    return found
+
+
+def read_metrics(copy: Path) -> dict:
+    return json.loads((copy / "exp/eval/metrics.json").read_text())
+
+
+# ------------------------------------------------------------------ what the tools would run
+def snakemake_jobs(output: str) -> set[str]:
+    """The rules in Snakemake's first "Job stats" table (``all`` left out); empty when nothing to do."""
+    if "Nothing to be done" in output:
+        return set()
+    match = re.search(r"Job stats:\n.*?\n-+\s+-+\n(.*?)\ntotal", output, re.DOTALL)
+    if match is None:
+        raise ToolError(f"no job stats in Snakemake's output:\n{tail(output)}")
+    rules = {line.split()[0] for line in match.group(1).splitlines() if line.strip()}
+    return rules - {"all"}
+
+
+def snakemake_dry_run(copy: Path) -> set[str]:
+    """The rules ``snakemake --dry-run`` would run now."""
+    return snakemake_jobs(run(copy, "snakemake", "--dry-run", "--cores", "1", timeout=180).stdout)
+
+
+def dvc_ran_stages(output: str) -> set[str]:
+    """The stages DVC ran (or, with --dry, would run): its "Running stage '<name>':" lines."""
+    return set(re.findall(r"^Running stage '([^']+)':", output, re.MULTILINE))
+
+
+def dvc_dry_run(copy: Path) -> set[str]:
+    """The stages ``dvc repro`` would run now: ``dvc repro --dry --force-downstream``.
+
+    A dry run cannot know that a stage it would run changes its outputs, so without
+    ``--force-downstream`` it leaves out the stages whose only change is upstream's outputs;
+    a real ``dvc repro`` runs them, as their deps' hashes then differ.
+    """
+    return dvc_ran_stages(run(copy, "dvc", "repro", "--dry", "--force-downstream", timeout=180).stdout)
+
+
+# ------------------------------------------------------------------ edits that are undone
+@contextmanager
+def edited_params(copy: Path, dotted_key: str, value) -> Iterator[None]:
+    """``params.yaml`` with one key set to ``value``; the file's bytes and times come back after."""
+    path = copy / "params.yaml"
+    with restored(path):
+        set_params(copy, {dotted_key: value})
+        yield
+
+
+def set_params(copy: Path, changes: dict) -> None:
+    """Set ``{"section.key": value}`` in the copy's params.yaml (each must exist and change)."""
+    path = copy / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for dotted_key, value in changes.items():
+        node = params
+        *parents, last = dotted_key.split(".")
+        for part in parents:
+            node = node[part]
+        assert last in node, f"params.yaml has no {dotted_key}"
+        assert node[last] != value, f"{dotted_key} is already {value!r}"
+        node[last] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@contextmanager
+def appended_comment(path: Path) -> Iterator[None]:
+    """A source file with a comment appended (new content, new mtime); restored after."""
+    with restored(path):
+        with open(path, "a") as handle:
+            handle.write("\n# edited by tests/pipeline: any change to the code must re-run the stage\n")
+        stat = path.stat()
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+        yield
+
+
+@contextmanager
+def restored(path: Path) -> Iterator[None]:
+    """Put back ``path``'s bytes and access/modification times, whatever happens inside."""
+    original = path.read_bytes()
+    stat = path.stat()
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+# ------------------------------------------------------------------ each tool's view of the stages
+_SNAKEMAKE_VIEW = """
+import json, sys
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import OutputSettings, ResourceSettings
+with SnakemakeApi(OutputSettings()) as api:
+    workflow = api.workflow(
+        resource_settings=ResourceSettings(), snakefile=Path("workflow/Snakefile"), workdir=Path.cwd()
+    )._workflow
+    view = {rule.name: {"params": dict(rule.params.items())} for rule in workflow.rules}
+Path(sys.argv[1]).write_text(json.dumps(view))
+"""
+
+_DVC_VIEW = """
+import json, sys
+from pathlib import Path
+from dvc.dependency.param import ParamsDependency
+from dvc.repo import Repo
+view = {}
+with Repo(str(Path.cwd()), uninitialized=True) as repo:
+    for stage in repo.index.stages:
+        view[stage.name] = {
+            "cmd": stage.cmd,
+            "deps": [dep.def_path for dep in stage.deps if not isinstance(dep, ParamsDependency)],
+            "params": {dep.def_path: list(dep.params) for dep in stage.deps if isinstance(dep, ParamsDependency)},
+            "outs": {out.def_path: {"persist": out.persist, "cache": out.use_cache} for out in stage.outs},
+        }
+Path(sys.argv[1]).write_text(json.dumps(view))
+"""
+
+
+def _python_view(copy: Path, script: str, name: str) -> dict:
+    target = copy.parent / f"{name}.json"
+    run(copy, "python", "-c", script, str(target), timeout=180)
+    return json.loads(target.read_text())
+
+
+def snakemake_rule_params(copy: Path) -> dict[str, dict]:
+    """Each rule's ``params:`` as Snakemake evaluated them (its Python API), by rule name."""
+    return {name: rule["params"] for name, rule in _python_view(copy, _SNAKEMAKE_VIEW, "snakemake_view").items()}
+
+
+def dvc_stages(copy: Path) -> dict[str, dict]:
+    """Each stage as DVC loads it from dvc.yaml (templates resolved): cmd, deps, params, outs.
+
+    Works in a copy without ``dvc init`` too, so both tools' views come from the same files.
+    """
+    return _python_view(copy, _DVC_VIEW, "dvc_view")
+
+
+def snakemake_dry_run_rules(copy: Path) -> dict[str, dict]:
+    """``snakemake --dry-run --forceall --printshellcmds``: each rule's input, output, log and shell command."""
+    output = run(copy, "snakemake", "--dry-run", "--forceall", "--printshellcmds", "--cores", "1", timeout=180).stdout
+    rules: dict[str, dict] = {}
+    current = None
+    for line in output.splitlines():
+        header = re.match(r"^(?:local)?rule (\w+):$", line)
+        if header:
+            current = rules.setdefault(header.group(1), {"input": [], "output": [], "log": [], "shell": None})
+            continue
+        if current is None:
+            continue
+        field = re.match(r"^\s+(input|output|log): (.*)$", line)
+        if field:
+            current[field.group(1)] = [part.strip() for part in field.group(2).split(", ")]
+        elif line.startswith("Shell command: "):
+            shell = line[len("Shell command: ") :]
+            current["shell"] = None if shell == "None" else shell
+            current = None
+    return rules

@@ -1,0 +1,92 @@
+"""What each tool would re-run: nothing after a run, and after one edit exactly that stage and
+those downstream of it, for a params key of each section and for the code a stage uses.
+
+Only dry runs: each edit is undone (bytes and file times), so the copies stay up to date.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from .helpers import (
+    STAGES,
+    appended_comment,
+    dvc_dry_run,
+    edited_params,
+    run,
+    snakemake_dry_run,
+    tool_env,
+)
+
+pytestmark = pytest.mark.pipeline
+
+ALL = set(STAGES)
+FROM_FEATURES = {"features", "train", "evaluate"}
+FROM_TOKENIZER = {"tokenizer", "train", "evaluate"}
+FROM_TRAIN = {"train", "evaluate"}
+EVALUATE = {"evaluate"}
+
+
+def would_run(snakemake_run, dvc_run) -> dict[str, set[str]]:
+    return {"snakemake": snakemake_dry_run(snakemake_run.copy), "dvc": dvc_dry_run(dvc_run.copy)}
+
+
+def test_a_second_run_has_nothing_to_do(snakemake_run, dvc_run):
+    snakemake = run(snakemake_run.copy, "snakemake", "--dry-run", "--cores", "1", timeout=180).stdout
+    assert "Nothing to be done" in snakemake, snakemake
+    status = run(dvc_run.copy, "dvc", "status", timeout=180).stdout
+    assert "Data and pipelines are up to date." in status, status
+    assert dvc_dry_run(dvc_run.copy) == set()
+
+
+# Values no default is likely to have: each must differ from params.yaml's.
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("seed", 1234, ALL),
+        ("prepare.dev_fraction", 0.15, ALL),
+        ("features.num_mel_bins", 72, FROM_FEATURES),
+        ("tokenizer.character_coverage", 0.9995, FROM_TOKENIZER),
+        ("train.lr", 0.00123, FROM_TRAIN),
+        ("evaluate.beam_size", 5, EVALUATE),
+    ],
+)
+def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, key, value, expected):
+    with edited_params(snakemake_run.copy, key, value), edited_params(dvc_run.copy, key, value):
+        seen = would_run(snakemake_run, dvc_run)
+    assert seen == {"snakemake": expected, "dvc": expected}, f"after changing {key}"
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("stages/prepare.py", ALL),
+        ("asrflow/data/text.py", ALL),
+        ("asrflow/data/features.py", FROM_FEATURES),
+        ("stages/tokenizer.py", FROM_TOKENIZER),
+        ("asrflow/training/schedule.py", FROM_TRAIN),  # one file of a folder dep
+        ("asrflow/decoding/ctc.py", EVALUATE),
+    ],
+)
+def test_a_code_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, path, expected):
+    with appended_comment(snakemake_run.copy / path), appended_comment(dvc_run.copy / path):
+        seen = would_run(snakemake_run, dvc_run)
+    assert seen == {"snakemake": expected, "dvc": expected}, f"after editing {path}"
+
+
+def test_bytecode_caches_are_not_code_changes(snakemake_run, dvc_run):
+    """Python writes __pycache__/ next to the code it imports (tests, a newer Python): no re-run."""
+    copies = (snakemake_run.copy, dvc_run.copy)
+    try:
+        for copy in copies:
+            env = tool_env(copy)
+            env.pop("PYTHONDONTWRITEBYTECODE")
+            run(copy, "python", "-m", "compileall", "-q", "asrflow", "stages", env=env, timeout=300)
+        seen = would_run(snakemake_run, dvc_run)
+    finally:
+        for copy in copies:
+            for cache in [*copy.glob("asrflow/**/__pycache__"), *copy.glob("stages/__pycache__")]:
+                shutil.rmtree(cache, ignore_errors=True)
+    assert seen == {"snakemake": set(), "dvc": set()}

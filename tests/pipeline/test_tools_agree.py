@@ -1,0 +1,115 @@
+"""Snakemake and DVC run the same pipeline: same stages, commands, deps, params and outputs.
+
+dvc.yaml states each stage once and workflow/rules/common.smk builds the Snakemake rules
+from it; these tests hold the two tools to that, from what each tool itself reports.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from .helpers import EXPECTED_OUTPUTS, STAGES, dvc_stages, run, snakemake_dry_run_rules, snakemake_rule_params
+
+pytestmark = pytest.mark.pipeline
+
+# Files a tool writes for its own bookkeeping, not the pipeline's products.
+BOOKKEEPING = re.compile(r"(^|/)(\.snakemake_timestamp|\.gitignore)$")
+MAX_DEFAULT_WER = 0.02
+
+
+def products(files: set[str]) -> set[str]:
+    return {path for path in files if not BOOKKEEPING.search(path)}
+
+
+def test_both_tools_write_the_same_files(snakemake_run, dvc_run):
+    by_snakemake, by_dvc = products(snakemake_run.files), products(dvc_run.files)
+    expected = set(EXPECTED_OUTPUTS)
+    expected |= {
+        f"data/manifests/{split}_{kind}.jsonl.gz"
+        for split in ("train", "dev", "test")
+        for kind in ("recordings", "supervisions", "cuts")
+    }
+    expected |= {"data/lang/tokenizer.model", "data/lang/tokens.txt"}
+    assert expected <= by_snakemake, f"Snakemake did not write {sorted(expected - by_snakemake)}"
+    assert expected <= by_dvc, f"DVC did not write {sorted(expected - by_dvc)}"
+    assert by_snakemake == by_dvc, (
+        f"only Snakemake wrote {sorted(by_snakemake - by_dvc)}; only DVC wrote {sorted(by_dvc - by_snakemake)}"
+    )
+
+
+@pytest.mark.parametrize("tool", ["snakemake", "dvc"])
+def test_default_params_reach_the_target_wer(tool, request):
+    result = request.getfixturevalue(f"{tool}_run")
+    metrics = result.metrics
+    assert metrics["num_utterances"] == 30 and metrics["num_missing_hyps"] == 0, metrics
+    assert metrics["wer"] <= MAX_DEFAULT_WER, (
+        f"{tool}: test WER {metrics['wer']:.4f} > {MAX_DEFAULT_WER} with the default params "
+        f"({metrics['word_errors']} errors in {metrics['ref_words']} words)"
+    )
+
+
+def test_snakemake_lint_has_no_findings(snakemake_run):
+    result = run(snakemake_run.copy, "snakemake", "--lint", timeout=180)
+    assert "Lints for" not in result.stdout, result.stdout
+    assert "Congratulations, your workflow is in a good condition!" in result.stdout, result.stdout
+
+
+def _without_log_redirect(shell: str, stage: str) -> str:
+    suffix = re.compile(rf"\s*>\s*(\{{log\}}|logs/{stage}\.log)\s+2>&1\s*$")
+    assert suffix.search(shell), f"rule {stage} does not send its output to its log: {shell!r}"
+    return suffix.sub("", shell)
+
+
+def _value(params: dict, dotted_key: str):
+    node = params
+    for part in dotted_key.split("."):
+        node = node[part]
+    return node
+
+
+def test_snakemake_rules_are_the_dvc_stages(snakemake_run):
+    """Per stage: the same command (minus the log redirect), deps, non-persisted outs and params."""
+    copy = snakemake_run.copy
+    stages = dvc_stages(copy)
+    rules = snakemake_dry_run_rules(copy)
+    rule_params = snakemake_rule_params(copy)
+    params_yaml = yaml.safe_load((copy / "params.yaml").read_text())
+
+    assert list(stages) == list(STAGES)
+    assert set(rules) == set(STAGES) | {"all"}, f"Snakemake's rules: {sorted(rules)}"
+    assert set(rule_params) == set(rules)
+    produced = {out for stage in stages.values() for out in stage["outs"]}
+
+    for name, stage in stages.items():
+        rule = rules[name]
+        assert rule["log"] == [f"logs/{name}.log"], f"rule {name}'s log: {rule['log']}"
+        assert _without_log_redirect(rule["shell"], name) == stage["cmd"], f"rule {name}'s shell: {rule['shell']!r}"
+
+        expected_inputs = set()
+        for dep in stage["deps"]:
+            path = copy / dep
+            if dep in produced or not path.is_dir():
+                expected_inputs.add(dep)
+            else:  # code or corpus folder: Snakemake lists its files, so that editing one re-runs the rule
+                expected_inputs |= {
+                    file.relative_to(copy).as_posix()
+                    for file in path.rglob("*")
+                    if file.is_file() and "__pycache__" not in file.parts
+                }
+        assert set(rule["input"]) == expected_inputs, (
+            f"rule {name}: inputs DVC lacks {sorted(set(rule['input']) - expected_inputs)}, "
+            f"deps Snakemake lacks {sorted(expected_inputs - set(rule['input']))}"
+        )
+
+        kept = {out for out, options in stage["outs"].items() if not options["persist"]}
+        persisted = set(stage["outs"]) - kept
+        assert set(rule["output"]) == kept, f"rule {name}'s outputs {rule['output']} != dvc outs {sorted(kept)}"
+        assert not persisted & set(rule["output"]), f"Snakemake would delete persisted outs {sorted(persisted)}"
+
+        keys = [key for keys in stage["params"].values() for key in keys]
+        assert list(stage["params"]) == ["params.yaml"], f"stage {name} reads params from {list(stage['params'])}"
+        expected_params = {re.sub(r"\W", "_", key): _value(params_yaml, key) for key in keys}
+        assert rule_params[name] == expected_params, f"rule {name}'s params differ from dvc.yaml's {keys}"

@@ -1,0 +1,109 @@
+"""Precision policy: what ``auto`` picks per device, and fp16 / bf16 training on the CPU.
+
+The training runs use the real ``Trainer`` on the prepared yesno data (tiny model, two
+epochs of nine steps). fp16 runs with its dynamic gradient scaler on the CPU: its first
+steps overflow while the scale calibrates, which the scaler handles alone (skip + lower
+the scale); they are not non-finite *losses*, so the guard must neither count nor roll
+back for them.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_train_config, train_paths
+from train_entry import fresh_mlflow_store
+
+from asrflow.data.features import FeatureConfig
+from asrflow.errors import AsrflowError
+from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
+from asrflow.training.precision import resolve_precision
+from asrflow.training.trainer import Trainer
+
+
+@pytest.mark.parametrize(
+    ("requested", "device_type", "capability", "name", "scaler"),
+    [
+        ("auto", "cuda", (9, 0), "bf16", False),  # H100
+        ("auto", "cuda", (8, 0), "bf16", False),  # A100
+        ("auto", "cuda", (8, 6), "bf16", False),  # RTX 30xx
+        ("auto", "cuda", (7, 5), "fp32", False),  # T4
+        ("auto", "cuda", (7, 0), "fp32", False),  # V100
+        ("auto", "cuda", (6, 1), "fp32", False),  # P40
+        ("auto", "cuda", None, "fp32", False),
+        ("auto", "cpu", None, "fp32", False),
+        ("fp32", "cuda", (9, 0), "fp32", False),
+        ("bf16", "cpu", None, "bf16", False),
+        ("bf16", "cuda", (7, 0), "bf16", False),  # explicit choices are obeyed
+        ("fp16", "cuda", (9, 0), "fp16", True),
+        ("fp16", "cuda", (7, 0), "fp16", True),
+        ("fp16", "cpu", None, "fp16", True),
+    ],
+)
+def test_resolve_precision_table(requested, device_type, capability, name, scaler):
+    policy = resolve_precision(requested, device_type, capability)
+    assert policy.name == name
+    assert policy.device_type == device_type
+    assert policy.uses_scaler is scaler
+    if device_type == "cpu" or torch.cuda.is_available():  # a CUDA scaler disables itself without a GPU
+        assert policy.grad_scaler().is_enabled() is scaler
+    assert policy.autocast_dtype == {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    assert policy.reason  # logged and tagged in MLflow: says why
+    if requested == "auto":
+        assert policy.reason.startswith("auto")
+
+
+@pytest.mark.parametrize("bad", ["fp64", "AUTO", "", "float16"])
+def test_resolve_precision_rejects_unknown_values(bad):
+    with pytest.raises(AsrflowError, match=r"train\.precision.*auto, fp32, bf16, fp16"):
+        resolve_precision(bad, "cpu", None)
+
+
+def test_autocast_dtype_reaches_the_model_on_cpu():
+    layer = torch.nn.Linear(4, 4)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        with resolve_precision(name, "cpu", None).autocast():
+            assert layer(torch.ones(2, 4)).dtype == dtype
+
+
+def _losses(exp: Path) -> list[float]:
+    with open(exp / "plots" / "train_loss.csv") as handle:
+        return [float(row["loss"]) for row in csv.DictReader(handle)]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
+    """A few steps train with finite, decreasing losses; fp16 runs (and saves) its GradScaler.
+
+    ``max_consecutive_nonfinite: 2`` is below the number of overflowing steps fp16's
+    scaler needs to calibrate from its initial scale of 2**16 here, so counting those as
+    non-finite steps would roll back (and, the scaler state rolling back too, stop).
+    """
+    config = tiny_train_config(
+        precision=precision, epochs=2, checkpoint_every_steps=100, validate_every_steps=0, max_consecutive_nonfinite=2,
+    )
+    paths = train_paths(yesno_data, tmp_path)
+    summary = Trainer(config, FeatureConfig(), 42, {}, paths, tracking_uri=fresh_mlflow_store(tmp_path)).run()
+
+    assert summary["precision"] == precision
+    assert summary["steps"] == 18
+    assert summary["rollbacks"] == 0
+    assert summary["nonfinite_skipped"] == 0
+    assert not paths.bad_batches.exists()
+    losses = _losses(tmp_path)
+    assert len(losses) == 18 and all(math.isfinite(loss) for loss in losses), losses
+    # CTC on yesno: ~6.6 nats/token at the start, the blank plateau (~1.9) within a few steps.
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
+    assert losses[-1] < losses[0]
+
+    last = load_checkpoint(list_checkpoints(paths.checkpoint_dir)[0])
+    assert all(torch.isfinite(value).all() for value in last["model"].values() if value.is_floating_point())
+    if precision == "fp16":
+        scale = last["scaler"]["scale"]
+        assert 0 < scale < 2.0**16  # calibrated down from the initial scale on overflowing steps
+    else:
+        assert last["scaler"] == {}  # bf16 has fp32's range: no loss scaling

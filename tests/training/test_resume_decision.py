@@ -1,0 +1,142 @@
+"""The resume decision: fresh, resume, or stop with a message, from the newest checkpoint."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from conftest import tiny_train_config
+from train_entry import fresh_mlflow_store, train_in_process
+
+from asrflow.data.features import FeatureConfig
+from asrflow.errors import AsrflowError
+from asrflow.model.conformer_ctc import ModelConfig
+from asrflow.training import checkpoint as ckpt
+from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, training_params
+
+CKPT_DIR = Path("exp/checkpoints")
+
+
+def _settings(config=None, d_model: int = 32, seed: int = 42, data_digest: str = "abc123"):
+    config = config or tiny_train_config()
+    model = ModelConfig(input_dim=80, vocab_size=5, d_model=d_model, num_heads=2, ffn_dim=64, num_layers=1)
+    fingerprint = build_fingerprint(asdict(model), asdict(FeatureConfig()), data_digest, seed, config)
+    return fingerprint, training_params(config)
+
+
+def _checkpoint(complete: bool, **settings) -> dict:
+    fingerprint, params = _settings(**settings)
+    return {"fingerprint": fingerprint, "train_params": params, "complete": complete, "step": 120}
+
+
+def test_no_checkpoint_means_a_fresh_run():
+    assert decide(None, *_settings(), CKPT_DIR) == FRESH
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_same_settings_resume(complete):
+    assert decide(_checkpoint(complete), *_settings(), CKPT_DIR) == RESUME
+
+
+def test_finished_run_resumes_when_only_epochs_were_raised():
+    # epochs is operational: a finished run continues with the extra epochs
+    fingerprint, params = _settings(tiny_train_config(epochs=10))
+    assert decide(_checkpoint(True), fingerprint, params, CKPT_DIR) == RESUME
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"config": tiny_train_config(lr=0.01)},  # a train param
+        {"d_model": 64},  # the model shape
+        {"data_digest": "other"},  # the training data
+        {"seed": 7},
+    ],
+    ids=["lr", "d_model", "data", "seed"],
+)
+def test_finished_run_with_changed_settings_starts_fresh(changed, caplog):
+    with caplog.at_level(logging.INFO, logger="asrflow.resume"):
+        assert decide(_checkpoint(True), *_settings(**changed), CKPT_DIR) == FRESH
+    assert "used other settings" in caplog.text and "starting a fresh run" in caplog.text
+
+
+def test_unfinished_run_with_a_changed_train_param_resumes_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+        decision = decide(_checkpoint(False), *_settings(tiny_train_config(lr=0.01)), CKPT_DIR)
+    assert decision == RESUME
+    assert "train param changed since the checkpoint: lr: 0.003 -> 0.01" in caplog.text
+
+
+def test_unfinished_run_with_operational_changes_resumes_silently(caplog):
+    changed = tiny_train_config(num_workers=4, checkpoint_every_steps=100, keep_last=1, epochs=9)
+    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+        assert decide(_checkpoint(False), *_settings(changed), CKPT_DIR) == RESUME
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize(
+    "changed, key",
+    [
+        ({"d_model": 64}, "model.d_model: 32 -> 64"),
+        ({"config": tiny_train_config(max_duration_s=60.0)}, "train.max_duration_s: 30.0 -> 60.0"),
+        ({"data_digest": "other"}, "data_digest: 'abc123' -> 'other'"),
+    ],
+    ids=["model_shape", "batch_plan", "data"],
+)
+def test_unfinished_run_with_a_changed_fingerprint_stops_with_a_message(changed, key):
+    with pytest.raises(AsrflowError) as error:
+        decide(_checkpoint(False), *_settings(**changed), CKPT_DIR)
+    message = str(error.value)
+    assert key in message
+    assert "unfinished run (step 120)" in message
+    assert f"rm -r {CKPT_DIR}" in message
+    assert "Restore those params to resume it" in message
+
+
+# ---------------------------------------------------------------------- with the real Trainer
+
+
+def test_trainer_refuses_an_unfinished_run_with_another_model_shape(yesno_data, tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    exp = tmp_path / "exp"
+    uri = fresh_mlflow_store(tmp_path)
+    overrides = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 0}
+    summary = train_in_process(yesno_data, exp, overrides, uri)
+    directory = exp / "checkpoints"
+    # Make it an unfinished run: drop the final checkpoint, as if the process died after step 8.
+    (directory / f"step-{summary['steps']:08d}.pt").unlink()
+    newest = ckpt.list_checkpoints(directory)[0]
+    before = {path.name: path.read_bytes() for path in directory.iterdir()}
+
+    with pytest.raises(AsrflowError) as error:
+        train_in_process(yesno_data, exp, {**overrides, "d_model": 48}, uri)
+    message = str(error.value)
+    assert f"{directory} holds an unfinished run (step {ckpt.step_of(newest)})" in message
+    assert "model.d_model: 32 -> 48" in message
+    assert f"rm -r {directory}" in message
+    # nothing was lost: the checkpoints are as they were
+    assert {path.name: path.read_bytes() for path in directory.iterdir()} == before
+
+    # with the shape restored, the same run resumes and finishes
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asrflow.train"):
+        assert train_in_process(yesno_data, exp, overrides, uri)["steps"] == summary["steps"]
+    assert f"resuming from {newest}" in caplog.text
+
+
+def test_trainer_starts_fresh_after_a_finished_run_with_changed_params(yesno_data, tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    exp = tmp_path / "exp"
+    uri = fresh_mlflow_store(tmp_path)
+    overrides = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 0}
+    first = train_in_process(yesno_data, exp, overrides, uri)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        second = train_in_process(yesno_data, exp, {**overrides, "lr": 0.001}, uri)
+    assert "starting a fresh run" in caplog.text
+    assert second["steps"] == first["steps"]  # trained again from step 0
+    newest = ckpt.load_checkpoint(ckpt.list_checkpoints(exp / "checkpoints")[0])
+    assert newest["train_params"]["lr"] == 0.001
+    assert newest["progress"]["history"]["step"] == list(range(1, first["steps"] + 1))

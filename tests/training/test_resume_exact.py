@@ -1,0 +1,148 @@
+"""Exact resume: a run killed (SIGKILL) or stopped (SIGTERM) and resumed ends bit-identical.
+
+Every run is a real training process (``train_entry.py``) on the prepared yesno data, with
+two spawned data workers, SpecAugment and dropout on. The reference run trains 3 epochs
+(9 steps each) without interruption; the others are interrupted and resumed by running the
+same command again, and must end with every tensor ``torch.equal`` to the reference and
+the same per-step loss series, float for float.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from train_entry import TrainingProcess, fresh_mlflow_store, run_training
+
+from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
+from asrflow.training.trainer import EXIT_INTERRUPTED
+
+OVERRIDES = {
+    "epochs": 3,
+    "checkpoint_every_steps": 2,
+    "validate_every_steps": 4,
+    "keep_last": 50,
+    "average_last": 1,
+    "num_workers": 2,
+    "mp_start_method": "spawn",
+}
+
+
+def _final_state(exp: Path) -> dict:
+    """The model bundle's weights, the last checkpoint (model, optimizer, progress) and the loss CSV."""
+    bundle = torch.load(exp / "model.pt", map_location="cpu", weights_only=True)
+    last = load_checkpoint(list_checkpoints(exp / "checkpoints")[0])
+    assert last["complete"]
+    return {"bundle": bundle["model"], "checkpoint": last, "loss_csv": (exp / "plots" / "train_loss.csv").read_text()}
+
+
+def _tensors(value, prefix: str = ""):
+    """Every tensor inside nested dicts/lists, with a path naming it."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}[{index}]")
+
+
+def assert_identical(resumed: dict, reference: dict) -> None:
+    ref_ckpt, new_ckpt = reference["checkpoint"], resumed["checkpoint"]
+    assert resumed["bundle"].keys() == reference["bundle"].keys()
+    for name, tensor in reference["bundle"].items():
+        assert torch.equal(resumed["bundle"][name], tensor), f"model weight {name} differs"
+    for part in ("model", "optimizer", "scheduler", "rng"):
+        ref_tensors = dict(_tensors(ref_ckpt[part], part))
+        new_tensors = dict(_tensors(new_ckpt[part], part))
+        assert new_tensors.keys() == ref_tensors.keys()
+        for name, tensor in ref_tensors.items():
+            assert torch.equal(new_tensors[name], tensor), f"{name} differs"
+    assert new_ckpt["scheduler"] == ref_ckpt["scheduler"]
+    assert new_ckpt["optimizer"]["param_groups"] == ref_ckpt["optimizer"]["param_groups"]
+    assert new_ckpt["rng"]["python"] == ref_ckpt["rng"]["python"]
+    ref_history, new_history = ref_ckpt["progress"]["history"], new_ckpt["progress"]["history"]
+    assert new_history["step"] == ref_history["step"] == list(range(1, len(ref_history["step"]) + 1))
+    assert new_history["loss"] == ref_history["loss"]  # exact float equality, step by step
+    assert new_history["grad_norm"] == ref_history["grad_norm"]
+    assert resumed["loss_csv"] == reference["loss_csv"]
+
+
+def _resumed_from(log: str) -> int:
+    match = re.search(r"resuming from \S+: step (\d+)", log)
+    assert match, f"the run did not resume:\n{log}"
+    return int(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def reference(yesno_data, tmp_path_factory) -> dict:
+    """The uninterrupted run."""
+    exp = tmp_path_factory.mktemp("reference") / "exp"
+    uri = fresh_mlflow_store(exp.parent)
+    run_training(yesno_data, exp, OVERRIDES, log_path=exp.parent / "train.log", tracking_uri=uri)
+    state = _final_state(exp)
+    progress = state["checkpoint"]["progress"]
+    assert progress["global_step"] == 27 and progress["epoch"] == 2, "expected 3 epochs of 9 steps"
+    return state
+
+
+def test_sigkill_twice_then_resume_is_bit_identical(yesno_data, tmp_path, reference):
+    exp = tmp_path / "exp"
+    uri = fresh_mlflow_store(tmp_path)
+    checkpoints = exp / "checkpoints"
+    # Step 5: the middle of epoch 0 (last checkpoint: step 4). Step 19: the first step of
+    # epoch 2 (last checkpoint: step 18, the end of epoch 1, with its data workers'
+    # prefetched batches in flight).
+    resumed_at = []
+    for attempt, kill_after in enumerate((5, 19)):
+        process = TrainingProcess(
+            yesno_data,
+            exp,
+            OVERRIDES,
+            log_path=tmp_path / f"attempt{attempt}.log",
+            pause_after_step=kill_after,
+            tracking_uri=uri,
+        )
+        process.wait_paused()
+        process.kill()
+        assert process.process.returncode == -signal.SIGKILL
+        done = [step for step, *_ in process.steps()]
+        assert done[-1] == kill_after
+        assert step_of(list_checkpoints(checkpoints)[0]) == kill_after - 1, "the killed step must be lost"
+        if attempt:
+            resumed_at.append(_resumed_from(process.log()))
+    log = run_training(yesno_data, exp, OVERRIDES, log_path=tmp_path / "final.log", tracking_uri=uri)
+    resumed_at.append(_resumed_from(log))
+    assert resumed_at == [4, 18]
+    assert_identical(_final_state(exp), reference)
+    assert not list(checkpoints.glob(".*tmp")), "temporary checkpoint files left behind"
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp_path, reference):
+    exp = tmp_path / "exp"
+    uri = fresh_mlflow_store(tmp_path)
+    process = TrainingProcess(
+        yesno_data, exp, OVERRIDES, log_path=tmp_path / "first.log", pause_after_step=12, tracking_uri=uri
+    )
+    process.wait_paused()
+    process.signal(signal.SIGTERM)  # to the trainer and its data workers, as a scheduler would
+    assert process.wait() == EXIT_INTERRUPTED, process.log()
+    log = process.log()
+    assert "received SIGTERM" in log
+    # The signal came right after step 12; the trainer saw it as step 13 began, finished that
+    # step, saved it and exited. 13 is off the every-2-steps schedule: the signal made this one.
+    newest = list_checkpoints(exp / "checkpoints")[0]
+    assert step_of(newest) == 13
+    state = load_checkpoint(newest)
+    assert state["progress"]["global_step"] == 13 and not state["complete"]
+    assert state["progress"]["history"]["step"] == list(range(1, 14))
+    assert state["progress"]["history"]["loss"] == reference["checkpoint"]["progress"]["history"]["loss"][:13]
+    assert not (exp / "model.pt").exists()
+
+    log = run_training(yesno_data, exp, OVERRIDES, log_path=tmp_path / "resume.log", tracking_uri=uri)
+    assert _resumed_from(log) == 13
+    assert_identical(_final_state(exp), reference)
