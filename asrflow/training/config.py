@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from asrflow.data.batches import AugmentConfig
+from asrflow.model.conformer_ctc import ModelConfig
 
 #: Keys that may change between an interrupted run and its resume without changing what
 #: the resumed steps compute (bookkeeping, parallel loading, time limits).
@@ -62,6 +63,12 @@ class TrainConfig:
     stall_timeout_s: float = 900.0
     mp_start_method: str = "spawn"
     experiment: str = "asrflow"
+
+    def model(self, input_dim: int, vocab_size: int) -> ModelConfig:
+        """The model shape: ``input_dim`` fbank bins in, ``vocab_size`` classes (blank included) out."""
+        shape = {field.name: getattr(self, field.name) for field in fields(ModelConfig)
+                 if field.name not in ("input_dim", "vocab_size")}
+        return ModelConfig(input_dim=input_dim, vocab_size=vocab_size, **shape)
 
     def augment(self) -> AugmentConfig:
         """The augmentation part of this config."""

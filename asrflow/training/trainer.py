@@ -25,7 +25,7 @@ from asrflow.data.manifests import cuts_path, load_cuts
 from asrflow.data.workers import init_worker, pass_through
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
-from asrflow.model.conformer_ctc import ModelConfig, build_model, count_parameters
+from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.tracking import RunTracker
@@ -126,16 +126,7 @@ class Trainer:
         self.dev_dataset = AsrBatchDataset(dev_cuts, self.tokenizer, mvn, self.seed, None, extractor)
         self.dev_batches = dev_batches(dev_cuts, config.max_duration_s)
 
-        self.model_config = ModelConfig(
-            input_dim=self.features.num_mel_bins,
-            vocab_size=self.tokenizer.vocab_size,
-            d_model=config.d_model,
-            num_heads=config.num_heads,
-            ffn_dim=config.ffn_dim,
-            num_layers=config.num_layers,
-            conv_kernel_size=config.conv_kernel_size,
-            dropout=config.dropout,
-        )
+        self.model_config = config.model(self.features.num_mel_bins, self.tokenizer.vocab_size)
         self.model = build_model(self.model_config).to(self.device)
         self.precision = resolve_precision(config.precision, self.device.type, device_capability(self.device))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
