@@ -170,24 +170,6 @@ def _read_audio(paths: Sequence[str]) -> Iterator[tuple[str, object | None, str 
         yield path, cut.with_id(f"input-{index}"), None
 
 
-def _batches(cuts: list[tuple[int, object]], max_seconds: float) -> Iterator[list[tuple[int, object]]]:
-    """``(index, cut)`` pairs sorted by duration, grouped into batches of at most ``max_seconds`` of audio.
-
-    Sorting keeps padding small: the model's output for an utterance depends a little on
-    the padding beside it. A file longer than ``max_seconds`` forms a batch of its own.
-    """
-    batch: list[tuple[int, object]] = []
-    seconds = 0.0
-    for index, cut in sorted(cuts, key=lambda item: item[1].duration):
-        if batch and seconds + cut.duration > max_seconds:
-            yield batch
-            batch, seconds = [], 0.0
-        batch.append((index, cut))
-        seconds += cut.duration
-    if batch:
-        yield batch
-
-
 def transcribe_files(
     bundle, paths: Sequence[str], decode, batch_seconds: float = 60.0
 ) -> Iterator[tuple[str, str | None, str | None]]:
@@ -199,6 +181,7 @@ def transcribe_files(
     """
     from lhotse import CutSet
 
+    from asrflow.data.manifests import pack_by_duration
     from asrflow.inference import cut_features, log_probs
 
     def run(cuts: list) -> list[str]:
@@ -215,7 +198,9 @@ def transcribe_files(
             readable.append((index, cut))
 
     next_index = 0
-    batches = list(_batches(readable, batch_seconds))
+    # Sorting by duration keeps padding small: an utterance's output depends a little on it.
+    ordered = sorted(readable, key=lambda item: item[1].duration)
+    batches = pack_by_duration(ordered, lambda item: item[1].duration, batch_seconds)
     for number, batch in enumerate(batches, start=1):
         while next_index in done:
             yield paths[next_index], *done.pop(next_index)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from asrflow.bundle import Bundle, load_bundle
+from asrflow.data.features import cmvn_stats
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
 from asrflow.model.conformer_ctc import ConformerCtc, subsampled_lengths
@@ -118,7 +119,7 @@ class ExportableEncoder(nn.Module):
 
 def metadata(bundle: Bundle) -> dict[str, str]:
     """What a caller needs besides the graph, as JSON strings keyed by :data:`METADATA_KEYS`."""
-    stats = {name: value.tolist() for name, value in bundle.mvn.state_dict().items()}
+    stats = cmvn_stats(bundle.mvn)
     return {
         "tokens": json.dumps(bundle.tokenizer.pieces, ensure_ascii=False),
         "blank_id": json.dumps(BLANK_ID),

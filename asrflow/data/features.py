@@ -55,10 +55,14 @@ class FeatureConfig:
         )
 
 
+def cmvn_stats(mvn: GlobalMVN) -> dict[str, list[float]]:
+    """``norm_means`` / ``norm_stds``, each a list of ``num_mel_bins`` floats."""
+    return {name: value.tolist() for name, value in mvn.state_dict().items()}
+
+
 def save_cmvn(mvn: GlobalMVN, path: Path) -> None:
-    """Write ``norm_means`` / ``norm_stds`` (each a list of ``num_mel_bins`` floats) as JSON."""
-    stats = {name: value.tolist() for name, value in mvn.state_dict().items()}
-    path.write_text(json.dumps(stats, indent=1) + "\n")
+    """Write :func:`cmvn_stats` as JSON."""
+    path.write_text(json.dumps(cmvn_stats(mvn), indent=1) + "\n")
 
 
 def load_cmvn(path: str | Path) -> GlobalMVN:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from lhotse import CutSet
 
 from asrflow.data.manifests import cut_text
@@ -21,8 +22,6 @@ def ctc_frames_needed(token_ids: list[int]) -> int:
 
 def output_frames(num_frames: int) -> int:
     """Encoder output frames for ``num_frames`` input frames (subsampling by 4)."""
-    import torch
-
     return int(subsampled_lengths(torch.tensor(num_frames)))
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from lhotse import CutSet
 
 from asrflow.errors import AsrflowError
 
 SPLITS = ("train", "dev", "test")
+
+T = TypeVar("T")
 
 
 def cuts_path(directory: str | Path, split: str) -> Path:
@@ -27,3 +31,24 @@ def load_cuts(directory: str | Path, split: str) -> CutSet:
 def cut_text(cut) -> str:
     """The transcript of a cut (its supervisions' texts joined by spaces)."""
     return " ".join(s.text for s in cut.supervisions if s.text)
+
+
+def pack_by_duration(items: Iterable[T], duration_s: Callable[[T], float], max_seconds: float) -> list[list[T]]:
+    """Consecutive ``items`` grouped into batches of at most ``max_seconds`` of audio, in order.
+
+    Sort the items by duration first to keep padding small. An item longer than
+    ``max_seconds`` forms a batch of its own.
+    """
+    batches: list[list[T]] = []
+    current: list[T] = []
+    total = 0.0
+    for item in items:
+        seconds = duration_s(item)
+        if current and total + seconds > max_seconds:
+            batches.append(current)
+            current, total = [], 0.0
+        current.append(item)
+        total += seconds
+    if current:
+        batches.append(current)
+    return batches

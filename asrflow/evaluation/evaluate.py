@@ -10,7 +10,7 @@ from pathlib import Path
 from lhotse import CutSet
 
 from asrflow.bundle import Bundle, load_bundle
-from asrflow.data.manifests import cut_text, load_cuts
+from asrflow.data.manifests import cut_text, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import build_decoder
 from asrflow.errors import AsrflowError
 from asrflow.evaluation.metrics import score_corpus
@@ -34,19 +34,6 @@ class EvaluateConfig:
     max_batch_duration_s: float = 200.0
 
 
-def _batches(cuts: CutSet, max_duration_s: float) -> list[CutSet]:
-    batches, current, total = [], [], 0.0
-    for cut in sorted(cuts, key=lambda c: c.duration):
-        if current and total + cut.duration > max_duration_s:
-            batches.append(CutSet.from_cuts(current))
-            current, total = [], 0.0
-        current.append(cut)
-        total += cut.duration
-    if current:
-        batches.append(CutSet.from_cuts(current))
-    return batches
-
-
 def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[dict[str, str], dict[str, float]]:
     """Hypotheses of the configured decoder, and real-time factors of greedy and beam decoding.
 
@@ -62,7 +49,9 @@ def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[
         raise AsrflowError(f"params.yaml: evaluate.decoder = {config.decoder!r}; use greedy or beam")
     seconds = {"encoder": 0.0, "greedy": 0.0, "beam": 0.0}
     hyps: dict[str, str] = {}
-    batches = _batches(cuts, config.max_batch_duration_s)
+    ordered = sorted(cuts, key=lambda c: c.duration)
+    batches = [CutSet.from_cuts(batch)
+               for batch in pack_by_duration(ordered, lambda c: c.duration, config.max_batch_duration_s)]
     for batch in progress(batches, desc="decoding", total=len(batches)):
         start = time.perf_counter()
         features, lengths = cut_features(bundle, batch)

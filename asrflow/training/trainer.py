@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from asrflow.bundle import save_bundle
 from asrflow.data.batches import AsrBatchDataset, TrainingBatches, plan_digest
-from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
+from asrflow.data.features import CMVN_FILE, FeatureConfig, cmvn_stats, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible
 from asrflow.data.manifests import cuts_path, load_cuts
 from asrflow.data.workers import init_worker, pass_through
@@ -416,7 +416,7 @@ class Trainer:
         recent = late[: max(self.config.average_last, 1)]
         weights = ckpt.average_model_states(recent)
         logger.info("final model: average of %s", ", ".join(path.name for path in recent))
-        cmvn = {name: value.tolist() for name, value in load_cmvn(self.cmvn_path).state_dict().items()}
+        cmvn = cmvn_stats(load_cmvn(self.cmvn_path))
         run_id = self.tracker.run_id if self.tracker else None
         save_bundle(
             self.paths.model_path, weights, self.model_config, self.tokenizer, self.features, cmvn, run_id,

@@ -7,25 +7,16 @@ from lhotse import CutSet
 from torch import nn
 
 from asrflow.data.batches import AsrBatchDataset, BatchItem
+from asrflow.data.manifests import pack_by_duration
 from asrflow.training.distributed import DistInfo, all_reduce_sum
 from asrflow.training.precision import PrecisionPolicy
 from asrflow.training.step import ctc_loss_sum
 
 
 def dev_batches(cuts: CutSet, max_duration_s: float) -> list[tuple[str, ...]]:
-    """Dev cuts sorted by duration, grouped into batches of at most ``max_duration_s`` seconds."""
-    batches: list[tuple[str, ...]] = []
-    current: list[str] = []
-    total = 0.0
-    for cut in sorted(cuts, key=lambda c: (c.duration, c.id)):
-        if current and total + cut.duration > max_duration_s:
-            batches.append(tuple(current))
-            current, total = [], 0.0
-        current.append(cut.id)
-        total += cut.duration
-    if current:
-        batches.append(tuple(current))
-    return batches
+    """Dev cut ids sorted by duration, grouped into batches of at most ``max_duration_s`` seconds."""
+    ordered = sorted(cuts, key=lambda c: (c.duration, c.id))
+    return [tuple(cut.id for cut in batch) for batch in pack_by_duration(ordered, lambda c: c.duration, max_duration_s)]
 
 
 @torch.no_grad()
