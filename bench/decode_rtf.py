@@ -54,8 +54,8 @@ def untrained(data: Path, work: Path) -> Path:
     import torch
 
     from asrflow.bundle import save_bundle
-    from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
-    from asrflow.model.conformer_ctc import ModelConfig, build_model
+    from asrflow.data.features import CMVN_FILE, FeatureConfig, cmvn_stats, load_cmvn
+    from asrflow.model.conformer_ctc import build_model
     from asrflow.params import build_config
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
     from asrflow.training.config import TrainConfig
@@ -64,11 +64,9 @@ def untrained(data: Path, work: Path) -> Path:
     train = build_config(TrainConfig, params.get("train"), "train")
     features = build_config(FeatureConfig, params.get("features"), "features")
     tokenizer = Tokenizer(data / "lang" / MODEL_FILE)
-    config = ModelConfig(input_dim=features.num_mel_bins, vocab_size=tokenizer.vocab_size, d_model=train.d_model,
-                         num_heads=train.num_heads, ffn_dim=train.ffn_dim, num_layers=train.num_layers,
-                         conv_kernel_size=train.conv_kernel_size, dropout=train.dropout)
+    config = train.model(features.num_mel_bins, tokenizer.vocab_size)
     torch.manual_seed(0)
-    cmvn = {k: v.tolist() for k, v in load_cmvn(data / "fbank" / CMVN_FILE).state_dict().items()}
+    cmvn = cmvn_stats(load_cmvn(data / "fbank" / CMVN_FILE))
     path = work / "decode-model-untrained.pt"
     save_bundle(path, build_model(config).state_dict(), config, tokenizer, features, cmvn, None)
     return path
@@ -97,11 +95,11 @@ def trained(data: Path, work: Path) -> Path:
 
 def encoder_seconds(bundle, cuts, max_batch_duration_s: float) -> float:
     """Seconds of features + encoder over the batches ``decode_split`` makes."""
-    from asrflow.evaluation.evaluate import _batches
+    from asrflow.evaluation.evaluate import decoding_batches
     from asrflow.inference import cut_features, log_probs
 
     start = time.perf_counter()
-    for batch in _batches(cuts, max_batch_duration_s):
+    for batch in decoding_batches(cuts, max_batch_duration_s):
         features, lengths = cut_features(bundle, batch)
         log_probs(bundle, features, lengths)
     return time.perf_counter() - start

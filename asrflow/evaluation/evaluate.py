@@ -34,6 +34,12 @@ class EvaluateConfig:
     max_batch_duration_s: float = 200.0
 
 
+def decoding_batches(cuts: CutSet, max_batch_duration_s: float) -> list[CutSet]:
+    """``cuts`` sorted by duration and packed into batches of at most ``max_batch_duration_s`` seconds of audio."""
+    ordered = sorted(cuts, key=lambda c: c.duration)
+    return [CutSet.from_cuts(batch) for batch in pack_by_duration(ordered, lambda c: c.duration, max_batch_duration_s)]
+
+
 def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[dict[str, str], dict[str, float]]:
     """Hypotheses of the configured decoder, and real-time factors of greedy and beam decoding.
 
@@ -49,9 +55,7 @@ def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[
         raise AsrflowError(f"params.yaml: evaluate.decoder = {config.decoder!r}; use greedy or beam")
     seconds = {"encoder": 0.0, "greedy": 0.0, "beam": 0.0}
     hyps: dict[str, str] = {}
-    ordered = sorted(cuts, key=lambda c: c.duration)
-    batches = [CutSet.from_cuts(batch)
-               for batch in pack_by_duration(ordered, lambda c: c.duration, config.max_batch_duration_s)]
+    batches = decoding_batches(cuts, config.max_batch_duration_s)
     for batch in progress(batches, desc="decoding", total=len(batches)):
         start = time.perf_counter()
         features, lengths = cut_features(bundle, batch)
