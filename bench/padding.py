@@ -67,10 +67,11 @@ def random_batches(cuts, frames: dict[str, int], seed: int, max_duration_s: floa
 
 def measure(corpus: str, data, params: dict) -> dict:
     from asrflow.data.manifests import load_cuts
+    from asrflow.params import build_config
+    from asrflow.training.config import TrainConfig
 
-    train = params.get("train", {})
-    max_duration = float(train.get("max_duration_s", 120.0))
-    num_buckets = int(train.get("num_buckets", 10))
+    train = build_config(TrainConfig, params.get("train"), "train")
+    max_duration, num_buckets = train.max_duration_s, train.num_buckets
     seed = int(params.get("seed", 0))
     cuts = load_cuts(data / "fbank", "train").to_eager()
     frames = frames_of(cuts)

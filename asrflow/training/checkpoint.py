@@ -4,10 +4,15 @@ Files are ``<dir>/step-00000050.pt``; ``best.pt`` is a hard link to the checkpoi
 the lowest dev loss. Each is written to a temporary file, fsynced and renamed, so a
 crash leaves either the old set or the new one. Loading uses ``weights_only=True``; a
 newest checkpoint that is truncated or corrupt is skipped with a warning.
+
+Each checkpoint carries a SHA-256 digest of its own content (every tensor's bytes, dtype
+and shape, and every other value), checked on loading: torch's zip reader does not verify
+tensor data, so without it a flipped bit in a weight would load silently.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -19,7 +24,7 @@ from asrflow.io import fsync_dir
 
 logger = logging.getLogger("asrflow.checkpoint")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 BEST = "best.pt"
 _STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 
@@ -50,7 +55,8 @@ def save_checkpoint(state: dict, directory: str | Path, step: int, keep_last: in
     tmp = final.with_name(f".{final.name}.tmp")
     try:
         with open(tmp, "wb") as handle:
-            torch.save({**state, "format": FORMAT_VERSION, "step": step}, handle)
+            content = {**state, "format": FORMAT_VERSION, "step": step}
+            torch.save({**content, "digest": content_digest(content)}, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, final)
@@ -73,7 +79,39 @@ def load_checkpoint(path: str | Path) -> dict:
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path} is not an asrflow checkpoint of format {FORMAT_VERSION}")
+    stored = state.pop("digest", None)
+    if stored != content_digest(state):
+        raise ValueError(f"{path}: its content does not match the digest stored with it (corrupt data)")
     return state
+
+
+def content_digest(value) -> str:
+    """SHA-256 hex digest of a checkpoint state: nested dicts, lists, tuples, tensors and scalars.
+
+    Tensors count by dtype, shape and raw bytes (not by storage layout), so the digest of a
+    state is the same before saving and after loading it.
+    """
+    digest = hashlib.sha256()
+    _update_digest(digest, value)
+    return digest.hexdigest()
+
+
+def _update_digest(digest, value) -> None:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"tensor:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        digest.update(f"dict:{len(value)}:".encode())
+        for key, item in value.items():
+            _update_digest(digest, key)
+            _update_digest(digest, item)
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__}:{len(value)}:".encode())
+        for item in value:
+            _update_digest(digest, item)
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
 
 
 def load_latest(directory: str | Path) -> tuple[dict, Path] | None:

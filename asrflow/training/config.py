@@ -29,7 +29,7 @@ class TrainConfig:
     conv_kernel_size: int = 15
     dropout: float = 0.1
     max_duration_s: float = 120.0
-    num_buckets: int = 10
+    num_buckets: int = 30
     num_workers: int = 2
     spec_augment: bool = True
     num_freq_masks: int = 2

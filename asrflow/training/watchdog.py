@@ -1,4 +1,9 @@
-"""Stall watchdog: when no step finishes in time, dump every thread's stack and exit."""
+"""Stall watchdog: when no step finishes in time, dump every thread's stack and exit.
+
+Under torchrun every rank writes to the same stderr, and two ranks that stall together
+would interleave their dumps mid-line. So the dump goes to a temporary file first and is
+then written to stderr one line per ``write``, each line prefixed with the rank's label.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import faulthandler
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -45,6 +51,16 @@ class StallWatchdog:
                     "stacks of every thread follow, then exit %d",
                     self.label, idle, self.timeout_s, EXIT_STALLED,
                 )
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                sys.stderr.flush()
+                write_stacks(sys.stderr, self.label)
                 os._exit(EXIT_STALLED)
+
+
+def write_stacks(stream, prefix: str) -> None:
+    """Every thread's stack (faulthandler's format) to ``stream``, each line starting with ``prefix``."""
+    with tempfile.TemporaryFile("w+") as dump:
+        faulthandler.dump_traceback(file=dump, all_threads=True)
+        dump.seek(0)
+        lines = dump.read().splitlines()
+    stream.flush()
+    for line in lines:  # one write per line: lines from different processes never mix
+        os.write(stream.fileno(), f"{prefix}{line}\n".encode())

@@ -6,6 +6,7 @@ import logging
 import os
 import pickle
 import random
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,39 @@ def test_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "step-00000006.pt is unreadable" in warnings[0]
     assert "falling back to the previous one" in warnings[0]
+
+
+def test_a_flipped_bit_in_tensor_data_is_caught_by_the_digest(tmp_path, caplog):
+    for step in (2, 4):
+        ckpt.save_checkpoint(_state(float(step)), tmp_path, step, keep_last=5, is_best=False)
+    newest = tmp_path / "step-00000004.pt"
+    data = bytearray(newest.read_bytes())
+    weights = struct.pack("<6f", *[4.0] * 6)  # model.w, stored raw inside the zip
+    assert data.count(weights) == 1
+    data[data.index(weights) + 2] ^= 0x01  # 4.0 becomes 4.0000305
+    newest.write_bytes(bytes(data))
+    # torch itself loads the damaged file without a word
+    silently = torch.load(newest, weights_only=True)
+    assert not torch.equal(silently["model"]["w"], torch.full((3, 2), 4.0))
+    with pytest.raises(ValueError, match="does not match the digest"):
+        ckpt.load_checkpoint(newest)
+    with caplog.at_level(logging.WARNING, logger="asrflow.checkpoint"):
+        state, path = ckpt.load_latest(tmp_path)
+    assert path == tmp_path / "step-00000002.pt" and state["step"] == 2
+    assert any("step-00000004.pt is unreadable" in r.getMessage() for r in caplog.records)
+
+
+def test_the_digest_covers_every_kind_of_value_and_survives_a_round_trip(tmp_path):
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3).t(), "h": torch.ones(2, dtype=torch.bfloat16)},
+             "optimizer": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.98), "foreach": None}]},
+             "progress": {"history": [1.5, float("nan")], "epoch": 3}, "complete": True}
+    path = ckpt.save_checkpoint(state, tmp_path, 1, keep_last=1, is_best=False)
+    loaded = ckpt.load_checkpoint(path)  # raises on a mismatch
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+    base = ckpt.content_digest(state)
+    for changed in ({**state, "complete": False}, {**state, "model": {**state["model"], "w": state["model"]["w"].t()}},
+                    {**state, "progress": {"history": [1.5, float("nan")], "epoch": 4}}):
+        assert ckpt.content_digest(changed) != base
 
 
 def test_no_readable_checkpoint_means_none(tmp_path):

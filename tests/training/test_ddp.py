@@ -36,6 +36,7 @@ from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_
 from asrflow.training.config import TrainConfig
 from asrflow.training.launch import torchrun_command
 from asrflow.training.trainer import Trainer
+from asrflow.training.watchdog import write_stacks
 
 ENTRY = Path(__file__).with_name("ddp_entry.py")
 SEED = 42
@@ -263,6 +264,15 @@ def test_a_failing_rank_ends_the_job(yesno_data, tmp_path, jobs):
     assert not (tmp_path / "fail" / "model.pt").exists()
 
 
+def test_stack_dumps_are_whole_lines_labelled_with_the_rank(tmp_path):
+    with open(tmp_path / "stderr", "w") as stream:
+        write_stacks(stream, "rank 3: ")
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert lines and all(line.startswith("rank 3: ") for line in lines)
+    assert any(re.fullmatch(r'rank 3:   File "\S+test_ddp\.py", line \d+ in '
+                            r"test_stack_dumps_are_whole_lines_labelled_with_the_rank", line) for line in lines)
+
+
 def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs):
     """Rank 1 sleeps after step 2: the watchdog dumps every thread's stack and the job ends non-zero."""
     job = jobs(yesno_data, tmp_path / "stall", dict(DDP, num_workers=0, dist_timeout_s=20.0, stall_timeout_s=10.0),
@@ -273,5 +283,5 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
     assert "injected stall on rank 1 at step 2" in log
     assert re.search(r"rank 1: no training step finished for \d+ s \(train\.stall_timeout_s = 10\)", log), log
     assert "most recent call first" in log  # faulthandler's dump of the stalled process's threads
-    assert re.search(r'File "\S+ddp_entry\.py", line \d+ in _record', log), log  # where it sleeps
+    assert re.search(r'^rank 1:   File "\S+ddp_entry\.py", line \d+ in _record$', log, re.M), log  # where it sleeps
     assert not (tmp_path / "stall" / "model.pt").exists()
