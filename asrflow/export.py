@@ -9,24 +9,22 @@ pieces, blank id, feature settings, CMVN statistics) travels inside the file as 
 ONNX ``metadata_props`` keys, or TorchScript ``_extra_files`` entries (see
 :data:`METADATA_KEYS`).
 
-Two things in the PyTorch model do not survive ONNX tracing (``torch.onnx.export`` with
-``dynamo=False``; the dynamo exporter needs ``onnxscript``, which is not a dependency),
-and :class:`ExportableEncoder` avoids both while computing the same function:
-
-- torchaudio's Conformer sizes its attention padding mask with ``int(lengths.max())``, a
-  Python number tracing freezes to the example's length. Here the mask is sized from the
-  tensor's own time axis, which is the same whenever the batch is padded to its longest
-  utterance (always so for collated batches).
-- ``nn.MultiheadAttention`` called with one tensor as query, key and value projects them
-  with one packed matmul whose time axis the exporter records as a constant, so a graph
-  traced at ``T`` fails at any other length. Here key and value are distinct views,
-  which takes the three-projection path (see :class:`_ExportableLayer`).
+The ONNX export traces the model (``torch.onnx.export`` with ``dynamo=False``; the dynamo
+exporter needs ``onnxscript``, which is not a dependency). Two things keep the traced
+graph dynamic in ``N`` and ``T``: the model sizes its padding mask from its tensor's time
+axis, never from a Python number such as ``int(lengths.max())`` that tracing would freeze;
+and :func:`exportable_model` passes key and value to the attention as views distinct from
+the query. With one tensor for all three, ``nn.MultiheadAttention`` projects them in one
+packed matmul whose time axis the exporter records as a constant, so a graph traced at
+``T`` would fail at any other length; distinct tensors take the three-projection path,
+the same function.
 
 TorchScript is made with ``torch.jit.script`` (no tracing), so every shape stays dynamic.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import warnings
@@ -34,13 +32,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from asrflow.bundle import Bundle, load_bundle
 from asrflow.data.features import cmvn_stats
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
-from asrflow.model.conformer_ctc import ConformerCtc, subsampled_lengths
+from asrflow.model.conformer_ctc import ConformerCtc
 from asrflow.tokenizer import BLANK_ID
 
 logger = logging.getLogger("asrflow.export")
@@ -58,63 +56,12 @@ METADATA_KEYS = ("tokens", "blank_id", "features", "cmvn", "model_config", "subs
 ONNX_OPSET = 17
 
 
-class _ExportableLayer(nn.Module):
-    """torchaudio's ``ConformerLayer.forward`` (convolution after attention), export-safe.
-
-    The attention gets its key and value as tensors distinct from the query. With one
-    tensor for all three, PyTorch projects them in one packed matmul whose output the
-    ONNX exporter gives a static time axis, freezing the traced length into a Reshape.
-    Distinct tensors take the three-projection path: the same function, all shapes dynamic.
-    """
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        if layer.convolution_first:
-            raise AsrflowError("export supports Conformer layers with the convolution after attention only")
-        self.ffn1 = layer.ffn1
-        self.self_attn_layer_norm = layer.self_attn_layer_norm
-        self.self_attn = layer.self_attn
-        self.self_attn_dropout = layer.self_attn_dropout
-        self.conv_module = layer.conv_module
-        self.ffn2 = layer.ffn2
-        self.final_layer_norm = layer.final_layer_norm
-
-    def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
-        """``x`` (T, N, D), ``padding_mask`` (N, T) True at padding -> (T, N, D)."""
-        x = self.ffn1(x) * 0.5 + x
-        residual = x
-        query = self.self_attn_layer_norm(x)
-        key = query.view_as(query)
-        value = query.view_as(query)
-        x, _ = self.self_attn(query, key, value, key_padding_mask=padding_mask, need_weights=False)
-        x = self.self_attn_dropout(x) + residual
-        x = self.conv_module(x.transpose(0, 1)).transpose(0, 1) + x
-        x = self.ffn2(x) * 0.5 + x
-        return self.final_layer_norm(x)
-
-
-class ExportableEncoder(nn.Module):
-    """:class:`ConformerCtc`'s forward in a form tracing keeps dynamic in ``N`` and ``T``.
-
-    Shares the wrapped model's parameters; computes the same function in eval mode.
-    """
-
-    def __init__(self, model: ConformerCtc):
-        super().__init__()
-        self.subsampling = model.subsampling
-        self.layers = nn.ModuleList(_ExportableLayer(layer) for layer in model.encoder.conformer_layers)
-        self.head = model.head
-
-    def forward(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """``features`` (N, T, F) and ``lengths`` (N,) -> ``log_probs`` (N, T', V), ``out_lens`` (N,)."""
-        x = self.subsampling(features)  # (N, T', D)
-        frames = torch.arange(x.size(1), device=lengths.device, dtype=lengths.dtype)  # (T',)
-        out_lens = torch.minimum(subsampled_lengths(lengths).clamp(min=1), frames[-1] + 1)  # (N,)
-        padding_mask = frames.unsqueeze(0) >= out_lens.unsqueeze(1)  # (N, T'), True = padding
-        x = x.transpose(0, 1)  # (T', N, D)
-        for layer in self.layers:
-            x = layer(x, padding_mask)
-        return self.head(x.transpose(0, 1)).log_softmax(dim=-1), out_lens  # (N, T', V), (N,)
+def exportable_model(model: ConformerCtc) -> ConformerCtc:
+    """A copy of ``model`` in eval mode whose attention takes key and value as tensors distinct from the query."""
+    exported = copy.deepcopy(model).eval()
+    for layer in exported.encoder.conformer_layers:
+        layer.distinct_key_value = True
+    return exported
 
 
 def metadata(bundle: Bundle) -> dict[str, str]:
@@ -142,7 +89,7 @@ def export_onnx(bundle: Bundle, out: Path) -> None:
     """Write the encoder as ONNX (opset :data:`ONNX_OPSET`, dynamic ``N`` and ``T``)."""
     import onnx
 
-    encoder = ExportableEncoder(bundle.model).eval()
+    encoder = exportable_model(bundle.model)
     dims = {"features": {0: "N", 1: "T"}, "lengths": {0: "N"}, "log_probs": {0: "N", 1: "T_out"},
             "out_lens": {0: "N"}}
     with atomic_path(out) as tmp, torch.no_grad():
@@ -165,7 +112,7 @@ def export_onnx(bundle: Bundle, out: Path) -> None:
 
 def export_torchscript(bundle: Bundle, out: Path) -> None:
     """Write the encoder as TorchScript (scripted, so every shape stays dynamic)."""
-    encoder = ExportableEncoder(bundle.model).eval()
+    encoder = exportable_model(bundle.model)
     with warnings.catch_warnings():
         # PyTorch 2.9+ marks TorchScript deprecated (FutureWarning); it still works and loads anywhere.
         warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.jit")

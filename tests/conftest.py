@@ -46,7 +46,7 @@ def tiny_train_config(**overrides):
 
     tiny = TrainConfig(
         d_model=32, num_heads=2, ffn_dim=64, num_layers=1, conv_kernel_size=7, dropout=0.1,
-        max_duration_s=30.0, num_workers=0, epochs=2, warmup_steps=5, num_threads=1,
+        max_duration_s=30.0, num_buckets=10, num_workers=0, epochs=2, warmup_steps=5, num_threads=1,
         checkpoint_every_steps=4, validate_every_steps=4, keep_last=20, average_last=1,
     )
     return replace(tiny, **overrides)

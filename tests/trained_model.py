@@ -2,11 +2,15 @@
 
 A test module gets the ``yesno_model`` fixture with ``pytest_plugins = ["trained_model"]``
 (one fixture for the whole session however many modules use it). It builds on
-``yesno_data`` from conftest.py and needs nothing under ``exp/``.
+``yesno_data`` from conftest.py and needs nothing under ``exp/``. Its tokenizer is the
+one params.yaml sets (BPE with whole-word pieces for yesno), trained here on the train
+split, not ``yesno_data``'s char tokenizer: with characters, a model this small now and
+then drops a word boundary ("NONO") on resampled copies of an utterance.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,17 +45,23 @@ def dev_wer(model_path: Path, fbank_dir: Path) -> float:
 @pytest.fixture(scope="session")
 def yesno_model(yesno_data: Path, tmp_path_factory) -> Path:
     """Path of a model bundle trained on the yesno train split that transcribes its dev split."""
-    from conftest import tiny_train_config, train_paths
+    from conftest import REPO, tiny_train_config, train_paths
 
     from asrflow.data.features import FeatureConfig
+    from asrflow.data.manifests import cut_text, load_cuts
+    from asrflow.params import build_config, load_params
+    from asrflow.tokenizer import TokenizerConfig, train_tokenizer
     from asrflow.training.trainer import Trainer
 
+    lang = tmp_path_factory.mktemp("yesno_model_lang")
+    tokenizer = build_config(TokenizerConfig, load_params(REPO / "params.yaml").get("tokenizer"), "tokenizer")
+    train_tokenizer([cut_text(cut) for cut in load_cuts(yesno_data / "manifests", "train")], lang, tokenizer)
     config = tiny_train_config(**TRAIN_OVERRIDES)
     tried = []
     for seed in SEEDS:
         exp = tmp_path_factory.mktemp(f"yesno_model_seed{seed}")
-        Trainer(config, FeatureConfig(), seed, {}, train_paths(yesno_data, exp),
-                tracking_uri=f"sqlite:///{exp / 'mlflow.db'}").run()
+        paths = replace(train_paths(yesno_data, exp), lang_dir=lang)
+        Trainer(config, FeatureConfig(), seed, {}, paths, tracking_uri=f"sqlite:///{exp / 'mlflow.db'}").run()
         wer = dev_wer(exp / "model.pt", yesno_data / "fbank")
         if wer <= MAX_DEV_WER:
             return exp / "model.pt"

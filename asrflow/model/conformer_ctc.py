@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torchaudio.models import Conformer
 
@@ -58,8 +59,82 @@ class FrameLayerNorm(nn.Module):
         return self.norm(x.transpose(1, 2)).transpose(1, 2)  # (N, C, T)
 
 
+class MaskedConvolution(nn.Module):
+    """torchaudio's Conformer convolution module, with padded frames zeroed before its depthwise convolution.
+
+    Its order is LayerNorm, pointwise conv, GLU, depthwise conv, norm, activation, pointwise
+    conv, dropout. Everything but the depthwise convolution works frame by frame, so
+    zeroing the padded frames right before it makes each utterance's valid frames exactly
+    what they would be unpadded (where the convolution pads with zeros itself). The norm is
+    :class:`FrameLayerNorm`: BatchNorm's batch statistics, or GroupNorm's over all frames,
+    would mix in the padding. Keeps torchaudio's parameter names (``layer_norm``,
+    ``sequential.<i>``).
+    """
+
+    def __init__(self, conv_module: nn.Module, channels: int):
+        super().__init__()
+        self.layer_norm = conv_module.layer_norm
+        self.sequential = conv_module.sequential
+        self.depthwise_index = next(i for i, m in enumerate(self.sequential)
+                                    if isinstance(m, nn.Conv1d) and m.groups == channels)
+        norm_index = next(i for i, m in enumerate(self.sequential) if isinstance(m, (nn.GroupNorm, nn.BatchNorm1d)))
+        self.sequential[norm_index] = FrameLayerNorm(channels)
+
+    def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
+        """``x`` (N, T, D), ``padding_mask`` (N, T) True at padded frames -> (N, T, D)."""
+        y = self.layer_norm(x).transpose(1, 2)  # (N, D, T)
+        for index, module in enumerate(self.sequential):
+            if index == self.depthwise_index:
+                y = y.masked_fill(padding_mask.unsqueeze(1), 0.0)
+            y = module(y)
+        return y.transpose(1, 2)
+
+
+class ConformerBlock(nn.Module):
+    """One torchaudio Conformer layer (convolution after attention) that masks padding in attention and convolution.
+
+    Takes over the layer's submodules under their names, so state dicts are torchaudio's.
+    ``distinct_key_value`` passes key and value to the attention as tensors distinct from
+    the query: the same function, but PyTorch then projects them in three matmuls instead
+    of one packed one, whose time axis the ONNX exporter would freeze (see asrflow.export).
+    """
+
+    def __init__(self, layer: nn.Module, channels: int, distinct_key_value: bool = False):
+        super().__init__()
+        if getattr(layer, "convolution_first", False):
+            raise ValueError("ConformerBlock supports Conformer layers with the convolution after attention only")
+        self.ffn1 = layer.ffn1
+        self.self_attn_layer_norm = layer.self_attn_layer_norm
+        self.self_attn = layer.self_attn
+        self.self_attn_dropout = layer.self_attn_dropout
+        conv = layer.conv_module
+        self.conv_module = conv if isinstance(conv, MaskedConvolution) else MaskedConvolution(conv, channels)
+        self.ffn2 = layer.ffn2
+        self.final_layer_norm = layer.final_layer_norm
+        self.distinct_key_value = distinct_key_value
+
+    def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
+        """``x`` (T, N, D), ``padding_mask`` (N, T) True at padded frames -> (T, N, D)."""
+        x = self.ffn1(x) * 0.5 + x
+        residual = x
+        query = self.self_attn_layer_norm(x)
+        if self.distinct_key_value:
+            key, value = query.view_as(query), query.view_as(query)
+        else:
+            key, value = query, query
+        x, _ = self.self_attn(query, key, value, key_padding_mask=padding_mask, need_weights=False)
+        x = self.self_attn_dropout(x) + residual
+        x = self.conv_module(x.transpose(0, 1), padding_mask).transpose(0, 1) + x
+        x = self.ffn2(x) * 0.5 + x
+        return self.final_layer_norm(x)
+
+
 class ConformerCtc(nn.Module):
-    """Fbank frames in, per-frame log-probabilities over the vocabulary (blank = 0) out."""
+    """Fbank frames in, per-frame log-probabilities over the vocabulary (blank = 0) out.
+
+    An utterance's output does not depend on the batch it is in nor on its padding: every
+    part of the encoder either works frame by frame or masks the padded frames.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -73,16 +148,10 @@ class ConformerCtc(nn.Module):
             num_layers=config.num_layers,
             depthwise_conv_kernel_size=config.conv_kernel_size,
             dropout=config.dropout,
-            use_group_norm=True,  # replaced just below
+            use_group_norm=True,  # replaced by MaskedConvolution's per-frame norm
         )
-        # Normalise each frame over its channels (not BatchNorm's batch statistics, nor
-        # GroupNorm's statistics over all frames, padding included): an utterance's output
-        # then does not depend on the batch it is in, nor on how much it was padded, except
-        # that the depthwise convolution still sees up to kernel_size // 2 padded frames at
-        # the end of each utterance.
-        for layer in self.encoder.conformer_layers:
-            norm_index = next(i for i, m in enumerate(layer.conv_module.sequential) if isinstance(m, nn.GroupNorm))
-            layer.conv_module.sequential[norm_index] = FrameLayerNorm(config.d_model)
+        self.encoder.conformer_layers = nn.ModuleList(
+            ConformerBlock(layer, config.d_model) for layer in self.encoder.conformer_layers)
         self.head = nn.Linear(config.d_model, config.vocab_size)
 
     def forward(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
@@ -97,9 +166,15 @@ class ConformerCtc(nn.Module):
             out_lengths: (N,) valid output frames (40 ms each).
         """
         x = self.dropout(self.subsampling(features))  # (N, T', D)
-        out_lengths = subsampled_lengths(lengths).clamp(min=1, max=x.size(1))
-        x, out_lengths = self.encoder(x, out_lengths)  # (N, T', D)
-        return self.head(x).log_softmax(dim=-1), out_lengths  # (N, T', V)
+        # The mask is sized from x's own time axis (not from lengths.max()), so an ONNX
+        # trace keeps T' dynamic.
+        frames = torch.arange(x.size(1), device=lengths.device, dtype=lengths.dtype)  # (T',)
+        out_lengths = torch.minimum(subsampled_lengths(lengths).clamp(min=1), frames[-1] + 1)  # (N,)
+        padding_mask = frames.unsqueeze(0) >= out_lengths.unsqueeze(1)  # (N, T'), True = padding
+        x = x.transpose(0, 1)  # (T', N, D)
+        for layer in self.encoder.conformer_layers:
+            x = layer(x, padding_mask)
+        return self.head(x.transpose(0, 1)).log_softmax(dim=-1), out_lengths  # (N, T', V), (N,)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -2,9 +2,10 @@
 
 ``train_step`` normalises by the target tokens of the whole optimizer step, so two
 micro-batches of two utterances must give what one batch of all four gives. The
-utterances have equal lengths, so every batch is padded alike (the encoder's GroupNorm
-sees the same frames either way); fp32, dropout off. Tolerance: ``atol=1e-6``,
-``rtol=1e-5`` on every gradient (float32 sums in another order).
+utterances have different lengths and each micro-batch is cut to its longest one, so
+the same utterance is padded differently in the big batch and in a micro-batch (the
+model masks padding everywhere, so this must not matter); fp32, dropout off.
+Tolerance: ``atol=1e-6``, ``rtol=1e-5`` on every gradient (float32 sums in another order).
 """
 
 from __future__ import annotations
@@ -20,27 +21,32 @@ from asrflow.training.precision import resolve_precision
 from asrflow.training.step import ctc_loss_sum, train_step
 
 NUM_UTTERANCES, FRAMES, MEL_BINS, TOKENS, VOCAB = 4, 120, 80, 9, 8
+LENGTHS = (120, 110, 90, 70)
 ATOL, RTOL = 1e-6, 1e-5
 
 
 def _utterances() -> dict:
-    """Four equal-length utterances: (N, T, F) features, (N, U) targets without blanks."""
+    """Four utterances of 120, 110, 90 and 70 frames: (N, T, F) features, (N, U) targets without blanks."""
     generator = torch.Generator().manual_seed(0)
     return {
         "features": torch.randn(NUM_UTTERANCES, FRAMES, MEL_BINS, generator=generator),  # (N, T, F)
-        "feature_lens": torch.full((NUM_UTTERANCES,), FRAMES, dtype=torch.int64),
+        "feature_lens": torch.tensor(LENGTHS, dtype=torch.int64),
         "targets": torch.randint(1, VOCAB, (NUM_UTTERANCES, TOKENS), generator=generator),  # (N, U)
         "target_lens": torch.full((NUM_UTTERANCES,), TOKENS, dtype=torch.int64),
         "cut_ids": [f"utt{n}" for n in range(NUM_UTTERANCES)],
-        "durations": torch.full((NUM_UTTERANCES,), FRAMES / 100, dtype=torch.float64),
+        "durations": torch.tensor(LENGTHS, dtype=torch.float64) / 100,
     }
 
 
 def _split(batch: dict, pieces: int) -> list[dict]:
+    """``pieces`` micro-batches, each padded only to its own longest utterance (as the collator does)."""
     size = NUM_UTTERANCES // pieces
-    return [
-        {key: value[i * size : (i + 1) * size] for key, value in batch.items()} for i in range(pieces)
-    ]
+    micro_batches = []
+    for i in range(pieces):
+        part = {key: value[i * size : (i + 1) * size] for key, value in batch.items()}
+        part["features"] = part["features"][:, : int(part["feature_lens"].max())]
+        micro_batches.append(part)
+    return micro_batches
 
 
 def _model() -> torch.nn.Module:
