@@ -3,7 +3,6 @@ so that editing library code re-runs the stages that use it, under both tools.""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -12,40 +11,13 @@ from pathlib import Path
 
 import yaml
 
+from asrflow.source import import_closure
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _module_file(name: str) -> Path | None:
-    path = REPO / Path(*name.split("."))
-    if path.with_suffix(".py").is_file():
-        return path.with_suffix(".py")
-    if (path / "__init__.py").is_file():
-        return path / "__init__.py"
-    return None
-
-
-def _imports(file: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(file.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in names if name.split(".")[0] == "asrflow"}
-
-
 def _closure(script: Path) -> set[Path]:
-    seen: set[Path] = set()
-    todo = [script]
-    while todo:
-        file = todo.pop()
-        for name in _imports(file):
-            module = _module_file(name)
-            if module and module not in seen:
-                seen.add(module)
-                todo.append(module)
-    return {path for path in seen if path.name != "__init__.py" or path.stat().st_size > 0}
+    return {path for path in import_closure([script], REPO) if path.name != "__init__.py" or path.stat().st_size > 0}
 
 
 def _covered(path: Path, deps: list[str]) -> bool:

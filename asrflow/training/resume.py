@@ -5,7 +5,10 @@ Two things are compared with what the checkpoint recorded:
 * the **fingerprint**: what a resume cannot change without making the checkpoint
   meaningless (model shape, features, tokenizer, train data, seed, batch plan settings);
 * the **training params**: every ``train:`` key outside
-  :data:`~asrflow.training.config.OPERATIONAL_KEYS`.
+  :data:`~asrflow.training.config.OPERATIONAL_KEYS`, and ``code_digest``, the digest of
+  the training code (:func:`asrflow.source.source_digest` of the trainer). So a finished
+  run that DVC or Snakemake re-runs because its code changed trains again, while an
+  unfinished one resumes under the new code with a warning.
 
 ========================  ==========================  =====================================
 newest checkpoint         fingerprint / train params  decision
@@ -53,9 +56,10 @@ def build_fingerprint(model: dict, features: dict, data_digest: str, seed: int, 
     return fingerprint
 
 
-def training_params(config: TrainConfig) -> dict:
-    """The train keys that change what the steps compute."""
-    return {key: value for key, value in asdict(config).items() if key not in OPERATIONAL_KEYS}
+def training_params(config: TrainConfig, code_digest: str) -> dict:
+    """The train keys that change what the steps compute, and the digest of the code that computes them."""
+    params = {key: value for key, value in asdict(config).items() if key not in OPERATIONAL_KEYS}
+    return {**params, "code_digest": code_digest}
 
 
 def _differences(old: dict, new: dict) -> list[str]:

@@ -27,6 +27,7 @@ from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
+from asrflow.source import source_digest
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.tracking import RunTracker
 from asrflow.training import checkpoint as ckpt
@@ -141,7 +142,7 @@ class Trainer:
             self.seed,
             config,
         )
-        self.train_params = training_params(config)
+        self.train_params = training_params(config, source_digest(__name__))
         logger.info(
             "model: %d parameters; %d train / %d dev utterances (%d removed as too short for CTC); "
             "precision %s (%s); device %s; world size %d",

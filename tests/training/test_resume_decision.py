@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from conftest import tiny_train_config
+from conftest import copy_repo, tiny_train_config
 from train_entry import fresh_mlflow_store, train_in_process
 
 from asrflow.data.features import FeatureConfig
@@ -19,11 +24,11 @@ from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, tr
 CKPT_DIR = Path("exp/checkpoints")
 
 
-def _settings(config=None, d_model: int = 32, seed: int = 42, data_digest: str = "abc123"):
+def _settings(config=None, d_model: int = 32, seed: int = 42, data_digest: str = "abc123", code: str = "c0de"):
     config = config or tiny_train_config()
     model = ModelConfig(input_dim=80, vocab_size=5, d_model=d_model, num_heads=2, ffn_dim=64, num_layers=1)
     fingerprint = build_fingerprint(asdict(model), asdict(FeatureConfig()), data_digest, seed, config)
-    return fingerprint, training_params(config)
+    return fingerprint, training_params(config, code)
 
 
 def _checkpoint(complete: bool, **settings) -> dict:
@@ -53,8 +58,9 @@ def test_finished_run_resumes_when_only_epochs_were_raised():
         {"d_model": 64},  # the model shape
         {"data_digest": "other"},  # the training data
         {"seed": 7},
+        {"code": "edited"},  # the training code
     ],
-    ids=["lr", "d_model", "data", "seed"],
+    ids=["lr", "d_model", "data", "seed", "code"],
 )
 def test_finished_run_with_changed_settings_starts_fresh(changed, caplog):
     with caplog.at_level(logging.INFO, logger="asrflow.resume"):
@@ -67,6 +73,12 @@ def test_unfinished_run_with_a_changed_train_param_resumes_with_a_warning(caplog
         decision = decide(_checkpoint(False), *_settings(tiny_train_config(lr=0.01)), CKPT_DIR)
     assert decision == RESUME
     assert "train param changed since the checkpoint: lr: 0.003 -> 0.01" in caplog.text
+
+
+def test_unfinished_run_under_edited_code_resumes_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+        assert decide(_checkpoint(False), *_settings(code="edited"), CKPT_DIR) == RESUME
+    assert "train param changed since the checkpoint: code_digest: 'c0de' -> 'edited'" in caplog.text
 
 
 def test_unfinished_run_with_operational_changes_resumes_silently(caplog):
@@ -140,3 +152,34 @@ def test_trainer_starts_fresh_after_a_finished_run_with_changed_params(yesno_dat
     newest = ckpt.load_checkpoint(ckpt.list_checkpoints(exp / "checkpoints")[0])
     assert newest["train_params"]["lr"] == 0.001
     assert newest["progress"]["history"]["step"] == list(range(1, first["steps"] + 1))
+
+
+def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_data, tmp_path):
+    """What DVC and Snakemake rely on when they re-run the train stage because its code changed.
+
+    The trainer runs from a copy of the repository, in its own process: the same finished
+    run resumes (nothing left to do) under unchanged code, and trains again from step 0
+    after a comment is appended to one module of the training code.
+    """
+    repo = copy_repo(tmp_path / "repo")
+    exp = tmp_path / "exp"
+    overrides = json.dumps({"epochs": 1, "checkpoint_every_steps": 100, "validate_every_steps": 0})
+
+    def train() -> str:
+        done = subprocess.run(
+            [sys.executable, str(repo / "tests" / "training" / "train_entry.py"), "--data", str(yesno_data),
+             "--exp", str(exp), "--overrides", overrides],
+            cwd=tmp_path, env={**os.environ, "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_TRACKING_URI": ""},
+            capture_output=True, text=True, timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    assert "starting a fresh run" in train()
+    unchanged = train()
+    assert "resuming from" in unchanged and "starting a fresh run" not in unchanged
+    with open(repo / "asrflow" / "training" / "schedule.py", "a") as module:
+        module.write("\n# an edit\n")
+    edited = train()
+    assert re.search(r"used other settings \(code_digest: '[0-9a-f]{16}' -> '[0-9a-f]{16}'\)", edited), edited
+    assert "starting a fresh run" in edited
