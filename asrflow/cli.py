@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from asrflow.errors import EXIT_USER_ERROR, AsrflowError
+from asrflow.errors import EXIT_USER_ERROR, AsrflowError, first_line
 
 #: Choices of --decoder and export --format (asrflow.decoding.ctc.DECODER_KINDS and asrflow.export.FORMATS;
 #: repeated here so that ``--help`` answers without importing torch).
@@ -133,18 +133,13 @@ def _unreadable_reason(path: str) -> str | None:
     return None
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _one_line(path: str, error: Exception) -> str:
     """``error`` (possibly Lhotse's multi-line report of every backend tried) as one line naming ``path``."""
     reason = re.search(r"LibsndfileError'>: Error opening .*?: (.+)", str(error))
     if reason:
         return (f"{path}: cannot read audio ({reason.group(1).strip().rstrip('.')}); "
                 "check the file or convert it to WAV/FLAC")
-    first = _first_line(error)
+    first = first_line(error)
     return first if path in first else f"{path}: {first}"
 
 
@@ -216,7 +211,7 @@ def transcribe_files(
                 try:
                     done[index] = (run([cut])[0], None)
                 except Exception as error:
-                    done[index] = (None, f"{paths[index]}: could not be transcribed ({_first_line(error)})")
+                    done[index] = (None, f"{paths[index]}: could not be transcribed ({first_line(error)})")
     while next_index in done:
         yield paths[next_index], *done.pop(next_index)
         next_index += 1

@@ -18,6 +18,19 @@ class AsrflowError(Exception):
     """A problem the user can fix. The message names the item and says what to do."""
 
 
+def first_line(error: BaseException) -> str:
+    """A one-line summary of an exception's message.
+
+    Lhotse's audio errors list one line per backend (``Exception #0 (<backend>): <type>:
+    message``); the first backend's message is the telling one, so it is used when present.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("Exception #0"):
+            return line.rsplit("'>: ", 1)[-1]
+    return lines[0] if lines else type(error).__name__
+
+
 def exit_on_user_error(main: F) -> F:
     """Decorate a stage's ``main`` so that :class:`AsrflowError` prints one line and exits 2."""
 

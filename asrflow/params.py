@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,12 +42,27 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin in (list, tuple):
-        return isinstance(value, (list, tuple))
+        if not isinstance(value, (list, tuple)):
+            return False
+        item_type = next(iter(typing.get_args(annotation)), Any)
+        return all(_type_ok(item, item_type) for item in value)
     if origin is dict:
         return isinstance(value, dict)
     if isinstance(annotation, type):
         return isinstance(value, annotation)
     return True
+
+
+def require_mapping(section: Any, name: str) -> dict[str, Any]:
+    """``section`` as a dict (``{}`` when left empty); anything but a mapping is a user error."""
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise AsrflowError(
+            f"params.yaml: section {name} = {section!r} must be a mapping of keys (key: value lines "
+            f"indented under {name}:), or left out for the defaults"
+        )
+    return section
 
 
 def build_config(cls: type[C], section: dict[str, Any] | None, name: str) -> C:
@@ -55,7 +71,7 @@ def build_config(cls: type[C], section: dict[str, Any] | None, name: str) -> C:
     Unknown keys and values of the wrong type end in an :class:`AsrflowError` that names
     the key; keys left out take the dataclass defaults.
     """
-    section = dict(section or {})
+    section = dict(require_mapping(section, name))
     hints = typing.get_type_hints(cls)
     fields = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(section) - fields)
@@ -70,6 +86,43 @@ def build_config(cls: type[C], section: dict[str, Any] | None, name: str) -> C:
                 f"params.yaml: {name}.{key} = {value!r} has the wrong type; expected {hints[key]}"
             )
     return cls(**section)
+
+
+def param_error(section: str, key: str, value: Any, why: str) -> AsrflowError:
+    """The one-line message for ``section.key = value`` being out of range: ``why`` says what is allowed."""
+    return AsrflowError(f"params.yaml: {section}.{key} = {value!r} {why}")
+
+
+def check_at_least(config: object, section: str, minimum: float, *keys: str) -> None:
+    """Raise :func:`param_error` unless ``config.key >= minimum`` for every key."""
+    for key in keys:
+        value = getattr(config, key)
+        if value < minimum:
+            raise param_error(section, key, value, f"must be at least {minimum}")
+
+
+def check_positive(config: object, section: str, *keys: str) -> None:
+    """Raise :func:`param_error` unless ``config.key > 0`` for every key."""
+    for key in keys:
+        value = getattr(config, key)
+        if not value > 0:
+            raise param_error(section, key, value, "must be greater than 0")
+
+
+def check_choice(config: object, section: str, key: str, choices: Iterable[str]) -> None:
+    """Raise :func:`param_error` unless ``config.key`` is one of ``choices``."""
+    choices = tuple(choices)
+    value = getattr(config, key)
+    if value not in choices:
+        raise param_error(section, key, value, f"is not valid; use one of {', '.join(choices)}")
+
+
+def read_seed(params: dict[str, Any]) -> int:
+    """The shared top-level ``seed`` of ``params.yaml`` (0 when left out), checked to be an integer."""
+    seed = params.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise AsrflowError(f"params.yaml: seed = {seed!r} must be an integer (e.g. seed: 42)")
+    return seed
 
 
 def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:

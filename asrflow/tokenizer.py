@@ -15,12 +15,19 @@ from pathlib import Path
 import sentencepiece as spm
 
 from asrflow.errors import AsrflowError
+from asrflow.params import check_at_least, check_choice, param_error
 
 BLANK_ID = 0
 BLANK = "<blk>"
 UNK_ID = 1
 MODEL_FILE = "tokenizer.model"
 TOKENS_FILE = "tokens.txt"
+#: Accepted values of ``tokenizer.model_type``.
+MODEL_TYPES = ("char", "bpe", "unigram", "word")
+#: Pieces every model holds besides the characters: ``<blk>``, ``<unk>`` and ``▁``.
+SPECIAL_PIECES = 3
+#: The smallest vocabulary: the special pieces (a smaller one cannot spell any text).
+MIN_VOCAB_SIZE = SPECIAL_PIECES
 
 
 @dataclass(frozen=True)
@@ -31,20 +38,27 @@ class TokenizerConfig:
     vocab_size: int = 32
     character_coverage: float = 1.0
 
+    def __post_init__(self) -> None:
+        check_choice(self, "tokenizer", "model_type", MODEL_TYPES)
+        check_at_least(self, "tokenizer", MIN_VOCAB_SIZE, "vocab_size")
+        if not 0.0 < self.character_coverage <= 1.0:
+            raise param_error("tokenizer", "character_coverage", self.character_coverage, "must be in (0, 1]")
+
 
 def train_tokenizer(texts: Iterable[str], output_dir: str | Path, config: TokenizerConfig) -> Path:
     """Train SentencePiece on ``texts`` (the train split only) into ``output_dir``.
 
     Writes ``tokenizer.model`` and ``tokens.txt`` (``piece id`` per line). For the char
-    model the vocabulary is what the text holds, so ``vocab_size`` is only an upper bound.
-    Training is deterministic for the same text and params (single thread, fixed seed
-    sentence order). Returns the model path.
+    model the vocabulary is what the text holds, so ``vocab_size`` is only an upper bound,
+    but it must leave room for every character (see :func:`_check_characters_covered`).
+    Every sentence is kept, repeats included (their counts are BPE/unigram statistics),
+    and sorted, so training is deterministic for the same text and params whatever the
+    input order (single thread). Returns the model path.
+
+    Raises:
+        AsrflowError: no text, a vocabulary too large or too small for the text.
     """
-    if config.model_type not in {"char", "bpe", "unigram", "word"}:
-        raise AsrflowError(
-            f"params.yaml: tokenizer.model_type = {config.model_type!r}; use char, bpe, unigram or word"
-        )
-    lines = sorted({line.strip() for line in texts if line.strip()})
+    lines = sorted(line.strip() for line in texts if line.strip())
     if not lines:
         raise AsrflowError("the train split has no text to train the tokenizer on")
     output_dir = Path(output_dir)
@@ -70,13 +84,35 @@ def train_tokenizer(texts: Iterable[str], output_dir: str | Path, config: Tokeni
         spm.SentencePieceTrainer.train(**options)
     except RuntimeError as error:
         raise AsrflowError(_explain_training_error(str(error), config)) from None
+    tokenizer = Tokenizer(model.getvalue())
+    _check_characters_covered(tokenizer, lines, config)
     model_path = output_dir / MODEL_FILE
     model_path.write_bytes(model.getvalue())
-    tokenizer = Tokenizer(model_path)
     (output_dir / TOKENS_FILE).write_text(
         "".join(f"{piece} {index}\n" for index, piece in enumerate(tokenizer.pieces))
     )
     return model_path
+
+
+def _check_characters_covered(tokenizer: Tokenizer, lines: list[str], config: TokenizerConfig) -> None:
+    """Fail when a character of the train text would be read as ``<unk>``.
+
+    Applies to the subword models (char, bpe, unigram) with ``character_coverage: 1.0``,
+    which must spell every character; a lower coverage maps rare characters to ``<unk>``
+    on purpose, and a word model maps unseen words to it by design. A char model needs
+    one piece per character plus ``<blk>``, ``<unk>`` and the word boundary ``▁``.
+    """
+    if config.model_type == "word" or config.character_coverage < 1.0:
+        return
+    characters = sorted({char for line in lines for char in line if not char.isspace()})
+    lost = [char for char in characters if UNK_ID in tokenizer.encode(char)]
+    if lost:
+        needed = len(characters) + SPECIAL_PIECES
+        raise AsrflowError(
+            f"params.yaml: tokenizer.vocab_size = {config.vocab_size} leaves {len(lost)} of the "
+            f"{len(characters)} characters of the train text unknown ({''.join(lost[:20])}); "
+            f"set it to at least {needed}"
+        )
 
 
 def _explain_training_error(message: str, config: TokenizerConfig) -> str:

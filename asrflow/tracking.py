@@ -36,7 +36,13 @@ Crash safety (exactly one point per metric and step, in one MLflow run)
     history and only the missing ones are written. If the store holds points past the
     checkpoint (a previous attempt flushed and died later), the re-recorded copies of those
     ``(metric, step)`` pairs are dropped by :meth:`RunTracker.record`. Steps must be the
-    global training step and must not go backwards.
+    global training step and must not go backwards, except through a rollback.
+
+Rollback (the same process goes back to the checkpoint of step ``s``)
+    Call :meth:`RunTracker.discard_after` with ``s`` (the abandoned steps' buffered points
+    are dropped), then :meth:`RunTracker.load_state_dict` with that checkpoint's state, as a
+    resume does: points of the abandoned steps that were already flushed stay in the store,
+    and the retried steps' copies of them are dropped. Every step keeps exactly one point.
 
 Reopening
     ``RunTracker.start(run_id=...)`` continues that run: a RUNNING/FAILED/KILLED run is
@@ -410,6 +416,20 @@ class RunTracker:
             self._written_through = max(self._written_through, max(point[1] for point in chunk))
         if self._written_through > self._logged_through:
             self._write_watermark(self._written_through)
+
+    def discard_after(self, step: int) -> int:
+        """Drop the buffered points of steps after ``step``; returns how many were dropped.
+
+        For a rollback to the checkpoint of ``step``: the abandoned steps are trained again
+        and re-recorded, so their first points must never reach the store. Call it before
+        :meth:`load_state_dict` with that checkpoint's tracker state.
+        """
+        step = int(step)
+        kept = [point for point in self._pending if point[1] <= step]
+        dropped = len(self._pending) - len(kept)
+        self._pending = kept
+        self._recorded_through = min(self._recorded_through, step)
+        return dropped
 
     def _write_metrics(self, metrics: list[Metric]) -> None:
         """One store call, one commit: at most ``max_metrics_per_batch`` metrics."""

@@ -37,7 +37,7 @@ MODULES = [
     ("pipeline_overhead", "bench.pipeline_overhead"),
 ]
 #: Benchmarks written as separate scripts: (name, module, time limit in s for full, quick).
-EXTERNAL = [("resume", "bench.resume_cost", 300, 150)]
+EXTERNAL = [("resume", "bench.resume_cost", 900, 150)]
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"
 
 logger = logging.getLogger("bench")

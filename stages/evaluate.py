@@ -2,7 +2,8 @@
 
 Reads exp/model.pt, data/fbank/test_cuts.jsonl.gz and params.yaml `evaluate:`; writes
 exp/eval/metrics.json (for `dvc metrics show`), per_utterance.jsonl, errors.txt and
-wer_by_duration.csv (for `dvc plots show`), and logs them to the training's MLflow run.
+wer_by_duration.csv (for `dvc plots show`), and logs them, with the training's
+exp/plots/train_loss.csv and a WER-by-duration table and chart, to the training's MLflow run.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import argparse
 from pathlib import Path
 
 from asrflow.data.prepare import PrepareConfig, prepare_corpus
-from asrflow.errors import AsrflowError, exit_on_user_error
+from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
-from asrflow.params import load_params
+from asrflow.params import load_params, read_seed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,11 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging()
     params = load_params(args.params)
-    seed = params.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise AsrflowError(f"params.yaml: seed = {seed!r} must be an integer")
     config = PrepareConfig.from_section(params.get("prepare"))
-    prepare_corpus(config, args.out, seed)
+    prepare_corpus(config, args.out, read_seed(params))
 
 
 if __name__ == "__main__":

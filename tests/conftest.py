@@ -9,10 +9,28 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+
+def write_shipped_params(folder: Path, changes: dict[str, object]) -> Path:
+    """``folder/params.yaml``: the shipped params with ``changes`` applied.
+
+    A key ``section.key`` sets one value; a bare ``section`` replaces the whole section.
+    """
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for dotted, value in changes.items():
+        section, _, key = dotted.partition(".")
+        if key:
+            params[section][key] = value
+        else:
+            params[section] = value
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
 
 
 @pytest.fixture(scope="session")

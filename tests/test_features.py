@@ -55,3 +55,61 @@ def test_automatic_job_count_follows_the_amount_of_audio(yesno_data):
     long = cuts.repeat(times=int(4 * AUDIO_S_PER_JOB // sum(c.duration for c in cuts)) + 1)
     assert jobs_for(long, 8) == 4
     assert jobs_for(long, 2) == 2
+
+
+def test_num_jobs_zero_uses_every_available_core_on_a_large_split(yesno_data):
+    import os
+
+    from asrflow.data.features import AUDIO_S_PER_JOB, available_cores, resolve_jobs
+
+    cores = available_cores()
+    assert cores == len(os.sched_getaffinity(0))
+    cuts = load_cuts(yesno_data / "manifests", "test")
+    large = cuts.repeat(times=int(cores * AUDIO_S_PER_JOB // sum(c.duration for c in cuts)) + 1)
+    assert resolve_jobs(FeatureConfig(num_jobs=0), large) == cores
+    assert resolve_jobs(FeatureConfig(num_jobs=0), cuts) == 1  # 3 minutes: one process
+    assert resolve_jobs(FeatureConfig(num_jobs=3), cuts) == 3  # an explicit count is taken as it is
+
+
+def write_split_manifests(folder, audio_dir, names_by_split) -> None:
+    """Cut manifests (one cut per generated 1 s tone) for train/dev/test, as the prepare stage writes them."""
+    import numpy as np
+    import soundfile as sf
+    from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
+
+    from asrflow.data.manifests import cuts_path
+
+    audio_dir.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, names in names_by_split.items():
+        recordings, supervisions = [], []
+        for name in names:
+            path = audio_dir / f"{name}.wav"
+            sf.write(path, (0.1 * np.sin(np.arange(16000) / 7.0)).astype(np.float32), 16000)
+            recordings.append(Recording.from_file(path, recording_id=name))
+            supervisions.append(SupervisionSegment(name, name, 0.0, 1.0, channel=0, text="YES"))
+        cuts = CutSet.from_manifests(
+            recordings=RecordingSet.from_recordings(recordings), supervisions=SupervisionSet.from_segments(supervisions)
+        ).trim_to_supervisions(keep_overlapping=False)
+        cuts.to_file(cuts_path(folder, split))
+
+
+def test_a_cut_whose_audio_vanished_is_dropped_and_named(tmp_path, caplog):
+    splits = {"train": ["a", "b", "c"], "dev": ["d"], "test": ["e"]}
+    write_split_manifests(tmp_path / "manifests", tmp_path / "audio", splits)
+    (tmp_path / "audio" / "b.wav").unlink()
+    with caplog.at_level("WARNING", logger="asrflow.features"):
+        counts = compute_features(tmp_path / "manifests", tmp_path / "fbank", FeatureConfig(num_jobs=1))
+    assert counts == {"train": 3, "dev": 1, "test": 1}
+    assert sorted(cut.recording_id for cut in load_cuts(tmp_path / "fbank", "train")) == ["a", "c"]
+    assert "train: 1 cut(s) dropped because their audio could not be read: b" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "fbank").iterdir()) == [
+        "cmvn.json", "config.json", "dev_cuts.jsonl.gz", "dev_feats.lca", "test_cuts.jsonl.gz", "test_feats.lca",
+        "train_cuts.jsonl.gz", "train_feats.lca",
+    ]  # no staging files left
+
+
+def test_manifests_are_read_lazily(yesno_data):
+    lazy = load_cuts(yesno_data / "manifests", "train")
+    assert lazy.is_lazy
+    assert [cut.id for cut in lazy] == [cut.id for cut in lazy.to_eager()] and len(lazy) == 27

@@ -46,3 +46,30 @@ def test_tokenizer_pickles_for_data_workers(tmp_path):
     tokenizer = Tokenizer(train_tokenizer(TEXTS, tmp_path, TokenizerConfig()))
     clone = pickle.loads(pickle.dumps(tokenizer))
     assert clone.encode("NO YES") == tokenizer.encode("NO YES")
+
+
+def test_char_vocabulary_too_small_for_the_characters_names_a_size_that_works(tmp_path):
+    # yesno has 5 characters (Y, E, S, N, O): a char model of 5 pieces would read 3 as <unk>
+    with pytest.raises(AsrflowError, match=r"tokenizer.vocab_size = 5 leaves 3 of the 5 characters .* at least 8$"):
+        train_tokenizer(TEXTS, tmp_path / "small", TokenizerConfig(model_type="char", vocab_size=5))
+    assert not (tmp_path / "small" / "tokenizer.model").exists()
+    tokenizer = Tokenizer(train_tokenizer(TEXTS, tmp_path / "ok", TokenizerConfig(model_type="char", vocab_size=8)))
+    assert UNK_ID not in tokenizer.encode(" ".join(TEXTS))
+
+
+@pytest.mark.parametrize("size", [0, 2, -1])
+def test_vocabulary_size_below_the_special_pieces_is_a_param_error(tmp_path, size):
+    with pytest.raises(AsrflowError, match=rf"tokenizer.vocab_size = {size} must be at least 3"):
+        TokenizerConfig(vocab_size=size)
+
+
+def test_character_coverage_out_of_range_is_a_param_error():
+    with pytest.raises(AsrflowError, match=r"tokenizer.character_coverage = 0 must be in \(0, 1\]"):
+        TokenizerConfig(character_coverage=0)
+
+
+def test_repeated_sentences_count_in_the_statistics(tmp_path):
+    config = TokenizerConfig(model_type="unigram", vocab_size=9)
+    once = train_tokenizer(["YES NO", "NO YES", "YES YES"], tmp_path / "once", config)
+    repeated = train_tokenizer(["YES NO", "NO YES", "YES YES"] + ["NO YES"] * 5, tmp_path / "repeated", config)
+    assert once.read_bytes() != repeated.read_bytes()

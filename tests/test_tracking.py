@@ -369,6 +369,25 @@ def test_flushed_past_checkpoint_then_killed(uri, client):
     ]
 
 
+@pytest.mark.parametrize("flushed_past_checkpoint", [False, True])
+def test_rollback_in_the_same_process_logs_every_step_once(uri, client, flushed_past_checkpoint):
+    """A rollback to checkpoint 10: the abandoned steps 11..13 are trained and recorded again."""
+    tracker = RunTracker.start(tracking_uri=uri)
+    record_steps(tracker, 1, 10)
+    checkpoint = tracker.state_dict()
+    tracker.flush()
+    record_steps(tracker, 11, 13)
+    if flushed_past_checkpoint:  # e.g. a later checkpoint that is not the rollback target
+        tracker.flush()
+    assert tracker.discard_after(10) == (0 if flushed_past_checkpoint else 3 * len(point(1)))
+    assert tracker.pending == 0
+    tracker.load_state_dict(checkpoint)
+    record_steps(tracker, 11, 16)
+    tracker.end()
+
+    assert_history(client, checkpoint["run_id"], 16)
+
+
 def test_resume_twice_from_same_checkpoint(uri, client):
     tracker = RunTracker.start(tracking_uri=uri)
     record_steps(tracker, 1, 10)

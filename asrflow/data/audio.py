@@ -1,4 +1,4 @@
-"""Audio helpers shared by the features stage and inference."""
+"""Audio helpers shared by the features stage, noise loading and inference."""
 
 from __future__ import annotations
 
@@ -13,3 +13,11 @@ def to_mono(cut):
     if channels <= 1:
         return cut
     return cut.to_mono(mono_downmix=True).perturb_volume(1.0 / channels)
+
+
+def to_mono_at_rate(cut, sampling_rate: int):
+    """:func:`to_mono`, then resampled to ``sampling_rate`` (Hz) when it has another rate."""
+    cut = to_mono(cut)
+    if cut.sampling_rate != sampling_rate:
+        cut = cut.resample(sampling_rate)
+    return cut

@@ -8,7 +8,8 @@ jumps straight to batch ``k`` instead of replaying the epoch through the data pi
 Optimizer step ``s`` of an epoch consumes the ``accum_grad * world_size`` consecutive
 planned batches starting at ``s * accum_grad * world_size``; rank ``r`` takes micro-batch
 ``j`` at offset ``j * world_size + r``. Trailing batches that cannot fill a whole step are
-dropped (logged), so every rank runs the same number of steps and no collective waits.
+dropped (rank 0 logs how many, once per epoch), so every rank runs the same number of steps
+and no collective waits.
 
 Augmentation randomness is drawn from a generator seeded by ``(seed, epoch, batch index)``,
 so a batch is the same whichever data worker builds it and whenever it is built.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ from lhotse.dataset.collation import collate_features
 
 from asrflow.data.manifests import cut_text
 from asrflow.tokenizer import Tokenizer
+
+logger = logging.getLogger("asrflow.batches")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ def steps_in_plan(plan: list[list[str]], accum_grad: int, world_size: int) -> in
     return len(plan) // (accum_grad * world_size)
 
 
+def dropped_batches(plan: list[list[str]], accum_grad: int, world_size: int) -> int:
+    """Trailing batches of the plan that cannot fill a whole optimizer step (not trained this epoch)."""
+    return len(plan) - steps_in_plan(plan, accum_grad, world_size) * accum_grad * world_size
+
+
 def rank_items(
     plan: list[list[str]], epoch: int, start_step: int, accum_grad: int, world_size: int, rank: int
 ) -> list[BatchItem]:
@@ -90,6 +99,10 @@ def rank_items(
 def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
     """A 63-bit seed for one batch's augmentation."""
     return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(2, np.uint64)[0] >> 1)
+
+
+#: Speed perturbation factors, drawn uniformly per utterance (1.1 plays it faster: fewer frames).
+SPEED_FACTORS = (0.9, 1.0, 1.1)
 
 
 @dataclass(frozen=True)
@@ -196,7 +209,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
     def _waveform_augment(self, cut, rng: random.Random):
         """Speed perturbation and noise mixing (on-the-fly features only), drawn from ``rng``."""
         if self.augment is not None and self.augment.speed_perturb:
-            factor = rng.choice([0.9, 1.0, 1.1])
+            factor = rng.choice(SPEED_FACTORS)
             if factor != 1.0:
                 cut = cut.perturb_speed(factor)
         if self.noise_cuts:
@@ -252,4 +265,15 @@ class TrainingBatches:
     def __iter__(self) -> Iterator[BatchItem]:
         for epoch in range(self.start_epoch, self.num_epochs):
             start = self.start_step if epoch == self.start_epoch else 0
-            yield from rank_items(self.plan(epoch), epoch, start, self.accum_grad, self.world_size, self.rank)
+            plan = self.plan(epoch)
+            self._log_dropped(epoch, plan)
+            yield from rank_items(plan, epoch, start, self.accum_grad, self.world_size, self.rank)
+
+    def _log_dropped(self, epoch: int, plan: list[list[str]]) -> None:
+        """Rank 0 says how many trailing batches ``epoch`` drops (none: nothing logged)."""
+        dropped = dropped_batches(plan, self.accum_grad, self.world_size)
+        if dropped and self.rank == 0:
+            logger.info(
+                "epoch %d: %d of %d planned batches dropped (they cannot fill a whole step of "
+                "accum_grad %d x %d processes)", epoch, dropped, len(plan), self.accum_grad, self.world_size,
+            )

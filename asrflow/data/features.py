@@ -4,32 +4,52 @@ Every cut is resampled to ``sampling_rate`` and gets ``num_mel_bins``-dimensiona
 filterbank features (frames every ``frame_shift_s`` seconds), stored with Lhotse's
 ``LilcomChunkyWriter``. The global statistics (per-bin mean and standard deviation over the
 train split) are written as JSON and applied by :class:`lhotse.dataset.GlobalMVN`.
+
+Memory stays bounded on long corpora: cuts are read lazily from the manifests, streamed
+through extraction into per-job manifests, and the statistics are accumulated in one
+streaming pass; nothing holds a whole split.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import multiprocessing
 import os
+import shutil
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from lhotse import CutSet, Fbank, FbankConfig, LilcomChunkyWriter
+from lhotse.cut import Cut
+from lhotse.cut.set import null_result_on_audio_loading_error
 from lhotse.dataset import GlobalMVN
+from lhotse.features.base import compute_global_stats
+from lhotse.lazy import LazyIteratorChain, LazySlicer
 
-from asrflow.data.audio import to_mono
+from asrflow.data.audio import to_mono_at_rate
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
+from asrflow.logs import progress
+from asrflow.params import check_at_least, check_positive
 
 logger = logging.getLogger("asrflow.features")
 
 CMVN_FILE = "cmvn.json"
-#: Seconds of audio that justify one more feature-extraction process.
-AUDIO_S_PER_JOB = 600.0
+#: Seconds of audio in a split that justify one more feature-extraction process: one
+#: process extracts about 850 audio seconds per second, and starting one (a fresh Python
+#: importing torch and Lhotse) costs about 2.5 s (bench/RESULTS.md, features).
+AUDIO_S_PER_JOB = 3600.0
+#: Fewest mel bins the fbank extractor accepts (it asserts more than 3).
+MIN_MEL_BINS = 4
+#: Inside the output's temporary folder: per-job cut manifests, removed before it is renamed.
+STAGING_DIR = ".staging"
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,11 @@ class FeatureConfig:
     frame_length_s: float = 0.025
     num_jobs: int = 0
     on_the_fly: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive(self, "features", "sampling_rate", "frame_shift_s", "frame_length_s")
+        check_at_least(self, "features", MIN_MEL_BINS, "num_mel_bins")
+        check_at_least(self, "features", 0, "num_jobs")
 
     def extractor(self) -> Fbank:
         """The Lhotse fbank extractor these settings describe."""
@@ -78,17 +103,6 @@ def cmvn_from_dict(stats: dict[str, list[float]]) -> GlobalMVN:
     return mvn
 
 
-def _prepare_cuts(cuts: CutSet, config: FeatureConfig) -> CutSet:
-    """Resample every cut to the target rate and average its channels into one (eager)."""
-    out = []
-    for cut in cuts:
-        cut = to_mono(cut)
-        if cut.sampling_rate != config.sampling_rate:
-            cut = cut.resample(config.sampling_rate)
-        out.append(cut)
-    return CutSet.from_cuts(out)
-
-
 def compute_features(
     manifests_dir: str | Path, output_dir: str | Path, config: FeatureConfig
 ) -> dict[str, int]:
@@ -98,87 +112,168 @@ def compute_features(
     and ``cmvn.json`` from the train split. With ``on_the_fly`` the cuts are written
     without features and the statistics are computed from up to 1,000 train cuts.
     The whole folder appears at once. Returns the number of cuts per split.
+
+    Cuts are streamed (read lazily, a few at a time, and written as they are done), so
+    memory does not grow with the corpus; the statistics are accumulated in one pass.
     """
     output_dir = Path(output_dir)
-    auto_jobs = config.num_jobs == 0
-    num_jobs = config.num_jobs or os.cpu_count() or 1
-    extractor = config.extractor()
     counts: dict[str, int] = {}
-    with atomic_path(output_dir) as tmp_dir:
+    with atomic_path(output_dir) as tmp_dir, ExtractionWorkers() as workers:
         tmp_dir.mkdir(parents=True)
         for split in SPLITS:
-            cuts = _prepare_cuts(load_cuts(manifests_dir, split), config)
-            counts[split] = len(cuts)
-            if len(cuts) == 0:
-                logger.warning("split %s is empty", split)
-            if split == "train" and len(cuts) == 0:
-                raise AsrflowError("the train split has no cuts: check data/manifests/rejected.jsonl")
-            if len(cuts) and not config.on_the_fly:
-                jobs = jobs_for(cuts, num_jobs) if auto_jobs else num_jobs
-                cuts = _extract(cuts, extractor, tmp_dir / f"{split}_feats", jobs, split)
-            if split == "train":
-                save_cmvn(_train_statistics(cuts, config), tmp_dir / CMVN_FILE)
-            if not config.on_the_fly:
-                cuts = _relocate_features(cuts, tmp_dir, output_dir)
-            cuts.to_file(cuts_path(tmp_dir, split))
+            counts[split] = _split_features(manifests_dir, split, tmp_dir, output_dir, config, workers)
         (tmp_dir / "config.json").write_text(json.dumps(asdict(config), indent=1) + "\n")
     return counts
 
 
-def jobs_for(cuts: CutSet, requested: int) -> int:
-    """With ``features.num_jobs: 0``, the processes worth starting: one per ``AUDIO_S_PER_JOB``
-    of audio, at most ``requested`` (the cores).
+class ExtractionWorkers:
+    """Spawned extraction processes (one torch thread each), started on first use and shared
+    by every split: starting one costs seconds, so it is done once per stage, not per split."""
 
-    Spawning a worker costs seconds (it imports torch and Lhotse), more than a few minutes
-    of audio take to extract on one core.
+    def __init__(self) -> None:
+        self._executor: ProcessPoolExecutor | None = None
+
+    def executor(self, num_jobs: int) -> ProcessPoolExecutor:
+        """The pool, started with ``num_jobs`` processes if it is not running yet."""
+        if self._executor is None:
+            context = multiprocessing.get_context("spawn")
+            self._executor = ProcessPoolExecutor(num_jobs, mp_context=context, initializer=_single_thread)
+        return self._executor
+
+    def __enter__(self) -> ExtractionWorkers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+
+
+def _split_features(manifests_dir: str | Path, split: str, tmp_dir: Path, final_dir: Path,
+                    config: FeatureConfig, workers: ExtractionWorkers) -> int:
+    """Features (or, ``on_the_fly``, only the mono, resampled cuts) of one split into ``tmp_dir``.
+
+    Returns the number of cuts read (cuts whose audio cannot be read are dropped and logged).
+    """
+    cuts = load_cuts(manifests_dir, split).map(
+        functools.partial(to_mono_at_rate, sampling_rate=config.sampling_rate)
+    )
+    count = sum(1 for _ in cuts)
+    if count == 0:
+        logger.warning("split %s is empty", split)
+        if split == "train":
+            raise AsrflowError("the train split has no cuts: check data/manifests/rejected.jsonl")
+    staging = tmp_dir / STAGING_DIR
+    if count and not config.on_the_fly:
+        cuts = _extract(cuts, count, config, tmp_dir / f"{split}_feats", staging / split, split, workers)
+    if split == "train":
+        save_cmvn(_train_statistics(cuts, config), tmp_dir / CMVN_FILE)
+    if not config.on_the_fly:
+        cuts = cuts.map(functools.partial(_relocate_features, tmp_dir=tmp_dir, final_dir=final_dir))
+    cuts.to_file(cuts_path(tmp_dir, split))
+    shutil.rmtree(staging, ignore_errors=True)
+    return count
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, as taskset or a batch scheduler set it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def resolve_jobs(config: FeatureConfig, cuts: CutSet) -> int:
+    """Feature-extraction processes for one split: ``features.num_jobs``, or with ``0``
+    :func:`jobs_for` over all :func:`available_cores`."""
+    return config.num_jobs or jobs_for(cuts, available_cores())
+
+
+def jobs_for(cuts: CutSet, cores: int) -> int:
+    """With ``features.num_jobs: 0``, the processes worth starting for a split:
+    ``max(1, min(cores, floor(audio seconds / AUDIO_S_PER_JOB)))``.
+
+    One process per hour of audio, so a split of at least ``cores`` hours uses every core.
+    Spawning a worker costs seconds (it imports torch and Lhotse), more than half an hour
+    of audio takes to extract on one core.
     """
     total = sum(cut.duration for cut in cuts)
-    return max(1, min(requested, int(total // AUDIO_S_PER_JOB)))
+    return max(1, min(cores, int(total // AUDIO_S_PER_JOB)))
 
 
 def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _extract(cuts: CutSet, extractor: Fbank, storage_path: Path, num_jobs: int, split: str) -> CutSet:
-    """Fbank into Lhotse storage; workers run one torch thread each. Dropped cuts are reported."""
-    logger.info("%s: fbank for %d cuts with %d job(s)", split, len(cuts), num_jobs)
-    executor = (
-        ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_single_thread)
-        if num_jobs > 1
-        else None
-    )
-    try:
-        done = cuts.compute_and_store_features(
-            extractor=extractor,
-            storage_path=storage_path,
-            num_jobs=num_jobs,
-            executor=executor,
-            storage_type=LilcomChunkyWriter,
-        ).to_eager()
-    finally:
-        if executor is not None:
-            executor.shutdown()
-    lost = sorted(set(cuts.ids) - set(done.ids))
+def _extract(
+    cuts: CutSet, count: int, config: FeatureConfig, storage_path: Path, staging: Path, split: str,
+    workers: ExtractionWorkers,
+) -> CutSet:
+    """Fbank of ``cuts`` into Lhotse storage at ``storage_path``; the cuts with features, lazily.
+
+    With one job the features go to ``<storage_path>.lca``; with ``n`` jobs, job ``k`` takes
+    every ``n``-th cut from the ``k``-th on (``LazySlicer``) into
+    ``<storage_path>/feats-<k>.lca``, and the result lists job 0's cuts, then job 1's...
+    (Lhotse's own layout and order). Each job writes its cuts to a manifest under
+    ``staging`` as it goes, in the shared ``workers``. Dropped cuts are reported.
+    One job shows a progress bar over the ``count`` cuts (a log line now and then off a terminal).
+    """
+    num_jobs = resolve_jobs(config, cuts)
+    logger.info("%s: fbank for %d cuts with %d job(s)", split, count, num_jobs)
+    staging.mkdir(parents=True)
+    extractor = config.extractor()
+    if num_jobs == 1:
+        parts = [staging / "cuts.jsonl.gz"]
+        lost = _extract_part(progress(cuts, f"fbank ({split})", total=count), extractor, storage_path, parts[0])
+    else:
+        storage_path.mkdir()
+        parts = [staging / f"cuts-{k}.jsonl.gz" for k in range(num_jobs)]
+        executor = workers.executor(num_jobs)
+        futures = [
+            executor.submit(
+                _extract_part, CutSet(LazySlicer(cuts, k=k, n=num_jobs)), extractor, storage_path / f"feats-{k}", part
+            )
+            for k, part in enumerate(parts)
+        ]
+        lost = [cut_id for future in futures for cut_id in future.result()]
     if lost:
         logger.warning(
-            "%s: %d cut(s) dropped because their audio could not be read: %s", split, len(lost), ", ".join(lost[:10])
+            "%s: %d cut(s) dropped because their audio could not be read: %s",
+            split, len(lost), ", ".join(sorted(lost)[:10]),
         )
-    return done
+    return CutSet(LazyIteratorChain(*(CutSet.from_jsonl_lazy(part).data for part in parts)))
 
 
-def _relocate_features(cuts: CutSet, tmp_dir: Path, final_dir: Path) -> CutSet:
-    """Point the cuts' feature storage at ``final_dir`` where it said ``tmp_dir``."""
-    relocated = []
-    for cut in cuts:
-        relative = Path(cut.features.storage_path).relative_to(tmp_dir)
-        cut.features.storage_path = str(final_dir / relative)
-        relocated.append(cut)
-    return CutSet.from_cuts(relocated)
+def _extract_part(cuts: Iterable[Cut], extractor: Fbank, storage_path: Path, manifest: Path) -> list[str]:
+    """Fbank of ``cuts``, one at a time, into ``storage_path`` and their cuts into ``manifest``.
+
+    Returns the ids of the cuts dropped because their audio could not be read.
+    """
+    lost = []
+    with LilcomChunkyWriter(storage_path) as storage, CutSet.open_writer(manifest) as writer:
+        for cut in cuts:
+            done = null_result_on_audio_loading_error(cut.compute_and_store_features)(
+                extractor=extractor, storage=storage
+            )
+            if done is None:
+                lost.append(cut.id)
+            else:
+                writer.write(done)
+    return lost
+
+
+def _relocate_features(cut, tmp_dir: Path, final_dir: Path):
+    """``cut`` with its feature storage pointing at ``final_dir`` where it said ``tmp_dir``."""
+    relative = Path(cut.features.storage_path).relative_to(tmp_dir)
+    cut.features.storage_path = str(final_dir / relative)
+    return cut
 
 
 def _train_statistics(cuts: CutSet, config: FeatureConfig) -> GlobalMVN:
-    """Per-bin mean and std over the train cuts (stored, or computed for up to 1,000 cuts)."""
+    """Per-bin mean and std over the train cuts (stored, or computed for up to 1,000 cuts), in one pass."""
     if config.on_the_fly:
         return GlobalMVN.from_cuts(cuts, max_cuts=1000, extractor=config.extractor())
-    return GlobalMVN.from_cuts(cuts)
+    features = (cut.features for cut in cuts)
+    first = next(features, None)
+    if first is None:
+        raise AsrflowError("no train cut's audio could be read, so there are no features: check the train audio")
+    stats = compute_global_stats(itertools.chain([first], features))
+    return cmvn_from_dict({name: value.tolist() for name, value in stats.items()})

@@ -25,12 +25,23 @@ def output_frames(num_frames: int) -> int:
     return int(subsampled_lengths(torch.tensor(num_frames)))
 
 
-def filter_ctc_feasible(cuts: CutSet, tokenizer: Tokenizer, frame_shift_s: float) -> tuple[CutSet, list[str]]:
-    """Keep cuts with a non-empty transcript and enough frames; returns (kept, removed ids)."""
+def filter_ctc_feasible(
+    cuts: CutSet, tokenizer: Tokenizer, frame_shift_s: float, max_speed: float = 1.0
+) -> tuple[CutSet, list[str]]:
+    """Keep cuts with a non-empty transcript and enough frames; returns (kept, removed ids).
+
+    Args:
+        cuts: cuts with features (their frame count is used) or without (duration / frame shift).
+        tokenizer: the tokenizer the targets come from.
+        frame_shift_s: seconds per input frame.
+        max_speed: the fastest speed perturbation factor training may apply (1.1 shortens an
+            utterance to 1/1.1 of its frames); a cut must be feasible at that speed too.
+    """
     kept, removed = [], []
     for cut in cuts:
         ids = tokenizer.encode(cut_text(cut))
         num_frames = cut.num_frames if cut.has_features else round(cut.duration / frame_shift_s)
+        num_frames = int(num_frames / max_speed)  # (frames at the fastest speed, rounded down)
         if ids and output_frames(num_frames) >= ctc_frames_needed(ids):
             kept.append(cut)
         else:

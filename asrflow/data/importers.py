@@ -59,12 +59,11 @@ from asrflow.data.validation import (
     PIPED_COMMAND,
     ItemRejected,
     Rejection,
-    first_line,
     map_in_threads,
     open_recording,
     resolve_inside,
 )
-from asrflow.errors import AsrflowError
+from asrflow.errors import AsrflowError, first_line
 
 logger = logging.getLogger("asrflow")
 

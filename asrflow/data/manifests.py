@@ -21,11 +21,15 @@ def cuts_path(directory: str | Path, split: str) -> Path:
 
 
 def load_cuts(directory: str | Path, split: str) -> CutSet:
-    """Read one split's cuts, with a clear error when the stage before has not run."""
+    """Read one split's cuts, with a clear error when the stage before has not run.
+
+    The CutSet is lazy: it reads the ``jsonl.gz`` file as it is iterated (constant memory,
+    no random access, each iteration reads again). Call ``.to_eager()`` for random access.
+    """
     path = cuts_path(directory, split)
     if not path.is_file():
         raise AsrflowError(f"{path} not found: run the stage that writes it first")
-    return CutSet.from_file(path)
+    return CutSet.from_jsonl_lazy(path)
 
 
 def cut_text(cut) -> str:

@@ -66,7 +66,7 @@ from asrflow.data.text import TextConfig
 from asrflow.data.validation import Rejection, ValidationRules, validate_split
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
-from asrflow.params import build_config
+from asrflow.params import build_config, require_mapping
 
 logger = logging.getLogger("asrflow")
 
@@ -115,11 +115,8 @@ class PrepareConfig:
         Raises:
             AsrflowError: an unknown key, a wrong type, or a value out of range.
         """
-        section = dict(section or {})
-        text = section.pop("text", None)
-        if text is not None and not isinstance(text, dict):
-            raise AsrflowError("params.yaml: prepare.text must be a mapping (case, strip_punctuation, whitelist)")
-        section["text"] = build_config(TextConfig, text, "prepare.text")
+        section = dict(require_mapping(section, "prepare"))
+        section["text"] = build_config(TextConfig, section.pop("text", None), "prepare.text")
         return build_config(cls, section, "prepare")
 
     def __post_init__(self) -> None:

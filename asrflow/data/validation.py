@@ -9,8 +9,10 @@ reason                      meaning (and what to do)
 ==========================  ===============================================================
 ``malformed_line``          a TSV / Kaldi line lacks its fields; fix the line
 ``non_utf8_text``           the line is not valid UTF-8; save the file as UTF-8
-``duplicate_id``            an id seen before (in this split or an earlier one); the first
-                            is kept, later ones are rejected
+``duplicate_id``            an id already kept (in this split or an earlier one): the first
+                            *valid* copy of an id is kept and later copies are rejected; an
+                            invalid copy is rejected for its own reason and does not claim
+                            the id, so a valid copy after it survives
 ``piped_command``           a Kaldi ``wav.scp`` entry is a shell command (``... |``) or an
                             archive offset; only plain audio file paths are read
 ``path_outside_corpus``     the audio path leaves ``corpus_dir`` (``..``, an absolute path
@@ -74,6 +76,7 @@ from lhotse.supervision import AlignmentItem
 from lhotse.utils import fastcopy
 
 from asrflow.data.text import TextConfig, normalize_text
+from asrflow.errors import first_line
 from asrflow.logs import progress
 
 logger = logging.getLogger("asrflow")
@@ -183,19 +186,6 @@ class ValidatedSplit:
     recordings: RecordingSet
     supervisions: SupervisionSet
     rejected: list[Rejection] = field(default_factory=list)
-
-
-def first_line(error: BaseException) -> str:
-    """A one-line summary of an exception's message.
-
-    Lhotse's audio errors list one line per backend (``Exception #0 (<backend>): <type>:
-    message``); the first backend's message is the telling one, so it is used when present.
-    """
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for line in lines:
-        if line.startswith("Exception #0"):
-            return line.rsplit("'>: ", 1)[-1]
-    return lines[0] if lines else type(error).__name__
 
 
 def map_in_threads(function: Callable[[T], R], items: Iterable[T], desc: str) -> list[R | ItemRejected]:
@@ -450,6 +440,27 @@ def _finish_piece(piece: SupervisionSegment, rules: ValidationRules) -> Supervis
     return piece
 
 
+def _finish_pieces(
+    pieces: list[SupervisionSegment], rules: ValidationRules, seen_ids: set[str]
+) -> tuple[list[SupervisionSegment], list[tuple[str, ItemRejected]]]:
+    """The pieces of one item that pass the last checks, and ``(id, why)`` for the others.
+
+    A kept piece's id goes into ``seen_ids``, so a later piece (or item) with the same id is
+    a duplicate; a rejected piece leaves its id free for a later valid copy.
+    """
+    finished: list[SupervisionSegment] = []
+    failed: list[tuple[str, ItemRejected]] = []
+    for piece in pieces:
+        try:
+            if piece.id in seen_ids:
+                raise ItemRejected(DUPLICATE_ID, f"piece id {piece.id!r} was already used by a kept item")
+            finished.append(_finish_piece(piece, rules))
+            seen_ids.add(piece.id)
+        except ItemRejected as error:
+            failed.append((piece.id, error))
+    return finished, failed
+
+
 def validate_split(
     split: str,
     recordings: RecordingSet,
@@ -462,10 +473,11 @@ def validate_split(
     Args:
         split: our split name, for the report.
         recordings: the split's recordings (extra or duplicate ones are ignored).
-        supervisions: the split's supervisions, in corpus order (the first of a duplicated
-            id is kept).
+        supervisions: the split's supervisions, in corpus order (the first valid copy of a
+            duplicated id is kept).
         rules: the checks' settings.
-        seen_ids: ids of earlier splits; updated with this split's ids.
+        seen_ids: ids kept in earlier splits; updated with the ids kept here (an item's id
+            and its pieces' ids).
 
     Returns:
         The kept recordings and supervisions (sorted by id) and the rejections.
@@ -497,8 +509,9 @@ def validate_split(
         recording = by_id.get(supervision.recording_id)
         try:
             if supervision.id in seen_ids:
-                raise ItemRejected(DUPLICATE_ID, f"id {supervision.id!r} was already used; the first is kept")
-            seen_ids.add(supervision.id)
+                raise ItemRejected(
+                    DUPLICATE_ID, f"id {supervision.id!r} was already used by a kept item; the first is kept"
+                )
             if recording is None:
                 raise ItemRejected(
                     MISSING_RECORDING, f"recording {supervision.recording_id!r} is not in the corpus"
@@ -512,15 +525,12 @@ def validate_split(
         except ItemRejected as error:
             reject(supervision.id, recording, error)
             continue
-        for piece in pieces:
-            try:
-                if piece.id != supervision.id:
-                    if piece.id in seen_ids:
-                        raise ItemRejected(DUPLICATE_ID, f"piece id {piece.id!r} was already used")
-                    seen_ids.add(piece.id)
-                kept.append(_finish_piece(piece, rules))
-            except ItemRejected as error:
-                reject(piece.id, recording, error)
+        finished, failed = _finish_pieces(pieces, rules, seen_ids)
+        for piece_id, error in failed:
+            reject(piece_id, recording, error)
+        if finished:
+            seen_ids.add(supervision.id)
+            kept.extend(finished)
 
     kept.sort(key=lambda s: s.id)
     kept_recordings = sorted({s.recording_id for s in kept})

@@ -7,10 +7,31 @@ import signal
 
 import torch
 
+#: Small per-utterance tensors of a batch, sent from a data worker as Python lists. Each
+#: tensor crosses the process boundary through its own shared-memory handle, which cost about
+#: 1 ms apiece on the development machine (4 ms of a 6 ms hand-over per batch), while a short
+#: list travels inside the batch's pickle. ``features`` stays a tensor: it is large.
+SMALL_TENSORS = ("feature_lens", "targets", "target_lens", "durations")
 
-def pass_through(batch):
-    """The collate function: the dataset already returns whole batches."""
-    return batch
+
+def pack_batch(batch: dict) -> dict:
+    """The collate function, run in the worker: the dataset already returns whole batches;
+    its small tensors become ``(values, dtype)`` pairs for a cheap hand-over (exact values)."""
+    packed = dict(batch)
+    for key in SMALL_TENSORS:
+        if isinstance(packed.get(key), torch.Tensor):
+            packed[key] = (packed[key].tolist(), packed[key].dtype)
+    return packed
+
+
+def unpack_batch(batch: dict) -> dict:
+    """Undo :func:`pack_batch` in the training process: the same tensors, dtypes and values."""
+    unpacked = dict(batch)
+    for key in SMALL_TENSORS:
+        if isinstance(unpacked.get(key), tuple):
+            values, dtype = unpacked[key]
+            unpacked[key] = torch.tensor(values, dtype=dtype)
+    return unpacked
 
 
 def init_worker(_worker_id: int) -> None:

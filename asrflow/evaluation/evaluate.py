@@ -14,12 +14,22 @@ from asrflow.data.manifests import cut_text, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import build_decoder
 from asrflow.errors import AsrflowError
 from asrflow.evaluation.metrics import score_corpus
-from asrflow.evaluation.report import write_report
+from asrflow.evaluation.report import (
+    WER_BY_DURATION_COLUMNS,
+    wer_by_duration,
+    wer_by_duration_figure,
+    write_report,
+)
 from asrflow.inference import cut_features, log_probs
 from asrflow.logs import progress
 from asrflow.tokenizer import BLANK_ID
 
 logger = logging.getLogger("asrflow.evaluate")
+
+#: MLflow artifacts of the training run: WER by duration bucket as a table
+#: (``mlflow.load_table``, the UI's table view) and as a bar chart.
+WER_TABLE_ARTIFACT = "eval/wer_by_duration.json"
+WER_FIGURE_ARTIFACT = "eval/wer_by_duration.png"
 
 
 @dataclass(frozen=True)
@@ -86,11 +96,17 @@ def evaluate(model_path: Path, fbank_dir: Path, out_dir: Path, config: EvaluateC
     logger.info("test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
                 100 * score.wer, 100 * score.cer, len(cuts), config.decoder)
     if bundle.run_id:
-        _log_to_training_run(bundle.run_id, metrics, out_dir, tracking_uri)
+        _log_to_training_run(bundle.run_id, metrics, wer_by_duration(score, durations), out_dir, tracking_uri)
     return metrics
 
 
-def _log_to_training_run(run_id: str, metrics: dict, out_dir: Path, tracking_uri: str | None) -> None:
+def _log_to_training_run(
+    run_id: str, metrics: dict, wer_rows: list[dict[str, object]], out_dir: Path, tracking_uri: str | None
+) -> None:
+    """Log the metrics (``test/*``), the report files, the training loss CSV, and the WER by
+    duration as an MLflow table (:data:`WER_TABLE_ARTIFACT`) and chart (:data:`WER_FIGURE_ARTIFACT`)."""
+    from mlflow.tracking import MlflowClient
+
     from asrflow.tracking import RunTracker
 
     tracker = RunTracker.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
@@ -101,5 +117,9 @@ def _log_to_training_run(run_id: str, metrics: dict, out_dir: Path, tracking_uri
         loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
         if loss_csv.is_file():
             tracker.log_artifact(loss_csv, artifact_path="plots")
+        client = MlflowClient(tracking_uri=tracker.tracking_uri)
+        columns = {key: [row[key] for row in wer_rows] for key in WER_BY_DURATION_COLUMNS}
+        client.log_table(tracker.run_id, columns, WER_TABLE_ARTIFACT)
+        client.log_figure(tracker.run_id, wer_by_duration_figure(wer_rows), WER_FIGURE_ARTIFACT)
     finally:
         tracker.end("FINISHED")

@@ -30,6 +30,8 @@ METRICS_FILE = "metrics.json"
 PER_UTTERANCE_FILE = "per_utterance.jsonl"
 ERRORS_FILE = "errors.txt"
 WER_BY_DURATION_FILE = "wer_by_duration.csv"
+#: The columns of ``wer_by_duration.csv`` (and keys of :func:`wer_by_duration`'s rows).
+WER_BY_DURATION_COLUMNS = ("duration_bucket", "wer", "num_utterances")
 
 #: Candidate bucket widths for ``wer_by_duration.csv``, in seconds.
 BUCKET_WIDTHS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -73,6 +75,24 @@ def wer_by_duration(score: CorpusScore, durations: dict[str, float]) -> list[dic
         }
         for (_, label), counts in sorted(buckets.items())
     ]
+
+
+def wer_by_duration_figure(rows: list[dict[str, object]]):
+    """A horizontal bar chart of :func:`wer_by_duration`'s ``rows`` (a matplotlib ``Figure``).
+
+    WER (a fraction) on the x axis, one bar per duration bucket, shortest at the top.
+    Built without pyplot, so no display or global figure state is involved.
+    """
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.0, 1.5 + 0.4 * max(len(rows), 1)), layout="constrained")
+    axes = figure.add_subplot()
+    axes.barh([str(row["duration_bucket"]) for row in rows], [float(row["wer"]) for row in rows])
+    axes.invert_yaxis()
+    axes.set_xlabel("WER (fraction of reference words)")
+    axes.set_ylabel("utterance duration")
+    axes.set_title("Test WER by utterance duration")
+    return figure
 
 
 def metrics_dict(
@@ -181,7 +201,7 @@ def write_report(
         tmp.write_text(_errors_text(score, top_n))
 
     with atomic_path(out_dir / WER_BY_DURATION_FILE) as tmp, open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["duration_bucket", "wer", "num_utterances"])
+        writer = csv.DictWriter(handle, fieldnames=WER_BY_DURATION_COLUMNS)
         writer.writeheader()
         writer.writerows(wer_by_duration(score, durations))
 

@@ -47,8 +47,14 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=step_of, reverse=True)
 
 
-def save_checkpoint(state: dict, directory: str | Path, step: int, keep_last: int, is_best: bool) -> Path:
-    """Write ``state`` as step ``step`` atomically; keep the newest ``keep_last`` and the best."""
+def save_checkpoint(
+    state: dict, directory: str | Path, step: int, keep_last: int, is_best: bool, protect: int | None = None
+) -> Path:
+    """Write ``state`` as step ``step`` atomically; keep the newest ``keep_last``, the best and step ``protect``.
+
+    ``protect`` is the step of the rollback target (the newest checkpoint taken outside a
+    streak of non-finite steps), which pruning must not delete.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
@@ -70,7 +76,8 @@ def save_checkpoint(state: dict, directory: str | Path, step: int, keep_last: in
         os.replace(link, directory / BEST)
     fsync_dir(directory)
     for old in list_checkpoints(directory)[max(keep_last, 1):]:
-        old.unlink()
+        if step_of(old) != protect:
+            old.unlink()
     return final
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from asrflow.data.batches import AugmentConfig
+from asrflow.errors import AsrflowError
 from asrflow.model.conformer_ctc import ModelConfig
+from asrflow.params import check_at_least, check_choice, check_positive, param_error
+from asrflow.training.precision import CHOICES as PRECISIONS
+
+SECTION = "train"
+#: Accepted values of ``train.mp_start_method`` (Python's multiprocessing start methods).
+START_METHODS = ("spawn", "forkserver", "fork")
 
 #: Keys that may change between an interrupted run and its resume without changing what
 #: the resumed steps compute (bookkeeping, parallel loading, time limits).
@@ -63,6 +70,58 @@ class TrainConfig:
     stall_timeout_s: float = 900.0
     mp_start_method: str = "spawn"
     experiment: str = "asrflow"
+
+    def __post_init__(self) -> None:
+        self._check_model()
+        self._check_data()
+        self._check_optimisation()
+        self._check_bookkeeping()
+
+    def _check_model(self) -> None:
+        check_at_least(self, SECTION, 1, "d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")
+        if self.d_model % self.num_heads:
+            raise AsrflowError(
+                f"params.yaml: train.num_heads ({self.num_heads}) must divide train.d_model ({self.d_model})"
+            )
+        if self.conv_kernel_size % 2 == 0:
+            raise param_error(SECTION, "conv_kernel_size", self.conv_kernel_size, "must be odd (e.g. 15)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise param_error(SECTION, "dropout", self.dropout, "must be in [0, 1)")
+
+    def _check_data(self) -> None:
+        check_positive(self, SECTION, "max_duration_s")
+        check_at_least(self, SECTION, 1, "num_buckets")
+        check_at_least(self, SECTION, 0, "num_workers", "num_freq_masks", "freq_mask_width", "num_time_masks")
+        if not 0.0 <= self.time_mask_ratio <= 1.0:
+            raise param_error(SECTION, "time_mask_ratio", self.time_mask_ratio, "must be in [0, 1]")
+        snr = self.noise_snr_db
+        if len(snr) != 2 or snr[0] > snr[1]:
+            raise param_error(
+                SECTION, "noise_snr_db", snr, "must be two numbers [low, high] with low <= high, e.g. [10, 20]"
+            )
+
+    def _check_optimisation(self) -> None:
+        check_positive(self, SECTION, "lr", "max_grad_norm")
+        check_at_least(self, SECTION, 1, "epochs", "accum_grad", "num_threads")
+        check_at_least(self, SECTION, 0, "weight_decay", "warmup_steps")
+        check_choice(self, SECTION, "precision", PRECISIONS)
+
+    def _check_bookkeeping(self) -> None:
+        check_at_least(
+            self, SECTION, 1, "checkpoint_every_steps", "keep_last", "average_last", "max_consecutive_nonfinite",
+            "nproc_per_node", "nnodes",
+        )
+        check_at_least(self, SECTION, 0, "validate_every_steps", "max_rollbacks", "node_rank", "stall_timeout_s")
+        check_positive(self, SECTION, "dist_timeout_s")
+        if not 0.0 < self.rollback_lr_factor <= 1.0:
+            raise param_error(SECTION, "rollback_lr_factor", self.rollback_lr_factor, "must be in (0, 1]")
+        if self.node_rank >= self.nnodes:
+            raise param_error(SECTION, "node_rank", self.node_rank, f"must be below train.nnodes ({self.nnodes})")
+        if any(step < 1 for step in self.inject_nonfinite_steps):
+            raise param_error(SECTION, "inject_nonfinite_steps", self.inject_nonfinite_steps, "must list steps >= 1")
+        check_choice(self, SECTION, "mp_start_method", START_METHODS)
+        if not self.experiment.strip():
+            raise param_error(SECTION, "experiment", self.experiment, "must name an MLflow experiment")
 
     def model(self, input_dim: int, vocab_size: int) -> ModelConfig:
         """The model shape: ``input_dim`` fbank bins in, ``vocab_size`` classes (blank included) out."""

@@ -74,6 +74,15 @@ def all_reduce_sum(info: DistInfo, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def broadcast_from_main(info: DistInfo, value):
+    """Rank 0's ``value`` on every rank (any picklable object); alone, ``value`` itself."""
+    if not info.enabled:
+        return value
+    holder = [value if info.is_main else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()

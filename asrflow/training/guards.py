@@ -28,13 +28,18 @@ class NonFiniteGuard:
     max_consecutive: int
     max_rollbacks: int
     bad_batches_path: Path
+    #: Only one process writes ``bad_batches_path`` (rank 0 under DDP; it gets the step's full cut ids).
+    writes_records: bool = True
     consecutive: int = 0
     total_skipped: int = 0
     rollbacks: int = 0
     recent_bad: list[list[str]] = field(default_factory=list)
 
     def observe(self, step: int, finite: bool, loss: float, grad_norm: float, cut_ids: list[str]) -> bool:
-        """Record one step; returns True when the step may be applied."""
+        """Record one step; returns True when the step may be applied.
+
+        ``cut_ids`` are every cut of the optimizer step (all micro-batches, all ranks).
+        """
         if finite:
             self.consecutive = 0
             self.recent_bad.clear()
@@ -46,11 +51,8 @@ class NonFiniteGuard:
             "step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
             step, loss, grad_norm, self.consecutive,
         )
-        self.bad_batches_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.bad_batches_path, "a") as handle:
-            record = {"step": step, "loss": _json_number(loss), "grad_norm": _json_number(grad_norm),
-                      "cut_ids": cut_ids}
-            handle.write(json.dumps(record) + "\n")
+        if self.writes_records:
+            self._write_record(step, loss, grad_norm, cut_ids)
         if self.consecutive >= self.max_consecutive:
             if self.rollbacks >= self.max_rollbacks:
                 batches = "; ".join(",".join(ids[:5]) for ids in self.recent_bad[-3:])
@@ -63,6 +65,14 @@ class NonFiniteGuard:
             raise RollbackNeeded()
         return False
 
+    def _write_record(self, step: int, loss: float, grad_norm: float, cut_ids: list[str]) -> None:
+        """Append one line to ``bad_batches_path``."""
+        self.bad_batches_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.bad_batches_path, "a") as handle:
+            record = {"step": step, "loss": _json_number(loss), "grad_norm": _json_number(grad_norm),
+                      "cut_ids": cut_ids}
+            handle.write(json.dumps(record) + "\n")
+
     def rolled_back(self) -> None:
         """Count a rollback and start counting skips afresh."""
         self.rollbacks += 1
@@ -70,11 +80,19 @@ class NonFiniteGuard:
         self.recent_bad.clear()
 
     def state_dict(self) -> dict:
-        return {"total_skipped": self.total_skipped, "rollbacks": self.rollbacks}
+        """Counts, and the current streak of skips (a checkpoint with ``consecutive > 0`` is no rollback target)."""
+        return {
+            "total_skipped": self.total_skipped,
+            "rollbacks": self.rollbacks,
+            "consecutive": self.consecutive,
+            "recent_bad": [list(ids) for ids in self.recent_bad],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.total_skipped = int(state["total_skipped"])
         self.rollbacks = int(state["rollbacks"])
+        self.consecutive = int(state.get("consecutive", 0))
+        self.recent_bad = [list(ids) for ids in state.get("recent_bad", [])]
 
 
 def _json_number(value: float) -> float | str:

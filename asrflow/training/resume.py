@@ -44,10 +44,16 @@ def file_digest(*paths: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+#: ``features:`` keys that only set parallelism, never what is computed: left out of the fingerprint.
+PARALLELISM_FEATURE_KEYS = frozenset({"num_jobs"})
+
+
 def build_fingerprint(model: dict, features: dict, data_digest: str, seed: int, config: TrainConfig) -> dict:
     """The settings a resume must not change, as a flat dict of JSON-able values."""
     fingerprint = {f"model.{key}": value for key, value in model.items()}
-    fingerprint.update({f"features.{key}": value for key, value in features.items()})
+    fingerprint.update(
+        {f"features.{key}": value for key, value in features.items() if key not in PARALLELISM_FEATURE_KEYS}
+    )
     fingerprint["data_digest"] = data_digest
     fingerprint["seed"] = seed
     fingerprint["train.max_duration_s"] = config.max_duration_s

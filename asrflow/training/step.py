@@ -18,6 +18,7 @@ planned batch it is, not on the rank, the number of ranks or where a resumed run
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,14 +79,16 @@ def train_step(
     dist: DistInfo,
     device: torch.device,
     inject_nonfinite: bool = False,
-    stop_requested: bool = False,
+    stop_requested: Callable[[], bool] = lambda: False,
     seed: int | None = None,
 ) -> StepResult:
     """Accumulate gradients over ``micro_batches``, clip, and step unless anything is non-finite.
 
     Every rank reaches the same decisions (apply the step? stop after it?) through one
-    all-reduce, which also sums the loss for logging. With ``seed``, dropout is seeded per
-    micro-batch (see :func:`seed_dropout`; batches then need their ``item``).
+    all-reduce, which also sums the loss for logging. ``stop_requested`` is read right
+    before that all-reduce, so a signal that arrives during this step makes it the last
+    one. With ``seed``, dropout is seeded per micro-batch (see :func:`seed_dropout`;
+    batches then need their ``item``).
     """
     optimizer.zero_grad(set_to_none=True)
     local_loss = 0.0
@@ -110,7 +113,7 @@ def train_step(
     # the update and lowers the scale (every rank alike, the gradients being all-reduced). Only
     # a non-finite loss makes a bad step then; otherwise scale calibration would look like one.
     checked_norm = 0.0 if precision.uses_scaler else grad_norm
-    finite, global_loss, stop = agree_on_step(dist, local_loss, checked_norm, stop_requested)
+    finite, global_loss, stop = agree_on_step(dist, local_loss, checked_norm, stop_requested())
     if finite:
         scaler.step(optimizer)  # with fp16, skipped by the scaler itself when gradients overflowed
     scaler.update()

@@ -6,23 +6,26 @@ The pieces live in their own modules (``step``, ``checkpoint``, ``resume``, ``pr
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import math
 import signal
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from torch.nn.parallel import DistributedDataParallel
 
 from asrflow.bundle import save_bundle
-from asrflow.data.batches import AsrBatchDataset, TrainingBatches, plan_digest
+from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, plan_digest, plan_epoch
 from asrflow.data.features import CMVN_FILE, FeatureConfig, cmvn_stats, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible
 from asrflow.data.manifests import cuts_path, load_cuts
-from asrflow.data.workers import init_worker, pass_through
+from asrflow.data.workers import init_worker, pack_batch, unpack_batch
 from asrflow.errors import AsrflowError
 from asrflow.io import atomic_path
 from asrflow.model.conformer_ctc import build_model, count_parameters
@@ -32,10 +35,16 @@ from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.tracking import RunTracker
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.config import TrainConfig
-from asrflow.training.distributed import DistInfo, barrier, init_distributed, shutdown_distributed
+from asrflow.training.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_from_main,
+    init_distributed,
+    shutdown_distributed,
+)
 from asrflow.training.guards import NonFiniteGuard, RollbackNeeded
 from asrflow.training.precision import device_capability, resolve_precision
-from asrflow.training.resume import FRESH, build_fingerprint, decide, file_digest, training_params
+from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, file_digest, training_params
 from asrflow.training.rng import capture_rng_state, restore_rng_state, seed_everything
 from asrflow.training.schedule import build_scheduler
 from asrflow.training.step import StepResult, train_step
@@ -73,6 +82,8 @@ class Progress:
     best_dev_loss: float = math.inf
     last_dev_loss: float = math.nan
     last_dev_step: int = -1
+    #: Step of the newest checkpoint taken outside a streak of non-finite steps: the rollback target.
+    good_step: int = 0
     history: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": [], "grad_norm": []})
 
 
@@ -103,14 +114,17 @@ class Trainer:
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu")
         torch.set_num_threads(config.num_threads)
         seed_everything(self.seed)
+        self._check_options()
         tokenizer_path = self.paths.lang_dir / MODEL_FILE
         if not tokenizer_path.is_file():
             raise AsrflowError(f"{tokenizer_path} not found: run the tokenizer stage first")
         self.tokenizer = Tokenizer(tokenizer_path)
         self.cmvn_path = self.paths.fbank_dir / CMVN_FILE
         mvn = load_cmvn(self.cmvn_path)
+        max_speed = max(SPEED_FACTORS) if config.speed_perturb else 1.0
         train_cuts, removed = filter_ctc_feasible(
-            load_cuts(self.paths.fbank_dir, "train").to_eager(), self.tokenizer, self.features.frame_shift_s
+            load_cuts(self.paths.fbank_dir, "train").to_eager(), self.tokenizer, self.features.frame_shift_s,
+            max_speed,
         )
         self.removed_for_ctc = len(removed)
         if len(train_cuts) == 0:
@@ -133,7 +147,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
         self.scaler = self.precision.grad_scaler()
-        self.guard = NonFiniteGuard(config.max_consecutive_nonfinite, config.max_rollbacks, self.paths.bad_batches)
+        self.guard = NonFiniteGuard(
+            config.max_consecutive_nonfinite, config.max_rollbacks, self.paths.bad_batches,
+            writes_records=self.dist.is_main,
+        )
         self.progress = Progress()
         self.fingerprint = build_fingerprint(
             asdict(self.model_config),
@@ -150,18 +167,29 @@ class Trainer:
             self.precision.name, self.precision.reason, self.device, self.dist.world_size,
         )
 
+    def _check_options(self) -> None:
+        """Refuse option combinations that would be silently ignored; warn about weak ones."""
+        config = self.config
+        if config.speed_perturb and not self.features.on_the_fly:
+            raise AsrflowError(
+                "train.speed_perturb needs features.on_the_fly: true (speed perturbation changes the audio, "
+                "and precomputed features have none): set features.on_the_fly: true or train.speed_perturb: false"
+            )
+        if config.keep_last < config.average_last:
+            logger.warning(
+                "train.keep_last (%d) < train.average_last (%d): at most %d checkpoints can be averaged",
+                config.keep_last, config.average_last, config.keep_last,
+            )
+
     def _noise_cuts(self):
+        """Noise cuts for augmentation from ``train.noise_dir`` (see :mod:`asrflow.data.noise`), or None."""
         if not self.config.noise_dir:
             return None
         if not self.features.on_the_fly:
             raise AsrflowError("train.noise_dir needs features.on_the_fly: true (noise is mixed into audio)")
-        from lhotse import CutSet, RecordingSet
+        from asrflow.data.noise import load_noise_cuts
 
-        noise_dir = Path(self.config.noise_dir)
-        recordings = RecordingSet.from_dir(noise_dir, pattern="*.wav")
-        if len(recordings) == 0:
-            raise AsrflowError(f"train.noise_dir {noise_dir} holds no .wav files")
-        return CutSet.from_manifests(recordings=recordings).resample(self.features.sampling_rate)
+        return load_noise_cuts(self.config.noise_dir, self.features.sampling_rate)
 
     # ---------------------------------------------------------------- checkpoints
     def _state(self, complete: bool) -> dict:
@@ -180,10 +208,12 @@ class Trainer:
                 "best_dev_loss": progress.best_dev_loss,
                 "last_dev_loss": progress.last_dev_loss,
                 "last_dev_step": progress.last_dev_step,
+                "good_step": progress.good_step,
                 "history": progress.history,
             },
             "guard": self.guard.state_dict(),
             "world_size": self.dist.world_size,
+            "precision": self.precision.name,
             "plan_digest": plan_digest(self.batches.plan(progress.epoch)) if hasattr(self, "batches") else "",
             "fingerprint": self.fingerprint,
             "train_params": self.train_params,
@@ -192,14 +222,21 @@ class Trainer:
         }
 
     def _save(self, complete: bool = False) -> None:
-        """Rank 0 writes (then flushes MLflow); the other ranks wait at a barrier."""
+        """Rank 0 writes (then flushes MLflow); the other ranks wait at a barrier.
+
+        A checkpoint taken outside a streak of non-finite steps becomes the rollback target
+        (``good_step``); pruning by ``keep_last`` never deletes the current one.
+        """
         progress = self.progress
+        if self.guard.consecutive == 0:
+            progress.good_step = progress.global_step
         if self.dist.is_main:
             is_best = progress.last_dev_step == progress.global_step and progress.last_dev_loss < progress.best_dev_loss
             if is_best:
                 progress.best_dev_loss = progress.last_dev_loss
             path = ckpt.save_checkpoint(
-                self._state(complete), self.paths.checkpoint_dir, progress.global_step, self.config.keep_last, is_best
+                self._state(complete), self.paths.checkpoint_dir, progress.global_step, self.config.keep_last, is_best,
+                protect=progress.good_step,
             )
             if self.tracker:
                 self.tracker.flush()
@@ -221,27 +258,70 @@ class Trainer:
             best_dev_loss=float(saved["best_dev_loss"]),
             last_dev_loss=float(saved["last_dev_loss"]),
             last_dev_step=int(saved["last_dev_step"]),
+            good_step=int(saved.get("good_step", state["step"])),
             history={key: list(values) for key, values in saved["history"].items()},
         )
         self.guard.load_state_dict(state["guard"])
         self._apply_lr_scale()
+        self._check_position(state)
+
+    def _plan(self, epoch: int) -> list[list[str]]:
+        """The global batch plan of ``epoch`` (cut ids), as :class:`TrainingBatches` makes it."""
+        return plan_epoch(self.train_cuts, epoch, self.seed, self.config.max_duration_s, self.config.num_buckets)
+
+    def _check_position(self, state: dict) -> None:
+        """Restart the epoch from its first batch when the checkpoint's position means other batches now."""
+        epoch = self.progress.epoch
         if int(state["world_size"]) != self.dist.world_size:
-            logger.warning(
-                "the checkpoint was written with %d processes, this run has %d: the batch plan differs, "
-                "so epoch %d restarts from its first batch (optimizer, schedule and step count are kept)",
-                state["world_size"], self.dist.world_size, self.progress.epoch,
-            )
-            self.progress.step_in_epoch = 0
+            reason = (f"the checkpoint was written with {state['world_size']} processes, this run has "
+                      f"{self.dist.world_size}: the batch plan differs")
+        elif state.get("plan_digest") and plan_digest(self._plan(epoch)) != state["plan_digest"]:
+            reason = (f"the batch plan of epoch {epoch} differs from the checkpoint's (other train cuts or "
+                      "another Lhotse sampler)")
+        else:
+            return
+        logger.warning(
+            "%s, so epoch %d restarts from its first batch (optimizer, schedule and step count are kept)",
+            reason, epoch,
+        )
+        self.progress.step_in_epoch = 0
 
     def _apply_lr_scale(self) -> None:
         self.scheduler.base_lrs = [self.config.lr * self.progress.lr_scale for _ in self.scheduler.base_lrs]
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
+    def _share_checkpoint(self, found: tuple[dict, Path] | None) -> tuple[dict, Path] | None:
+        """Rank 0's choice of checkpoint on every rank: the others load the file rank 0 named.
+
+        Every rank must call it (a broadcast); only rank 0's ``found`` counts.
+        """
+        path = broadcast_from_main(self.dist, str(found[1]) if found else None)
+        if self.dist.is_main or path is None:
+            return found
+        return ckpt.load_checkpoint(path), Path(path)
+
+    def _resume_decision(self) -> tuple[str, dict | None, Path | None]:
+        """Rank 0 reads the newest checkpoint and decides; every rank gets (decision, state, path)."""
+        found, verdict = None, None
+        if self.dist.is_main:
+            found = ckpt.load_latest(self.paths.checkpoint_dir)
+            try:
+                verdict = (decide(found[0] if found else None, self.fingerprint, self.train_params,
+                                  self.paths.checkpoint_dir), None)
+            except AsrflowError as error:
+                verdict = (None, str(error))
+        decision, error = broadcast_from_main(self.dist, verdict)
+        if error:
+            raise AsrflowError(error)
+        shared = self._share_checkpoint(found if decision == RESUME else None)
+        if decision == RESUME:
+            return decision, *shared
+        # A fresh run: rank 0 may hold the finished run's checkpoint, which it is about to delete.
+        return decision, (found[0] if found else None), None
+
     def _start_or_resume(self) -> None:
-        latest = ckpt.load_latest(self.paths.checkpoint_dir)
-        state, path = latest if latest else (None, None)
-        decision = decide(state, self.fingerprint, self.train_params, self.paths.checkpoint_dir)
+        decision, state, path = self._resume_decision()
         run_id = None
         if decision == FRESH:
             if state is not None and self.dist.is_main:
@@ -265,8 +345,25 @@ class Trainer:
                 self.tracker.set_tags({"precision": self.precision.name, "precision_reason": self.precision.reason})
             else:
                 self.tracker.load_state_dict(state["tracker"])
+        if decision == RESUME:
+            self._check_precision(state.get("precision"))
         if decision == FRESH:
             self._save()  # step 0: a rollback target, and the MLflow run id on disk
+
+    def _check_precision(self, saved: str | None) -> None:
+        """Warn (and re-tag the MLflow run) when a resume trains in another precision than the checkpoint."""
+        if saved is None or saved == self.precision.name:
+            return
+        logger.warning(
+            "the checkpoint was trained in %s, this run trains in %s (%s): the steps from %d on differ "
+            "from an uninterrupted run", saved, self.precision.name, self.precision.reason, self.progress.global_step,
+        )
+        if self.tracker:
+            self.tracker.set_tags({
+                "precision": self.precision.name,
+                "precision_reason": self.precision.reason,
+                "precision_changed": f"{saved} -> {self.precision.name} at step {self.progress.global_step}",
+            })
 
     # ---------------------------------------------------------------- the loop
     def _loader(self) -> torch.utils.data.DataLoader:
@@ -280,7 +377,7 @@ class Trainer:
             self.dataset,
             sampler=self.batches,
             batch_size=None,
-            collate_fn=pass_through,
+            collate_fn=pack_batch,
             num_workers=workers,
             multiprocessing_context=config.mp_start_method if workers else None,
             worker_init_fn=init_worker if workers else None,
@@ -294,6 +391,10 @@ class Trainer:
         logger.warning("received %s: finishing the current step, then saving a checkpoint", signal.Signals(signum).name)
         self._stop_requested = True
 
+    def _should_stop(self) -> bool:
+        """Read by :func:`train_step` right before its all-reduce: True makes the step in flight the last."""
+        return self._stop_requested
+
     def _run_steps(self, watchdog: StallWatchdog) -> bool:
         """Train until the last epoch ends (True) or a stop was requested (False)."""
         config = self.config
@@ -305,7 +406,7 @@ class Trainer:
                 batch = next(loader, None)
                 if batch is None:
                     return True
-                micro_batches.append(batch)
+                micro_batches.append(unpack_batch(batch))
             waited = time.perf_counter() - wait_start
             item = micro_batches[0]["item"]
             step_number = self.progress.global_step + 1
@@ -313,7 +414,7 @@ class Trainer:
                 self.ddp_model, micro_batches, micro_batches[0]["step_tokens"], self.optimizer, self.scaler,
                 self.precision, config.max_grad_norm, self.dist, self.device,
                 inject_nonfinite=step_number in config.inject_nonfinite_steps,
-                stop_requested=self._stop_requested, seed=self.seed,
+                stop_requested=self._should_stop, seed=self.seed,
             )
             self.scheduler.step()
             elapsed = time.perf_counter() - wait_start
@@ -321,16 +422,18 @@ class Trainer:
             self.progress.global_step = step_number
             self.progress.epoch = item.epoch
             self.progress.step_in_epoch = item.step_in_epoch + 1
-            cut_ids = [cut_id for batch in micro_batches for cut_id in batch["cut_ids"]]
-            self.guard.observe(step_number, result.finite, result.loss, result.grad_norm, cut_ids)
+            self.guard.observe(step_number, result.finite, result.loss, result.grad_norm, list(item.step_cut_ids))
             self._record(result, waited, elapsed)
+            improved = False
             if config.validate_every_steps and step_number % config.validate_every_steps == 0:
-                self._validate(watchdog)
+                improved = self._validate(watchdog)
+            # No periodic or best checkpoint inside a streak of skipped steps: the newest
+            # checkpoint stays a good rollback target. A stop saves regardless.
+            in_streak = self.guard.consecutive > 0
+            if result.stop or (not in_streak and (improved or step_number % config.checkpoint_every_steps == 0)):
+                self._save()
             if result.stop:
-                self._save()
                 return False
-            if step_number % config.checkpoint_every_steps == 0:
-                self._save()
 
     def _record(self, result: StepResult, waited: float, elapsed: float) -> None:
         progress = self.progress
@@ -363,23 +466,41 @@ class Trainer:
                 100 * result.padding_ratio, 100 * metrics["train/data_wait_fraction"],
             )
 
-    def _validate(self, watchdog: StallWatchdog) -> None:
+    def _validate(self, watchdog: StallWatchdog) -> bool:
+        """Dev loss of the current weights, logged; True when it beats the best so far (then best.pt follows)."""
         if not self.dev_batches:
-            return
-        loss = dev_loss(self.ddp_model, self.dev_dataset, self.dev_batches, self.precision, self.dist, self.device)
+            return False
+        loss = dev_loss(
+            self.ddp_model, self.dev_dataset, self.dev_batches, self.precision, self.dist, self.device, watchdog.beat
+        )
         watchdog.beat()
         self.progress.last_dev_loss = loss
         self.progress.last_dev_step = self.progress.global_step
         if self.tracker:
             self.tracker.record(self.progress.global_step, {"dev/loss": loss})
         logger.info("step %d: dev loss %.4f", self.progress.global_step, loss)
+        return loss < self.progress.best_dev_loss
+
+    def _good_checkpoint(self) -> tuple[dict, Path] | None:
+        """The newest readable checkpoint taken outside a streak of non-finite steps (rank 0 looks)."""
+        directory = self.paths.checkpoint_dir
+        target = ckpt.checkpoint_path(directory, self.progress.good_step)
+        for path in [target, *(path for path in ckpt.list_checkpoints(directory) if path != target)]:
+            try:
+                state = ckpt.load_checkpoint(path)
+            except Exception as error:  # missing, truncated or corrupt: try the next one
+                logger.warning("cannot roll back to %s (%s); trying an older checkpoint", path, error)
+                continue
+            if int(state["guard"].get("consecutive", 0)) == 0:
+                return state, path
+        return None
 
     def _rollback(self) -> None:
         rollbacks = self.guard.rollbacks + 1
-        latest = ckpt.load_latest(self.paths.checkpoint_dir)
-        if latest is None:
+        found = self._share_checkpoint(self._good_checkpoint() if self.dist.is_main else None)
+        if found is None:
             raise AsrflowError("non-finite steps and no checkpoint to roll back to")
-        state, path = latest
+        state, path = found
         lr_scale = self.progress.lr_scale * self.config.rollback_lr_factor
         skipped = self.guard.total_skipped
         self._restore(state)
@@ -391,6 +512,8 @@ class Trainer:
         self.progress.lr_scale = lr_scale
         self._apply_lr_scale()
         if self.tracker:
+            # The abandoned steps are trained again: their buffered points must not reach MLflow.
+            self.tracker.discard_after(self.progress.global_step)
             self.tracker.load_state_dict(state["tracker"])
         logger.warning(
             "rollback %d of at most %d: back to %s (step %d), learning rate scaled to %.3g x train.lr",
@@ -415,13 +538,12 @@ class Trainer:
         late = [path for path in ckpt.list_checkpoints(self.paths.checkpoint_dir)
                 if ckpt.step_of(path) * 2 >= self.progress.global_step]
         recent = late[: max(self.config.average_last, 1)]
-        weights = ckpt.average_model_states(recent)
-        logger.info("final model: average of %s", ", ".join(path.name for path in recent))
+        weights, choice = self._final_weights(recent)
         cmvn = cmvn_stats(load_cmvn(self.cmvn_path))
         run_id = self.tracker.run_id if self.tracker else None
         save_bundle(
             self.paths.model_path, weights, self.model_config, self.tokenizer, self.features, cmvn, run_id,
-            info={**summary, "averaged": [path.name for path in recent]},
+            info={**summary, "averaged": [path.name for path in recent], **choice},
         )
         with atomic_path(self.paths.loss_csv) as tmp, open(tmp, "w", newline="") as handle:
             writer = csv.writer(handle)
@@ -429,15 +551,46 @@ class Trainer:
             for step, loss in zip(self.progress.history["step"], self.progress.history["loss"], strict=True):
                 writer.writerow([step, f"{loss:.6f}"])
         if self.tracker:
-            self.tracker.record(self.progress.global_step, {"train/final_best_dev_loss": self.progress.best_dev_loss})
+            final_metrics = {"train/final_best_dev_loss": self.progress.best_dev_loss}
+            final_metrics.update({f"final/{key}": value for key, value in choice.items() if key.startswith("dev_loss")})
+            self.tracker.record(self.progress.global_step, final_metrics)
             self.tracker.flush()
             self.tracker.log_artifact(self.paths.model_path, artifact_path="model")
             self.tracker.log_artifact(self.paths.lang_dir / MODEL_FILE, artifact_path="tokenizer")
-            params_file = Path("params.yaml")
-            if params_file.is_file():
-                self.tracker.log_artifact(params_file, artifact_path="params")
+            self._log_params_artifact()
             self.tracker.log_artifact(self.paths.loss_csv, artifact_path="plots")
         return summary
+
+    def _final_weights(self, recent: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
+        """The bundle's weights: the average of ``recent`` checkpoints or the last weights, whichever has
+        the lower dev loss (the average on a tie or without dev data); and what was chosen, with both losses.
+        """
+        averaged = ckpt.average_model_states(recent)
+        names = ", ".join(path.name for path in recent)
+        if not self.dev_batches:
+            logger.info("final model: average of %s (no dev data to compare it with the last weights)", names)
+            return averaged, {"final_weights": "average"}
+        last = {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
+        losses = {"dev_loss_average": self._dev_loss_of(averaged), "dev_loss_last": self._dev_loss_of(last)}
+        choice = "average" if losses["dev_loss_average"] <= losses["dev_loss_last"] else "last"
+        logger.info(
+            "final model: %s weights (dev loss %.4f for the average of %s, %.4f for the last weights)",
+            choice, losses["dev_loss_average"], names, losses["dev_loss_last"],
+        )
+        return (averaged if choice == "average" else last), {"final_weights": choice, **losses}
+
+    def _dev_loss_of(self, weights: dict[str, torch.Tensor]) -> float:
+        """Dev loss (nats per token) of ``weights`` in this process alone (rank 0, no collectives)."""
+        model = copy.deepcopy(self.model)  # a copy, not build_model: no draw from the torch RNG
+        model.load_state_dict(weights)
+        return dev_loss(model, self.dev_dataset, self.dev_batches, self.precision, DistInfo(), self.device)
+
+    def _log_params_artifact(self) -> None:
+        """The params this run was given (``all_params``) as ``params/params.yaml`` in the MLflow run."""
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "params.yaml"
+            path.write_text(yaml.safe_dump(self.all_params, sort_keys=False))
+            self.tracker.log_artifact(path, artifact_path="params")
 
     def run(self) -> dict:
         """Train to the end (resuming if checkpoints allow) and write the model bundle."""
@@ -473,6 +626,6 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.dist.is_main and getattr(self, "tracker", None):
-                # Points recorded after the last checkpoint stay unflushed: a resume re-runs those steps.
+                # Flushes points past the last checkpoint too: a resume skips the steps already logged.
                 self.tracker.end(status)
             shutdown_distributed()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from lhotse import CutSet
 from torch import nn
@@ -27,8 +29,13 @@ def dev_loss(
     precision: PrecisionPolicy,
     dist: DistInfo,
     device: torch.device,
+    beat: Callable[[], None] = lambda: None,
 ) -> float:
-    """Per-token dev loss; ranks share the batches and sum their totals (one all-reduce)."""
+    """Per-token dev loss (nats per target token); ranks share the batches and sum their totals (one all-reduce).
+
+    ``beat`` is called after every dev batch (the stall watchdog's heartbeat), so a long
+    dev pass is not taken for a hang.
+    """
     was_training = model.training
     model.eval()
     loss, tokens = 0.0, 0.0
@@ -39,6 +46,7 @@ def dev_loss(
         targets = {key: batch[key].to(device) for key in ("targets", "target_lens")}
         loss += float(ctc_loss_sum(log_probs, out_lens, targets))
         tokens += float(batch["target_lens"].sum())
+        beat()
     loss, tokens = all_reduce_sum(dist, [loss, tokens])
     model.train(was_training)
     return loss / max(tokens, 1.0)

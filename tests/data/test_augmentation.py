@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from lhotse import CutSet, RecordingSet
+from lhotse import CutSet
 from lhotse.dataset.collation import collate_features
 from lhotse.utils import compute_num_frames
 
 from asrflow.data.batches import AsrBatchDataset, AugmentConfig, BatchItem
 from asrflow.data.features import FeatureConfig, load_cmvn
 from asrflow.data.manifests import load_cuts
-from asrflow.data.workers import init_worker, pass_through
+from asrflow.data.noise import load_noise_cuts
+from asrflow.data.workers import init_worker, pack_batch, unpack_batch
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
 SEED = 42
@@ -44,7 +45,8 @@ def write_noise(folder, seed: int = 0) -> None:
 
 
 def noise_cuts(folder) -> CutSet:
-    return CutSet.from_manifests(recordings=RecordingSet.from_dir(folder, pattern="*.wav"))
+    """The noise as training loads it (``train.noise_dir``)."""
+    return load_noise_cuts(folder, 16000)
 
 
 @pytest.fixture(scope="module")
@@ -153,18 +155,19 @@ def test_data_workers_build_the_same_batches(raw):
             dataset,
             sampler=items,
             batch_size=None,
-            collate_fn=pass_through,
+            collate_fn=pack_batch,
             num_workers=workers,
             multiprocessing_context="spawn" if workers else None,
             worker_init_fn=init_worker if workers else None,
         )
-        return list(loader)
+        return [unpack_batch(batch) for batch in loader]
 
     main, workers = build(0), build(2)
     assert [b["item"] for b in workers] == items
     for a, b in zip(main, workers, strict=True):
-        assert torch.equal(a["features"], b["features"])
-        assert torch.equal(a["feature_lens"], b["feature_lens"])
+        for key in ("features", "feature_lens", "targets", "target_lens", "durations"):
+            assert torch.equal(a[key], b[key]), key
+            assert a[key].dtype == b[key].dtype == dataset[a["item"]][key].dtype, key
 
 
 # ----------------------------------------------------------------------------- waveform augmentation

@@ -213,3 +213,36 @@ def test_resolve_inside(tmp_path: Path) -> None:
         with pytest.raises(ItemRejected) as info:
             resolve_inside(root, raw)
         assert info.value.reason == reason
+
+
+def test_first_valid_copy_of_an_id_wins_and_an_invalid_copy_claims_nothing(tmp_path: Path) -> None:
+    from lhotse import Recording, RecordingSet, SupervisionSet
+
+    from asrflow.data.text import TextConfig
+    from asrflow.data.validation import ValidationRules, validate_split
+
+    recording = Recording.from_file(write_tone(tmp_path / "r.wav", 1.0), recording_id="r")
+    rules = ValidationRules(0.1, 2.0, "drop", "mix", TextConfig())
+
+    def supervision(item_id: str, text: str, duration: float = 0.5) -> SupervisionSegment:
+        return SupervisionSegment(id=item_id, recording_id="r", start=0.0, duration=duration, channel=0, text=text)
+
+    seen: set[str] = set()
+    train = validate_split("train", RecordingSet.from_recordings([recording]), SupervisionSet.from_segments([
+        supervision("u1", " ?! "),              # invalid: empty transcript
+        supervision("u1", "second copy"),       # the first valid copy: kept
+        supervision("u1", "third copy"),        # a duplicate of a kept item
+        supervision("u2", "too short", 0.05),   # invalid here...
+    ]), rules, seen)
+    test = validate_split("test", RecordingSet.from_recordings([recording]), SupervisionSet.from_segments([
+        supervision("u2", "valid in test"),     # ...so its id is free for this valid copy
+        supervision("u1", "kept in train"),     # a duplicate across splits
+    ]), rules, seen)
+
+    assert [(s.id, s.text) for s in train.supervisions] == [("u1", "SECOND COPY")]
+    assert [(r.id, r.reason) for r in train.rejected] == [
+        ("u1", "empty_transcript"), ("u1", "duplicate_id"), ("u2", "too_short"),
+    ]
+    assert [(s.id, s.text) for s in test.supervisions] == [("u2", "VALID IN TEST")]
+    assert [(r.id, r.reason) for r in test.rejected] == [("u1", "duplicate_id")]
+    assert seen == {"u1", "u2"}

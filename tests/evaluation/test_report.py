@@ -15,6 +15,7 @@ from asrflow.evaluation.report import (
     WER_BY_DURATION_FILE,
     bucket_width,
     wer_by_duration,
+    wer_by_duration_figure,
     write_report,
 )
 
@@ -84,6 +85,22 @@ def test_wer_by_duration_pools_errors_and_skips_unknown_durations():
     rows = wer_by_duration(score, {"a": 0.2, "b": 0.4})
     # a and b share 0-0.5s: 1 error / 6 words; c has no duration.
     assert rows == [{"duration_bucket": "0-0.5s", "wer": round(1 / 6, 6), "num_utterances": 2}]
+
+
+def test_wer_by_duration_figure_draws_one_bar_per_bucket_shortest_on_top():
+    rows = wer_by_duration(score_corpus(REFS, HYPS), DURATIONS)
+    assert len(rows) > 2
+    figure = wer_by_duration_figure(rows)
+    (axes,) = figure.axes
+    bars = axes.patches
+    assert [bar.get_width() for bar in bars] == pytest.approx([row["wer"] for row in rows])
+    labels = [label.get_text() for label in axes.get_yticklabels()]
+    assert labels == [row["duration_bucket"] for row in rows]
+    # Bars in row order on an inverted y axis: the first (shortest) bucket is drawn on top.
+    assert axes.yaxis_inverted()
+    positions = [bar.get_y() for bar in bars]
+    assert positions == sorted(positions)
+    assert "WER" in axes.get_xlabel()
 
 
 def test_missing_durations_and_rewrites(tmp_path):

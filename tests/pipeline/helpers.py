@@ -160,9 +160,49 @@ def dvc_dry_run(copy: Path) -> set[str]:
 
     A dry run cannot know that a stage it would run changes its outputs, so without
     ``--force-downstream`` it leaves out the stages whose only change is upstream's outputs;
-    a real ``dvc repro`` runs them, as their deps' hashes then differ.
+    a real ``dvc repro`` runs them, as their deps' hashes then differ. So this set is the
+    changed stages plus everything downstream of them in DVC's graph; :func:`dvc_status`
+    tells which stages themselves changed.
     """
     return dvc_ran_stages(run(copy, "dvc", "repro", "--dry", "--force-downstream", timeout=180).stdout)
+
+
+def dvc_json(copy: Path, *command: str) -> dict:
+    """What ``dvc COMMAND --json`` prints (one line of JSON; warnings on the same pipe are skipped)."""
+    output = run(copy, "dvc", *command, "--json", timeout=180).stdout
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    if not lines:
+        raise ToolError(f"no JSON in the output of dvc {' '.join(command)} --json:\n{tail(output)}")
+    return json.loads(lines[-1])
+
+
+def dvc_status(copy: Path) -> dict[str, set[str]]:
+    """``dvc status --json``: each stage DVC finds changed itself, with what changed.
+
+    A changed dep appears as its path as dvc.yaml lists it (a folder dep, not the file in
+    it), a params entry as ``params.yaml:<key or section>``, a changed output as
+    ``out:<path>``, anything else as DVC's own words. Stages that are only downstream of
+    a change are not listed: their deps are unchanged until upstream runs.
+    """
+    report = dvc_json(copy, "status")
+    status: dict[str, set[str]] = {}
+    for stage, entries in report.items():
+        changes = status.setdefault(stage, set())
+        for entry in entries:
+            if not isinstance(entry, dict):
+                changes.add(str(entry))
+                continue
+            for kind, items in entry.items():
+                for path, change in items.items():
+                    if kind == "changed deps" and isinstance(change, dict):
+                        changes.update(f"{path}:{key}" for key in change)
+                    elif kind == "changed deps":
+                        changes.add(path)
+                    elif kind == "changed outs":
+                        changes.add(f"out:{path}")
+                    else:
+                        changes.add(f"{kind}:{path}")
+    return status
 
 
 # ------------------------------------------------------------------ edits that are undone

@@ -1,9 +1,10 @@
-"""A run killed with SIGKILL mid-training (a power cut, the OOM killer, a preempted node) is
-finished by running the same command again: only train and evaluate run, and training goes
-on from its last checkpoint instead of starting over.
+"""A run killed with SIGKILL mid-training (a power cut, the OOM killer, a preempted node) or
+stopped with Ctrl-C (SIGINT to the terminal's whole process group) is finished by running
+the same command again: only train and evaluate run, and training goes on from its last
+checkpoint instead of starting over; after Ctrl-C, from the very step it stopped at.
 
 Each test changes train params in its tool's finished copy (a new training run), starts the
-tool in its own process group, kills the whole group once step 50's checkpoint is saved,
+tool in its own process group, signals the whole group once step 50's checkpoint is saved,
 and runs the tool again. The copies stay up to date with the new params afterwards.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -31,6 +33,7 @@ SHORT_EPOCHS = 8
 KILL_AFTER_STEP = 50
 CHECKPOINT_SAVED = re.compile(r"saved checkpoint \S*step-(\d+)\.pt")
 RESUMED = re.compile(r"resuming from \S*step-(\d+)\.pt: step (\d+)")
+STOPPED = re.compile(r"stopped at step (\d+) with a checkpoint saved")
 WAIT_FOR_CHECKPOINT_S = 900
 RERUN_TIMEOUT_S = 1200
 
@@ -55,9 +58,21 @@ def _kill_group(process: subprocess.Popen) -> None:
     assert not _group_alive(process.pid), f"processes outlived SIGKILL: {_group_alive(process.pid)}"
 
 
-def kill_during_training(copy: Path, command: list[str], watched_log: Path, console: Path) -> int:
+def _interrupt_group(process: subprocess.Popen) -> None:
+    """Ctrl-C in a terminal: SIGINT to the whole group; then wait (bounded) for the tool to exit."""
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=120)
+    finally:
+        _kill_group(process)  # whatever is left (nothing, normally)
+
+
+def interrupt_during_training(
+    copy: Path, command: list[str], watched_log: Path, console: Path, how: signal.Signals = signal.SIGKILL
+) -> int:
     """Start ``command`` in a new process group; once ``watched_log`` shows a checkpoint at step
-    :data:`KILL_AFTER_STEP` or later, SIGKILL the whole group. Returns the newest saved step."""
+    :data:`KILL_AFTER_STEP` or later, send ``how`` (SIGKILL or SIGINT) to the whole group.
+    Returns the newest step saved when it saw that checkpoint."""
     with open(console, "wb") as out:
         process = subprocess.Popen(
             command, cwd=copy, env=tool_env(copy), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -78,16 +93,22 @@ def kill_during_training(copy: Path, command: list[str], watched_log: Path, cons
             if time.monotonic() > deadline:
                 raise ToolError(f"no checkpoint at step {KILL_AFTER_STEP} within {WAIT_FOR_CHECKPOINT_S} s")
     finally:
-        _kill_group(process)
+        if how == signal.SIGINT:
+            _interrupt_group(process)
+        else:
+            _kill_group(process)
     return max(steps)
 
 
 def new_training_run(copy: Path) -> None:
     """Change train params so that the next run trains afresh: another lr, fewer epochs."""
     train = yaml.safe_load((copy / "params.yaml").read_text())["train"]
-    # ~9 steps an epoch on yesno: a periodic checkpoint at step 50 comes before the end (~72).
-    assert train["epochs"] > SHORT_EPOCHS and KILL_AFTER_STEP % train["checkpoint_every_steps"] == 0, train
-    set_params(copy, {"train.lr": round(train["lr"] * LR_FACTOR, 8), "train.epochs": SHORT_EPOCHS})
+    # ~10 steps an epoch on yesno: a periodic checkpoint at step 50 comes before the end (~80).
+    assert train["epochs"] >= SHORT_EPOCHS and KILL_AFTER_STEP % train["checkpoint_every_steps"] == 0, train
+    changes = {"train.lr": round(train["lr"] * LR_FACTOR, 8)}
+    if train["epochs"] != SHORT_EPOCHS:  # an earlier test may have shortened it already
+        changes["train.epochs"] = SHORT_EPOCHS
+    set_params(copy, changes)
 
 
 def check_resumed(train_output: str, killed_at: int) -> None:
@@ -119,7 +140,7 @@ def test_snakemake_finishes_a_killed_run_and_resumes_training(snakemake_run):
     new_training_run(copy)
     train_log = copy / "logs/train.log"
     train_log.unlink()  # the finished run's log also shows a step-50 checkpoint
-    killed_at = kill_during_training(
+    killed_at = interrupt_during_training(
         copy, ["snakemake", "--cores", "all"], train_log, copy.parent / "snakemake-killed.log"
     )
     assert (copy / f"exp/checkpoints/step-{killed_at:08d}.pt").is_file(), "the checkpoints did not survive"
@@ -137,7 +158,7 @@ def test_dvc_finishes_a_killed_run_and_resumes_training(dvc_run):
     copy = dvc_run.copy
     new_training_run(copy)
     console = copy.parent / "dvc-killed.log"
-    killed_at = kill_during_training(copy, ["dvc", "repro"], console, console)
+    killed_at = interrupt_during_training(copy, ["dvc", "repro"], console, console)
     assert dvc_ran_stages(console.read_text()) == {"train"}, tail(console.read_text())
     assert (copy / f"exp/checkpoints/step-{killed_at:08d}.pt").is_file(), "the checkpoints did not survive"
 
@@ -146,4 +167,40 @@ def test_dvc_finishes_a_killed_run_and_resumes_training(dvc_run):
     assert dvc_ran_stages(result.stdout) == {"train", "evaluate"}, tail(result.stdout)
     check_resumed(result.stdout, killed_at)
     assert (copy / "exp/eval/metrics.json").stat().st_mtime >= started - 1
+    assert "Data and pipelines are up to date." in run(copy, "dvc", "status", timeout=180).stdout
+
+
+def check_stopped_and_resumed_at_the_same_step(interrupted_output: str, rerun_output: str) -> None:
+    """Ctrl-C: the train stage saved the step it was in and exited 75; the re-run starts right after it."""
+    assert "received SIGINT" in interrupted_output, tail(interrupted_output)
+    stopped = STOPPED.search(interrupted_output)
+    assert stopped, f"the train stage did not stop with a checkpoint:\n{tail(interrupted_output)}"
+    resumed = RESUMED.search(rerun_output)
+    assert resumed, f"training did not resume:\n{tail(rerun_output)}"
+    assert int(resumed.group(2)) == int(stopped.group(1)) >= KILL_AFTER_STEP, (stopped.group(0), resumed.group(0))
+
+
+def test_snakemake_after_ctrl_c_resumes_training_where_it_stopped(snakemake_run):
+    copy = snakemake_run.copy
+    new_training_run(copy)
+    train_log = copy / "logs/train.log"
+    train_log.unlink()
+    interrupt_during_training(
+        copy, ["snakemake", "--cores", "all"], train_log, copy.parent / "snakemake-ctrl-c.log", signal.SIGINT
+    )
+    interrupted = train_log.read_text()
+    result = run(copy, "snakemake", "--cores", "all", timeout=RERUN_TIMEOUT_S)
+    assert snakemake_jobs(result.stdout) == {"train", "evaluate"}, tail(result.stdout)
+    check_stopped_and_resumed_at_the_same_step(interrupted, train_log.read_text())
+    assert "Nothing to be done" in run(copy, "snakemake", "--dry-run", "--cores", "1", timeout=180).stdout
+
+
+def test_dvc_after_ctrl_c_resumes_training_where_it_stopped(dvc_run):
+    copy = dvc_run.copy
+    new_training_run(copy)
+    console = copy.parent / "dvc-ctrl-c.log"
+    interrupt_during_training(copy, ["dvc", "repro"], console, console, signal.SIGINT)
+    result = run(copy, "dvc", "repro", timeout=RERUN_TIMEOUT_S)
+    assert dvc_ran_stages(result.stdout) == {"train", "evaluate"}, tail(result.stdout)
+    check_stopped_and_resumed_at_the_same_step(console.read_text(errors="replace"), result.stdout)
     assert "Data and pipelines are up to date." in run(copy, "dvc", "status", timeout=180).stdout

@@ -1,6 +1,10 @@
 """What each tool would re-run: nothing after a run, and after one edit exactly that stage and
 those downstream of it, for a params key of each section and for the code a stage uses.
 
+For DVC, ``dvc status`` must find exactly the stages that read the edited key or file changed,
+for the edited key or file alone, and ``dvc repro --dry --force-downstream`` must add exactly
+the stages downstream of them.
+
 Only dry runs: each edit is undone (bytes and file times), so the copies stay up to date.
 """
 
@@ -14,6 +18,7 @@ from .helpers import (
     STAGES,
     appended_comment,
     dvc_dry_run,
+    dvc_status,
     edited_params,
     run,
     snakemake_dry_run,
@@ -38,42 +43,52 @@ def test_a_second_run_has_nothing_to_do(snakemake_run, dvc_run):
     assert "Nothing to be done" in snakemake, snakemake
     status = run(dvc_run.copy, "dvc", "status", timeout=180).stdout
     assert "Data and pipelines are up to date." in status, status
+    assert dvc_status(dvc_run.copy) == {}
     assert dvc_dry_run(dvc_run.copy) == set()
 
 
-# Values no default is likely to have: each must differ from params.yaml's.
+# Values no default is likely to have: each must differ from params.yaml's. ``readers``: the
+# stages that declare the key's section (they change themselves); ``expected``: those and
+# every stage downstream of them.
 @pytest.mark.parametrize(
-    ("key", "value", "expected"),
+    ("key", "value", "readers", "expected"),
     [
-        ("seed", 1234, ALL),
-        ("prepare.dev_fraction", 0.15, ALL),
-        ("features.num_mel_bins", 72, FROM_FEATURES),
-        ("tokenizer.character_coverage", 0.9995, FROM_TOKENIZER),
-        ("train.lr", 0.00123, FROM_TRAIN),
-        ("evaluate.beam_size", 5, EVALUATE),
+        ("seed", 1234, {"prepare", "train"}, ALL),
+        ("prepare.dev_fraction", 0.15, {"prepare"}, ALL),
+        ("features.num_mel_bins", 72, {"features", "train"}, FROM_FEATURES),
+        ("tokenizer.character_coverage", 0.9995, {"tokenizer"}, FROM_TOKENIZER),
+        ("train.lr", 0.00123, {"train"}, FROM_TRAIN),
+        ("evaluate.beam_size", 5, {"evaluate"}, EVALUATE),
     ],
 )
-def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, key, value, expected):
+def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, key, value, readers, expected):
     with edited_params(snakemake_run.copy, key, value), edited_params(dvc_run.copy, key, value):
         seen = would_run(snakemake_run, dvc_run)
+        changed = dvc_status(dvc_run.copy)
     assert seen == {"snakemake": expected, "dvc": expected}, f"after changing {key}"
+    section = key.split(".")[0]
+    assert changed == {stage: {f"params.yaml:{section}"} for stage in readers}, f"dvc status after changing {key}"
 
 
+# ``dep``: how dvc.yaml lists the edited file (itself, or a folder holding it); ``readers``:
+# the stages that list it.
 @pytest.mark.parametrize(
-    ("path", "expected"),
+    ("path", "dep", "readers", "expected"),
     [
-        ("stages/prepare.py", ALL),
-        ("asrflow/data/text.py", ALL),
-        ("asrflow/data/features.py", FROM_FEATURES),
-        ("stages/tokenizer.py", FROM_TOKENIZER),
-        ("asrflow/training/schedule.py", FROM_TRAIN),  # one file of a folder dep
-        ("asrflow/decoding/ctc.py", EVALUATE),
+        ("stages/prepare.py", "stages/prepare.py", {"prepare"}, ALL),
+        ("asrflow/data/text.py", "asrflow/data/text.py", {"prepare"}, ALL),
+        ("asrflow/data/features.py", "asrflow/data/features.py", {"features", "train", "evaluate"}, FROM_FEATURES),
+        ("stages/tokenizer.py", "stages/tokenizer.py", {"tokenizer"}, FROM_TOKENIZER),
+        ("asrflow/training/schedule.py", "asrflow/training", {"train"}, FROM_TRAIN),  # one file of a folder dep
+        ("asrflow/decoding/ctc.py", "asrflow/decoding", {"evaluate"}, EVALUATE),
     ],
 )
-def test_a_code_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, path, expected):
+def test_a_code_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, path, dep, readers, expected):
     with appended_comment(snakemake_run.copy / path), appended_comment(dvc_run.copy / path):
         seen = would_run(snakemake_run, dvc_run)
+        changed = dvc_status(dvc_run.copy)
     assert seen == {"snakemake": expected, "dvc": expected}, f"after editing {path}"
+    assert changed == {stage: {dep} for stage in readers}, f"dvc status after editing {path}"
 
 
 def test_bytecode_caches_are_not_code_changes(snakemake_run, dvc_run):

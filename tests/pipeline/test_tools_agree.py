@@ -1,4 +1,5 @@
-"""Snakemake and DVC run the same pipeline: same stages, commands, deps, params and outputs.
+"""Snakemake and DVC run the same pipeline: same stages, commands, deps, params and outputs,
+and, as the pipeline is deterministic, the same content in those outputs.
 
 dvc.yaml states each stage once and workflow/rules/common.smk builds the Snakemake rules
 from it; these tests hold the two tools to that, from what each tool itself reports.
@@ -6,9 +7,13 @@ from it; these tests hold the two tools to that, from what each tool itself repo
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from .helpers import EXPECTED_OUTPUTS, STAGES, dvc_stages, run, snakemake_dry_run_rules, snakemake_rule_params
@@ -38,6 +43,51 @@ def test_both_tools_write_the_same_files(snakemake_run, dvc_run):
     assert by_snakemake == by_dvc, (
         f"only Snakemake wrote {sorted(by_snakemake - by_dvc)}; only DVC wrote {sorted(by_dvc - by_snakemake)}"
     )
+
+
+def content(copy: Path, path: str):
+    """What two runs of the deterministic pipeline must reproduce of ``path`` in ``copy``.
+
+    The bytes, except: a gzip file's decompressed bytes (its header holds a time); the model
+    bundle's payload without ``run_id`` (each tool's MLflow run has its own id);
+    metrics.json without the ``rtf_*`` timings; and nothing of a checkpoint, which holds
+    the run id and the optimizer's state (the bundle stands for its weights).
+    """
+    file = copy / path
+    if path.startswith("exp/checkpoints/"):
+        return None
+    if path == "exp/model.pt":
+        payload = torch.load(file, map_location="cpu", weights_only=True)
+        payload.pop("run_id")
+        return payload
+    if path == "exp/eval/metrics.json":
+        return {key: value for key, value in json.loads(file.read_text()).items() if not key.startswith("rtf_")}
+    if path.endswith(".gz"):
+        return gzip.decompress(file.read_bytes())
+    return file.read_bytes()
+
+
+def same(a, b) -> bool:
+    """Equality that also holds tensors (same dtype, shape and values) inside dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def test_both_tools_write_the_same_content(snakemake_run, dvc_run):
+    """Manifests, features, tokenizer, model weights, reports and metrics (timings aside) are equal."""
+    common = sorted(products(snakemake_run.files) & products(dvc_run.files))
+    assert "exp/model.pt" in common and "data/lang/tokens.txt" in common
+    differ = [
+        path for path in common if not same(content(snakemake_run.copy, path), content(dvc_run.copy, path))
+    ]
+    assert not differ, f"Snakemake and DVC wrote different {differ}"
+    assert snakemake_run.metrics["wer"] == dvc_run.metrics["wer"]
+    assert snakemake_run.metrics["cer"] == dvc_run.metrics["cer"]
 
 
 @pytest.mark.parametrize("tool", ["snakemake", "dvc"])

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
+from conftest import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,11 +20,7 @@ def run_stage(*args: str) -> subprocess.CompletedProcess:
 
 
 def write_params(tmp_path: Path, **prepare) -> Path:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["prepare"].update(prepare)
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
+    return write_shipped_params(tmp_path, {f"prepare.{key}": value for key, value in prepare.items()})
 
 
 def test_stage_prepares_the_shipped_corpus(tmp_path: Path) -> None:

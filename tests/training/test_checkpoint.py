@@ -53,6 +53,18 @@ def test_a_failed_save_leaves_the_previous_checkpoints_and_no_temporary_file(tmp
     assert ckpt.load_latest(tmp_path)[1] == tmp_path / "step-00000002.pt"
 
 
+def test_keep_last_never_prunes_the_protected_rollback_target(tmp_path):
+    """Checkpoints 4 and 5 taken inside a streak of non-finite steps: step 3 (the last good one) stays."""
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(_state(float(step)), tmp_path, step, keep_last=2, is_best=False, protect=step)
+    assert _names(tmp_path) == ["step-00000002.pt", "step-00000003.pt"]
+    for step in (4, 5):
+        ckpt.save_checkpoint(_state(float(step)), tmp_path, step, keep_last=2, is_best=False, protect=3)
+    assert _names(tmp_path) == ["step-00000003.pt", "step-00000004.pt", "step-00000005.pt"]
+    ckpt.save_checkpoint(_state(6.0), tmp_path, 6, keep_last=2, is_best=False, protect=6)
+    assert _names(tmp_path) == ["step-00000005.pt", "step-00000006.pt"]
+
+
 def test_keep_last_prunes_old_checkpoints_and_best_survives_as_a_hard_link(tmp_path):
     ckpt.save_checkpoint(_state(1.0), tmp_path, 1, keep_last=2, is_best=False)
     ckpt.save_checkpoint(_state(2.0), tmp_path, 2, keep_last=2, is_best=True)

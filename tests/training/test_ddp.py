@@ -285,3 +285,19 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
     assert "most recent call first" in log  # faulthandler's dump of the stalled process's threads
     assert re.search(r'^rank 1:   File "\S+ddp_entry\.py", line \d+ in _record$', log, re.M), log  # where it sleeps
     assert not (tmp_path / "stall" / "model.pt").exists()
+
+
+def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_path, jobs):
+    """Step 2 is non-finite on both ranks: rank 0 alone writes one line, naming all 4 batches of the step."""
+    exp = tmp_path / "nan"
+    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, inject_nonfinite_steps=[2]))
+    assert job.wait() == 0, job.log()
+    lines = (exp / "bad_batches.jsonl").read_text().splitlines()
+    assert len(lines) == 1, lines
+    record = json.loads(lines[0])
+    cuts = load_cuts(yesno_data / "fbank", "train").to_eager()
+    plan = plan_epoch(cuts, 0, SEED, BASE["max_duration_s"], tiny_train_config().num_buckets)
+    group = DDP["accum_grad"] * 2  # batches per optimizer step: accum_grad micro-batches on 2 ranks
+    assert record["step"] == 2
+    assert record["cut_ids"] == [cut_id for batch in plan[group : 2 * group] for cut_id in batch]
+    assert _summary(exp)["nonfinite_skipped"] == 1

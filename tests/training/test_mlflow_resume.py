@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections
 import signal
+from pathlib import Path
 
+import yaml
 from mlflow.tracking import MlflowClient
 from train_entry import TrainingProcess, fresh_mlflow_store, run_training
 
@@ -77,7 +79,11 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_dat
     assert params["features.num_mel_bins"] == "80"
     assert params["train.noise_snr_db"] == "[10.0, 20.0]"
 
-    # artifacts: the model bundle, the tokenizer, the loss plot data
+    # artifacts: the model bundle, the tokenizer, the params the run was given, the loss plot data
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "params")} == {"params/params.yaml"}
+    folder = client.download_artifacts(run.info.run_id, "params", str(tmp_path / "downloaded"))
+    logged = yaml.safe_load((Path(folder) / "params.yaml").read_text())
+    assert logged["seed"] == 42 and logged["train"]["d_model"] == 32 and logged["train"]["epochs"] == 2
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert "model/model.pt" in artifacts
     assert {a.path for a in client.list_artifacts(run.info.run_id, "tokenizer")} == {"tokenizer/tokenizer.model"}

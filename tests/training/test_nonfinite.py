@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, tiny_train_config, train_paths
+from mlflow.tracking import MlflowClient
 from train_entry import fresh_mlflow_store
 
 from asrflow.data.batches import plan_epoch
@@ -63,19 +64,20 @@ def _bad_batches(exp: Path) -> list[dict]:
 
 
 def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
-    """Step 3's loss is NaN: parameters and optimizer state stay as after step 2; step 4 trains."""
+    """Step 3's loss is NaN: no optimizer update, no checkpoint inside the streak; step 4 trains."""
     summary = _train(yesno_data, tmp_path, epochs=1, inject_nonfinite_steps=[3], checkpoint_every_steps=1,
                      validate_every_steps=0)
 
     assert summary["nonfinite_skipped"] == 1
     assert summary["rollbacks"] == 0
     assert summary["steps"] == 9
-    before, at, after = (load_checkpoint(checkpoint_path(tmp_path / "checkpoints", s)) for s in (2, 3, 4))
-    assert _same(at["model"], before["model"]), "the NaN step changed the parameters"
-    adam_steps = [float(s["step"]) for s in at["optimizer"]["state"].values()]
-    assert adam_steps == [float(s["step"]) for s in before["optimizer"]["state"].values()] == [2.0] * len(adam_steps)
-    assert at["guard"]["total_skipped"] == 1
-    assert not _same(after["model"], at["model"]), "training did not go on after the skipped step"
+    assert not checkpoint_path(tmp_path / "checkpoints", 3).exists(), "a checkpoint inside a streak of NaN steps"
+    before, after = (load_checkpoint(checkpoint_path(tmp_path / "checkpoints", s)) for s in (2, 4))
+    adam_steps = [float(s["step"]) for s in after["optimizer"]["state"].values()]
+    assert [float(s["step"]) for s in before["optimizer"]["state"].values()] == [2.0] * len(adam_steps)
+    assert adam_steps == [3.0] * len(adam_steps), "steps 1, 2 and 4 updated the weights; step 3 must not have"
+    assert after["guard"]["total_skipped"] == 1 and after["guard"]["consecutive"] == 0
+    assert not _same(after["model"], before["model"]), "training did not go on after the skipped step"
     assert all(torch.isfinite(v).all() for v in after["model"].values() if v.is_floating_point())
 
     records = _bad_batches(tmp_path)
@@ -110,14 +112,21 @@ def test_run_with_a_nan_step_reaches_the_clean_wer(yesno_data, tmp_path):
     print(f"test WER: clean {clean_wer:.4f}, with a NaN step {nan_wer:.4f}")
 
 
-# Persistent NaN from step 5 on. max_consecutive_nonfinite 3, checkpoints every 2 steps:
-#   5, 6 skipped (checkpoint 6 saved), 7 skipped -> rollback 1 to step 6, lr x 0.5
-#   7, 8 skipped (checkpoint 8: lr scale 0.5), 9 -> rollback 2 to step 8, lr x 0.25
-#   9, 10 skipped (checkpoint 10: lr scale 0.25), 11 -> max_rollbacks (2) reached: stop.
+# Persistent NaN from step 5 on. max_consecutive_nonfinite 3, checkpoints every 2 steps. No
+# checkpoint is taken inside a streak of skipped steps, so step 4 stays the last good one:
+#   5, 6 skipped (no checkpoint 6), 7 -> rollback 1 to step 4, lr x 0.5
+#   5, 6 skipped, 7 -> rollback 2 to step 4, lr x 0.25
+#   5, 6 skipped, 7 -> max_rollbacks (2) reached: stop.
 PERSISTENT = dict(
     epochs=2, checkpoint_every_steps=2, validate_every_steps=0, max_consecutive_nonfinite=3, max_rollbacks=2,
-    rollback_lr_factor=0.5, inject_nonfinite_steps=list(range(5, 19)),
+    rollback_lr_factor=0.5, inject_nonfinite_steps=list(range(5, 19)), experiment="persistent-nan",
 )
+
+
+def _mlflow_history(exp: Path, experiment: str) -> tuple[MlflowClient, str]:
+    client = MlflowClient(tracking_uri=f"sqlite:///{exp / 'mlflow.db'}")
+    (run,) = client.search_runs(client.get_experiment_by_name(experiment).experiment_id)
+    return client, run.info.run_id
 
 
 def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path, caplog):
@@ -125,37 +134,58 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
         _train(yesno_data, tmp_path, **PERSISTENT)
 
     log = caplog.text
-    assert re.search(r"rollback 1 of at most 2: back to \S+step-00000006\.pt \(step 6\), learning rate scaled "
+    assert re.search(r"rollback 1 of at most 2: back to \S+step-00000004\.pt \(step 4\), learning rate scaled "
                      r"to 0\.5 x train\.lr", log), log
-    assert re.search(r"rollback 2 of at most 2: back to \S+step-00000008\.pt \(step 8\).*0\.25 x train\.lr", log)
+    assert re.search(r"rollback 2 of at most 2: back to \S+step-00000004\.pt \(step 4\).*0\.25 x train\.lr", log)
     assert "rollback 3" not in log
     # Each rollback restarts the count of skips in a row.
     after_first = log.split("rollback 1 of")[1]
-    assert re.search(r"step 7: non-finite loss nan .* \(1 in a row\)", after_first), after_first
+    assert re.search(r"step 5: non-finite loss nan .* \(1 in a row\)", after_first), after_first
+    # No checkpoint was taken inside the streak: the rollback target is the last good one.
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(path.name for path in checkpoints.glob("step-*.pt")) == [
+        "step-00000000.pt", "step-00000002.pt", "step-00000004.pt",
+    ]
+    assert load_checkpoint(checkpoint_path(checkpoints, 4))["guard"]["consecutive"] == 0
 
-    # The learning rate after each rollback: scaled by rollback_lr_factor on top of the schedule.
-    config = tiny_train_config(**PERSISTENT)
-    for step, scale in ((6, 1.0), (8, 0.5), (10, 0.25)):
-        state = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", step))
-        assert state["progress"]["lr_scale"] == scale
-        expected = config.lr * scale * warmup_factor(step + 1, config.warmup_steps)
-        assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(expected, rel=1e-9)
-        # No NaN step ever changed the weights.
-        assert _same(state["model"], _model_at(tmp_path, 4))
-
-    # Every skipped step is in bad_batches.jsonl, and the guard's count agrees.
+    # Every skipped step is in bad_batches.jsonl.
     records = _bad_batches(tmp_path)
-    assert [r["step"] for r in records] == [5, 6, 7, 7, 8, 9, 9, 10, 11]
-    assert load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 10))["guard"] == {
-        "total_skipped": 8, "rollbacks": 2,
-    }
+    assert [r["step"] for r in records] == [5, 6, 7] * 3
+
+    # MLflow: every step exactly once per metric, although steps 5 and 6 ran three times (the
+    # abandoned attempts' points were dropped at each rollback); the values are the last attempt's.
+    # (A NaN loss or grad norm is not logged: those two have points for steps 1-4 only.)
+    client, run_id = _mlflow_history(tmp_path, "persistent-nan")
+    for key, last in (("train/loss", 4), ("train/grad_norm", 4), ("train/lr", 6), ("train/nonfinite_skipped", 6),
+                      ("train/epoch", 6)):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == list(range(1, last + 1)), (key, sorted(steps))
+    lr = {m.step: m.value for m in client.get_metric_history(run_id, "train/lr")}
+    config = tiny_train_config(**PERSISTENT)
+    assert lr[4] == pytest.approx(config.lr * warmup_factor(5, config.warmup_steps), rel=1e-6)
+    # The learning rate of the last attempt: scaled by rollback_lr_factor twice, on top of the schedule.
+    assert lr[5] == pytest.approx(config.lr * 0.25 * warmup_factor(6, config.warmup_steps), rel=1e-6)
+    skipped = {m.step: m.value for m in client.get_metric_history(run_id, "train/nonfinite_skipped")}
+    assert skipped[5] == 7.0 and skipped[6] == 8.0  # the run's totals go on across rollbacks
 
     message = str(raised.value)
     assert "non-finite" in message and "train.max_rollbacks" in message
     assert str(tmp_path / "bad_batches.jsonl") in message
     last_batch = records[-1]["cut_ids"]
-    assert last_batch == _planned_batch(yesno_data, epoch=1, index=1, max_duration_s=30.0)  # step 11
+    assert last_batch == _planned_batch(yesno_data, epoch=0, index=6, max_duration_s=30.0)  # step 7
     assert ",".join(last_batch[:5]) in message
+
+
+def test_a_streak_at_the_end_keeps_the_last_good_checkpoint_through_keep_last(yesno_data, tmp_path):
+    """keep_last 1, steps 8 and 9 non-finite: the final checkpoint (9) is mid-streak, so 6 is kept too."""
+    _train(yesno_data, tmp_path, epochs=1, checkpoint_every_steps=2, keep_last=1, validate_every_steps=0,
+           inject_nonfinite_steps=[8, 9], max_consecutive_nonfinite=3)
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(path.name for path in checkpoints.glob("step-*.pt")) == ["step-00000006.pt", "step-00000009.pt"]
+    final = load_checkpoint(checkpoint_path(checkpoints, 9))
+    assert final["complete"] and final["guard"]["consecutive"] == 2
+    assert final["progress"]["good_step"] == 6
+    assert load_checkpoint(checkpoint_path(checkpoints, 6))["guard"]["consecutive"] == 0
 
 
 def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
@@ -183,4 +213,5 @@ def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
     assert len(errors) == 1, output
     assert "training stopped" in errors[0] and "bad_batches.jsonl" in errors[0]
     assert (work / "exp" / "bad_batches.jsonl").is_file()
-    assert checkpoint_path(work / "exp" / "checkpoints", 6).is_file()
+    assert checkpoint_path(work / "exp" / "checkpoints", 4).is_file()  # the last good one, the rollback target
+    assert not checkpoint_path(work / "exp" / "checkpoints", 6).exists()  # none inside the streak

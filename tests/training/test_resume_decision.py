@@ -88,6 +88,21 @@ def test_unfinished_run_with_operational_changes_resumes_silently(caplog):
     assert caplog.text == ""
 
 
+def test_feature_extraction_parallelism_does_not_block_a_resume(caplog):
+    """features.num_jobs only sets how many processes extract features: not part of the fingerprint."""
+    config = tiny_train_config()
+    model = asdict(ModelConfig(input_dim=80, vocab_size=5, d_model=32, num_heads=2, ffn_dim=64, num_layers=1))
+    one_job = build_fingerprint(model, asdict(FeatureConfig(num_jobs=1)), "abc123", 42, config)
+    many_jobs = build_fingerprint(model, asdict(FeatureConfig(num_jobs=8)), "abc123", 42, config)
+    assert one_job == many_jobs
+    assert "features.num_mel_bins" in one_job and "features.num_jobs" not in one_job
+    checkpoint = {"fingerprint": one_job, "train_params": training_params(config, "c0de"), "complete": False,
+                  "step": 120}
+    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+        assert decide(checkpoint, many_jobs, training_params(config, "c0de"), CKPT_DIR) == RESUME
+    assert caplog.text == ""
+
+
 @pytest.mark.parametrize(
     "changed, key",
     [

@@ -126,15 +126,17 @@ def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
     process = TrainingProcess(
-        yesno_data, exp, OVERRIDES, log_path=tmp_path / "first.log", pause_after_step=12, tracking_uri=uri
+        yesno_data, exp, OVERRIDES, log_path=tmp_path / "first.log", pause_in_step=13, tracking_uri=uri
     )
     process.wait_paused()
     process.signal(signal.SIGTERM)  # to the trainer and its data workers, as a scheduler would
     assert process.wait() == EXIT_INTERRUPTED, process.log()
     log = process.log()
     assert "received SIGTERM" in log
-    # The signal came right after step 12; the trainer saw it as step 13 began, finished that
-    # step, saved it and exited. 13 is off the every-2-steps schedule: the signal made this one.
+    # The signal came during step 13 (held just before the step's stop decision): that step
+    # is the last one. It is finished, saved and the trainer exits; step 14 never starts.
+    # 13 is off the every-2-steps schedule: the signal made this checkpoint.
+    assert [step for step, *_ in process.steps()][-1] == 13
     newest = list_checkpoints(exp / "checkpoints")[0]
     assert step_of(newest) == 13
     state = load_checkpoint(newest)

@@ -31,3 +31,39 @@ def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
     assert "rank 0 of 2 joined the gloo process group" in log
     assert "rank 1 of 2 joined the gloo process group" in log
     assert (tmp_path / "exp" / "model.pt").is_file()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
+    """Two "machines" (two torchrun launches sharing one folder, as on a shared filesystem):
+    node 0 is the stage as the tools run it, node 1 is ``python -m stages.train --node-rank 1``.
+    They meet at the c10d rendezvous, train as 2 gloo ranks, and only rank 0 writes the model."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "fbank").symlink_to(yesno_data / "fbank")
+    (tmp_path / "data" / "lang").symlink_to(yesno_data / "lang")
+    train = asdict(tiny_train_config(epochs=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{_free_port()}", num_workers=0,
+                                     checkpoint_every_steps=2, dist_timeout_s=60.0, stall_timeout_s=120.0))
+    params = {"seed": 42, "features": {"num_jobs": 1}, "train": train}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "GIT_PYTHON_REFRESH": "quiet"}
+    env.pop("LOCAL_RANK", None)
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "stages.train", *extra], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for extra in ([], ["--node-rank", "1"])
+    ]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n\n".join(logs)
+    assert "--nnodes=2" in logs[0] and "--node-rank=0" in logs[0] and "--node-rank=1" in logs[1]
+    assert "rank 0 of 2 joined the gloo process group" in logs[0]
+    assert "rank 1 of 2 joined the gloo process group" in logs[1]
+    assert "saved checkpoint" in logs[0] and "saved checkpoint" not in logs[1]
+    assert (tmp_path / "exp" / "model.pt").is_file()

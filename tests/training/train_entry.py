@@ -3,7 +3,7 @@
 Usage::
 
     python tests/training/train_entry.py --data DATA --exp EXP [--overrides JSON] [--seed N]
-                                         [--log-every-step] [--pause-after-step N]
+                                         [--log-every-step] [--pause-after-step N] [--pause-in-step N]
 
 ``DATA`` holds ``fbank/`` and ``lang/`` (see the ``yesno_data`` fixture); ``EXP`` receives
 ``checkpoints/``, ``model.pt`` and ``plots/``. The config is ``tiny_train_config(**overrides)``
@@ -11,14 +11,18 @@ from ``tests/conftest.py``. MLflow goes to ``$MLFLOW_TRACKING_URI``, or to
 ``sqlite:///EXP/mlflow.db`` when that is unset. The exit status is the trainer's: 0 when
 training finished, 75 after SIGTERM/SIGINT (checkpoint saved), 2 for a user error.
 
-Two test hooks observe the loop without changing what it computes:
+Three test hooks observe the loop without changing what it computes:
 
 * ``--log-every-step`` prints ``asrflow.test.step <global step> <unix time> <CPU seconds>``
   to stderr after every optimizer step (CPU time of this process, data workers excluded);
 * ``--pause-after-step N`` stops the loop right after step ``N`` is recorded (before any
   checkpoint of that step) and prints ``asrflow.test.paused N``: the process then waits
   for a signal. SIGKILL loses step ``N`` and any step after the last checkpoint; SIGTERM
-  or SIGINT lets the loop go on, so the trainer finishes step ``N + 1``, saves and exits 75.
+  or SIGINT lets the loop go on, so the trainer finishes step ``N + 1``, saves and exits 75;
+* ``--pause-in-step N`` holds step ``N`` in flight, right before the trainer reads its stop
+  flag (``Trainer._should_stop``, just before the step's all-reduce), and prints
+  ``asrflow.test.paused N``. SIGTERM or SIGINT then makes step ``N`` the last: it is
+  finished, saved, and the trainer exits 75.
 
 :class:`TrainingProcess` launches this script from tests and benchmarks.
 """
@@ -50,10 +54,17 @@ STEP_MARK = "asrflow.test.step"
 PAUSE_MARK = "asrflow.test.paused"
 
 
-def _install_hooks(log_every_step: bool, pause_after_step: int | None) -> None:
+def _wait_for_stop(trainer, step: int) -> None:
+    print(f"{PAUSE_MARK} {step}", file=sys.stderr, flush=True)
+    while not trainer._stop_requested:
+        time.sleep(0.02)
+
+
+def _install_hooks(log_every_step: bool, pause_after_step: int | None, pause_in_step: int | None) -> None:
     from asrflow.training import trainer
 
     original = trainer.Trainer._record
+    original_should_stop = trainer.Trainer._should_stop
 
     def record(self, result, waited, elapsed):
         original(self, result, waited, elapsed)
@@ -61,11 +72,15 @@ def _install_hooks(log_every_step: bool, pause_after_step: int | None) -> None:
         if log_every_step:
             print(f"{STEP_MARK} {step} {time.time():.6f} {time.process_time():.6f}", file=sys.stderr, flush=True)
         if step == pause_after_step:
-            print(f"{PAUSE_MARK} {step}", file=sys.stderr, flush=True)
-            while not self._stop_requested:
-                time.sleep(0.02)
+            _wait_for_stop(self, step)
+
+    def should_stop(self):
+        if self.progress.global_step + 1 == pause_in_step:
+            _wait_for_stop(self, pause_in_step)
+        return original_should_stop(self)
 
     trainer.Trainer._record = record
+    trainer.Trainer._should_stop = should_stop
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--log-every-step", action="store_true")
     parser.add_argument("--pause-after-step", type=int, default=None)
+    parser.add_argument("--pause-in-step", type=int, default=None)
     args = parser.parse_args(argv)
 
     sys.path[:0] = [str(TESTS), str(REPO)]
@@ -87,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     from asrflow.training.trainer import Trainer
 
     setup_logging(logging.INFO)
-    _install_hooks(args.log_every_step, args.pause_after_step)
+    _install_hooks(args.log_every_step, args.pause_after_step, args.pause_in_step)
     config = tiny_train_config(**json.loads(args.overrides))
     features = FeatureConfig(num_jobs=1)
     all_params = {"seed": args.seed, "features": asdict(features), "train": asdict(config)}
@@ -115,6 +131,7 @@ class TrainingProcess:
         *,
         log_path: Path,
         pause_after_step: int | None = None,
+        pause_in_step: int | None = None,
         tracking_uri: str | None = None,
         seed: int = 42,
     ):
@@ -136,6 +153,8 @@ class TrainingProcess:
         ]
         if pause_after_step is not None:
             command += ["--pause-after-step", str(pause_after_step)]
+        if pause_in_step is not None:
+            command += ["--pause-in-step", str(pause_in_step)]
         env = {**os.environ, "GIT_PYTHON_REFRESH": "quiet", "PYTHONUNBUFFERED": "1"}
         if tracking_uri:
             env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -160,7 +179,7 @@ class TrainingProcess:
         return [(int(step), float(at), float(cpu)) for step, at, cpu in pattern.findall(self.log())]
 
     def wait_paused(self, timeout: float = 300.0) -> None:
-        """Block until the process holds at ``--pause-after-step``; fail if it ends or times out."""
+        """Block until the process holds at its pause (after or in a step); fail if it ends or times out."""
         deadline = time.monotonic() + timeout
         while PAUSE_MARK not in self.log():
             if self.process.poll() is not None:

@@ -1,0 +1,130 @@
+"""Wrong params end every stage with one clear line naming the key, exit code 2, no traceback.
+
+Each case writes the shipped params.yaml with one key broken and runs the stage's real
+entry point (``main()`` in this process; one case through ``python -m`` as a user would).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import write_shipped_params
+
+from asrflow.errors import EXIT_USER_ERROR, AsrflowError
+from asrflow.params import read_seed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_params(tmp_path: Path, key: str, value) -> Path:
+    """The shipped params with one dotted key set (or a whole section replaced)."""
+    return write_shipped_params(tmp_path, {key: value})
+
+
+def stage_args(stage: str, params: Path, tmp_path: Path) -> list[str]:
+    """Arguments that point every input and output of ``stage`` into ``tmp_path``."""
+    outputs = {
+        "prepare": ["--out", str(tmp_path / "manifests")],
+        "features": ["--manifests", str(tmp_path / "manifests"), "--out", str(tmp_path / "fbank")],
+        "tokenizer": ["--manifests", str(tmp_path / "manifests"), "--out", str(tmp_path / "lang")],
+        "train": ["--exp", str(tmp_path / "exp")],
+    }
+    return ["--params", str(params), *outputs[stage]]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+CASES = [
+    ("prepare", "prepare", [1, 2], r"section prepare = \[1, 2\] must be a mapping"),
+    ("prepare", "prepare.text", "upper", "section prepare.text = 'upper' must be a mapping"),
+    ("prepare", "seed", "abc", "seed = 'abc' must be an integer"),
+    ("features", "features", "abc", "section features = 'abc' must be a mapping"),
+    ("features", "features.num_mel_bins", 0, "features.num_mel_bins = 0 must be at least 4"),
+    ("features", "features.sampling_rate", 0, "features.sampling_rate = 0 must be greater than 0"),
+    ("features", "features.num_jobs", -1, "features.num_jobs = -1 must be at least 0"),
+    ("features", "features.frame_shift_s", 0, "features.frame_shift_s = 0 must be greater than 0"),
+    ("tokenizer", "tokenizer.vocab_size", 0, "tokenizer.vocab_size = 0 must be at least 3"),
+    ("tokenizer", "tokenizer.model_type", "wordpiece", "tokenizer.model_type = 'wordpiece' is not valid"),
+    ("train", "train.num_heads", 5, r"train.num_heads \(5\) must divide train.d_model \(144\)"),
+    ("train", "train.noise_snr_db", [10], r"train.noise_snr_db = \[10\] must be two numbers"),
+    ("train", "train.noise_snr_db", [20, 10], r"train.noise_snr_db = \[20, 10\] .* low <= high"),
+    ("train", "train.noise_snr_db", ["loud", 10], "train.noise_snr_db = .* has the wrong type"),
+    ("train", "train.lr", -0.001, "train.lr = -0.001 must be greater than 0"),
+    ("train", "train.epochs", 0, "train.epochs = 0 must be at least 1"),
+    ("train", "train.accum_grad", 0, "train.accum_grad = 0 must be at least 1"),
+    ("train", "train.num_workers", -1, "train.num_workers = -1 must be at least 0"),
+    ("train", "train.precision", "fp8", "train.precision = 'fp8' is not valid; use one of auto"),
+    ("train", "train.conv_kernel_size", 14, "train.conv_kernel_size = 14 must be odd"),
+    ("train", "train.node_rank", 1, r"train.node_rank = 1 must be below train.nnodes \(1\)"),
+]
+
+
+@pytest.mark.parametrize(("stage", "key", "value", "message"), CASES, ids=[f"{c[1]}={c[2]!r}" for c in CASES])
+def test_bad_param_ends_the_stage_with_one_line(tmp_path, capsys, stage, key, value, message):
+    params = write_params(tmp_path, key, value)
+    main = importlib.import_module(f"stages.{stage}").main
+    with pytest.raises(SystemExit) as exit_info:
+        main(stage_args(stage, params, tmp_path))
+    assert exit_info.value.code == EXIT_USER_ERROR
+    errors = error_lines(capsys.readouterr().err)
+    assert len(errors) == 1
+    assert errors[0].startswith("error: params.yaml: ")
+    assert re.search(message, errors[0]), errors[0]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["params.yaml"]  # nothing written
+
+
+def test_bad_param_from_the_command_line_has_no_traceback(tmp_path):
+    params = write_params(tmp_path, "features.num_mel_bins", 0)
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.features", *stage_args("features", params, tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == EXIT_USER_ERROR
+    assert "Traceback" not in result.stderr
+    assert error_lines(result.stderr) == ["error: params.yaml: features.num_mel_bins = 0 must be at least 4"]
+
+
+@pytest.mark.parametrize("seed", ["42", 1.5, True, None, [1]])
+def test_seed_must_be_an_integer(seed):
+    with pytest.raises(AsrflowError, match="params.yaml: seed = .* must be an integer"):
+        read_seed({"seed": seed})
+
+
+def test_seed_defaults_to_zero_and_keeps_integers():
+    assert read_seed({}) == 0
+    assert read_seed({"seed": 42}) == 42
+
+
+def test_shipped_params_pass_every_check():
+    from asrflow.data.features import FeatureConfig
+    from asrflow.data.prepare import PrepareConfig
+    from asrflow.params import build_config
+    from asrflow.tokenizer import TokenizerConfig
+    from asrflow.training.config import TrainConfig
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    PrepareConfig.from_section(params["prepare"])
+    for cls, name in ((FeatureConfig, "features"), (TokenizerConfig, "tokenizer"), (TrainConfig, "train")):
+        build_config(cls, params[name], name)
+    assert read_seed(params) == params["seed"]
+
+
+def test_node_rank_from_the_command_line_is_checked_like_the_param(tmp_path, capsys):
+    """``--node-rank`` overrides train.node_rank (multi-node runs), under the same check."""
+    from stages.train import main
+
+    params = write_params(tmp_path, "train.nnodes", 2)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*stage_args("train", params, tmp_path), "--node-rank", "2"])
+    assert exit_info.value.code == EXIT_USER_ERROR
+    assert error_lines(capsys.readouterr().err) == [
+        "error: params.yaml: train.node_rank = 2 must be below train.nnodes (2)"
+    ]

@@ -1,0 +1,86 @@
+"""Under DDP, rank 0 alone reads the checkpoints and decides; the other ranks follow its decision.
+
+Two real processes (gloo on the loopback interface) each set up the real ``Trainer``. Rank
+0's checkpoint folder holds a run; rank 1's is empty, as on a second machine that does
+not see the first one's ``exp/checkpoints``. Rank 1 must resume from the file rank 0 chose
+(not start a fresh run of its own), and when rank 0's decision is an error (an unfinished
+run made with another model shape), rank 1 must raise the same clear error instead of
+waiting at a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch.multiprocessing as mp
+from conftest import tiny_train_config, train_paths
+from train_entry import fresh_mlflow_store, train_in_process
+
+from asrflow.data.features import FeatureConfig
+from asrflow.errors import AsrflowError
+from asrflow.training import checkpoint as ckpt
+from asrflow.training.distributed import shutdown_distributed
+from asrflow.training.trainer import Trainer
+
+WORLD_SIZE = 2
+SEED = 42
+OVERRIDES = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 0}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
+    """Set up a Trainer on ``rank``; record what ``_resume_decision`` gives for each scenario."""
+    os.environ.update({"WORLD_SIZE": str(WORLD_SIZE), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
+    exp = Path(folders[f"rank{rank}"])
+    trainer = Trainer(tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), SEED, {},
+                      train_paths(Path(data), exp))
+    result = {}
+    try:
+        trainer._setup()
+        decision, state, path = trainer._resume_decision()
+        result["finished"] = {"decision": decision, "path": str(path), "step": state["step"]}
+        if rank == 0:
+            trainer.paths = dataclasses.replace(trainer.paths, checkpoint_dir=Path(folders["other_shape"]))
+        try:
+            trainer._resume_decision()
+            result["other_shape"] = "no error"
+        except AsrflowError as error:
+            result["other_shape"] = str(error)
+    finally:
+        shutdown_distributed()
+    Path(folders["results"], f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_other_ranks_follow_rank_0s_decision(yesno_data, tmp_path):
+    finished = tmp_path / "rank0"
+    train_in_process(yesno_data, finished, OVERRIDES, fresh_mlflow_store(tmp_path / "store"))
+    newest = ckpt.list_checkpoints(finished / "checkpoints")[0]
+    assert ckpt.step_of(newest) == 9
+
+    other_shape = tmp_path / "other_shape"
+    summary = train_in_process(yesno_data, other_shape, {**OVERRIDES, "d_model": 48},
+                               fresh_mlflow_store(tmp_path / "store2"))
+    (other_shape / "checkpoints" / f"step-{summary['steps']:08d}.pt").unlink()  # now an unfinished run
+    (tmp_path / "rank1").mkdir()
+    (tmp_path / "results").mkdir()
+    folders = {"rank0": str(finished), "rank1": str(tmp_path / "rank1"),
+               "other_shape": str(other_shape / "checkpoints"), "results": str(tmp_path / "results")}
+
+    mp.spawn(_decide_on_rank, args=(str(yesno_data), folders, _free_port()), nprocs=WORLD_SIZE, join=True)
+
+    results = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    for rank, result in enumerate(results):
+        assert result["finished"] == {"decision": "resume", "path": str(newest), "step": 9}, (rank, result)
+        assert "holds an unfinished run" in result["other_shape"], (rank, result)
+        assert "model.d_model: 48 -> 32" in result["other_shape"], (rank, result)
+    assert not list((tmp_path / "rank1").iterdir()), "rank 1 wrote into its own checkpoint folder"
