@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -31,6 +32,17 @@ def write_shipped_params(folder: Path, changes: dict[str, object]) -> Path:
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """A stage's ``main()`` called in a test points the root logger at that test's captured
+    stderr (``setup_logging``); put the handlers back, or later tests log to a closed stream."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
