@@ -256,6 +256,10 @@ class TrainingBatches:
         self.num_epochs = num_epochs
         self._cached: tuple[int, list[list[str]]] | None = None
 
+    def start_at(self, epoch: int, step: int) -> None:
+        """Make the next iteration begin at optimizer step ``step`` of ``epoch`` (a resume or a rollback)."""
+        self.start_epoch, self.start_step = epoch, step
+
     def plan(self, epoch: int) -> list[list[str]]:
         """The global plan of ``epoch`` (the latest one is cached)."""
         if self._cached is None or self._cached[0] != epoch:

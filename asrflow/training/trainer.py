@@ -21,7 +21,7 @@ import yaml
 from torch.nn.parallel import DistributedDataParallel
 
 from asrflow.bundle import save_bundle
-from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, plan_digest, plan_epoch
+from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, plan_digest
 from asrflow.data.features import CMVN_FILE, FeatureConfig, cmvn_stats, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible
 from asrflow.data.manifests import cuts_path, load_cuts
@@ -132,7 +132,11 @@ class Trainer:
         dev_cuts, _ = filter_ctc_feasible(
             load_cuts(self.paths.fbank_dir, "dev").to_eager(), self.tokenizer, self.features.frame_shift_s
         )
-        self.train_cuts = train_cuts
+        # One plan cache for the whole run: the resume check, checkpoints and the loader share it.
+        self.batches = TrainingBatches(
+            train_cuts, self.seed, config.max_duration_s, config.num_buckets, config.accum_grad,
+            self.dist.world_size, self.dist.rank, 0, 0, config.epochs,
+        )
         extractor = self.features.extractor() if self.features.on_the_fly else None
         noise = self._noise_cuts()
         self.dataset = AsrBatchDataset(
@@ -214,7 +218,7 @@ class Trainer:
             "guard": self.guard.state_dict(),
             "world_size": self.dist.world_size,
             "precision": self.precision.name,
-            "plan_digest": plan_digest(self.batches.plan(progress.epoch)) if hasattr(self, "batches") else "",
+            "plan_digest": plan_digest(self.batches.plan(progress.epoch)),
             "fingerprint": self.fingerprint,
             "train_params": self.train_params,
             "tracker": self.tracker.state_dict() if self.tracker else {},
@@ -265,17 +269,13 @@ class Trainer:
         self._apply_lr_scale()
         self._check_position(state)
 
-    def _plan(self, epoch: int) -> list[list[str]]:
-        """The global batch plan of ``epoch`` (cut ids), as :class:`TrainingBatches` makes it."""
-        return plan_epoch(self.train_cuts, epoch, self.seed, self.config.max_duration_s, self.config.num_buckets)
-
     def _check_position(self, state: dict) -> None:
         """Restart the epoch from its first batch when the checkpoint's position means other batches now."""
         epoch = self.progress.epoch
         if int(state["world_size"]) != self.dist.world_size:
             reason = (f"the checkpoint was written with {state['world_size']} processes, this run has "
                       f"{self.dist.world_size}: the batch plan differs")
-        elif state.get("plan_digest") and plan_digest(self._plan(epoch)) != state["plan_digest"]:
+        elif state.get("plan_digest") and plan_digest(self.batches.plan(epoch)) != state["plan_digest"]:
             reason = (f"the batch plan of epoch {epoch} differs from the checkpoint's (other train cuts or "
                       "another Lhotse sampler)")
         else:
@@ -368,10 +368,7 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
     def _loader(self) -> torch.utils.data.DataLoader:
         config = self.config
-        self.batches = TrainingBatches(
-            self.train_cuts, self.seed, config.max_duration_s, config.num_buckets, config.accum_grad,
-            self.dist.world_size, self.dist.rank, self.progress.epoch, self.progress.step_in_epoch, config.epochs,
-        )
+        self.batches.start_at(self.progress.epoch, self.progress.step_in_epoch)
         workers = config.num_workers
         return torch.utils.data.DataLoader(
             self.dataset,
