@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -14,8 +15,15 @@ LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 
 
 def setup_logging(level: int = logging.INFO) -> logging.Logger:
-    """Log to stderr in one format for every stage; returns the ``asrflow`` logger."""
-    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    """Log to stderr in one format for every stage; returns the ``asrflow`` logger.
+
+    Under torchrun with several processes every line names its rank (``[rank 1]``): all ranks
+    write to the same terminal.
+    """
+    log_format = LOG_FORMAT
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log_format = LOG_FORMAT.replace("[%(name)s]", f"[rank {os.environ.get('RANK', '?')}] [%(name)s]")
+    logging.basicConfig(level=level, format=log_format, stream=sys.stderr, force=True)
     return logging.getLogger("asrflow")
 
 

@@ -559,3 +559,40 @@ class RunTracker:
             self.end("KILLED")
         else:
             self.end("FAILED")
+
+
+class NullTracker:
+    """The tracker of a process that logs nothing (every rank but 0): each call does nothing.
+
+    It has :class:`RunTracker`'s methods, so the training loop calls one tracker on every
+    rank without asking which rank it is on.
+    """
+
+    run_id = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def record(self, step: int, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def discard_after(self, step: int) -> int:
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        pass
+
+    def end(self, status: str = "FINISHED") -> None:
+        pass

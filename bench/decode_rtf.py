@@ -77,7 +77,8 @@ def trained(data: Path, work: Path) -> Path:
     from asrflow.data.features import FeatureConfig
     from asrflow.params import build_config
     from asrflow.training.config import TrainConfig
-    from asrflow.training.trainer import Trainer, TrainPaths
+    from asrflow.training.paths import TrainPaths
+    from asrflow.training.trainer import Trainer
 
     params = repo_params()
     train = replace(build_config(TrainConfig, params.get("train"), "train"), epochs=FALLBACK_EPOCHS,
@@ -85,10 +86,8 @@ def trained(data: Path, work: Path) -> Path:
     features = build_config(FeatureConfig, params.get("features"), "features")
     exp = work / "decode-exp"
     shutil.rmtree(exp, ignore_errors=True)
-    paths = TrainPaths(fbank_dir=data / "fbank", lang_dir=data / "lang", model_path=exp / "model.pt",
-                       checkpoint_dir=exp / "checkpoints", loss_csv=exp / "plots" / "train_loss.csv",
-                       bad_batches=exp / "bad_batches.jsonl")
-    Trainer(train, features, int(params.get("seed", 0)), params, paths,
+    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
+    Trainer(train, features, seed=int(params.get("seed", 0)), all_params=params, paths=paths,
             tracking_uri=f"sqlite:///{work / 'bench-mlflow.db'}").run()
     return paths.model_path
 

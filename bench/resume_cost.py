@@ -82,18 +82,17 @@ def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count
     """CPU seconds to build one training batch (features, CMVN, SpecAugment, targets) in one process."""
     import torch
 
-    from asrflow.data.batches import AsrBatchDataset, AugmentConfig, TrainingBatches
-    from asrflow.data.features import CMVN_FILE, load_cmvn
-    from asrflow.data.manifests import load_cuts
-    from asrflow.tokenizer import MODEL_FILE, Tokenizer
+    from asrflow.data.features import FeatureConfig
+    from asrflow.training.config import TrainConfig
+    from asrflow.training.train_data import TrainData
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cuts = load_cuts(data / "fbank", "train").to_eager()
-        tokenizer = Tokenizer(data / "lang" / MODEL_FILE)
-        dataset = AsrBatchDataset(cuts, tokenizer, load_cmvn(data / "fbank" / CMVN_FILE), 42, AugmentConfig())
-        items = iter(TrainingBatches(cuts, 42, max_duration_s, num_buckets, 1, 1, 0, 0, 0, 1))
+        config = TrainConfig(max_duration_s=max_duration_s, num_buckets=num_buckets, epochs=1)
+        train_data = TrainData.build(config, FeatureConfig(), seed=42, fbank_dir=data / "fbank",
+                                     lang_dir=data / "lang")
+        dataset, items = train_data.dataset, iter(train_data.batches)
         dataset[next(items)]  # warm-up
         batch = list(itertools.islice(items, count))
         began = time.process_time()

@@ -91,23 +91,15 @@ def configs(quick: bool, num_threads: int | None = None):
 
 
 class PlannedBatches:
-    """The batches the train loop will draw, built in this process on first use."""
+    """The batches the train loop will draw (the same ``TrainData`` the Trainer builds), made in this process."""
 
     def __init__(self, data: Path, config, features, seed: int):
-        from asrflow.data.batches import AsrBatchDataset, TrainingBatches
-        from asrflow.data.features import CMVN_FILE, load_cmvn
-        from asrflow.data.filters import filter_ctc_feasible
-        from asrflow.data.manifests import load_cuts
-        from asrflow.tokenizer import MODEL_FILE, Tokenizer
+        from asrflow.training.train_data import TrainData
 
-        self.tokenizer = Tokenizer(data / "lang" / MODEL_FILE)
-        cuts, _ = filter_ctc_feasible(
-            load_cuts(data / "fbank", "train").to_eager(), self.tokenizer, features.frame_shift_s
-        )
-        self.dataset = AsrBatchDataset(cuts, self.tokenizer, load_cmvn(data / "fbank" / CMVN_FILE), seed,
-                                       config.augment())
-        self.items = iter(TrainingBatches(cuts, seed, config.max_duration_s, config.num_buckets,
-                                          config.accum_grad, 1, 0, 0, 0, config.epochs))
+        train_data = TrainData.build(config, features, seed=seed, fbank_dir=data / "fbank", lang_dir=data / "lang")
+        self.tokenizer = train_data.tokenizer
+        self.dataset = train_data.dataset
+        self.items = iter(train_data.batches)
         self.accum_grad = config.accum_grad
 
     def next_step(self) -> list[dict]:
@@ -166,7 +158,9 @@ def run_paired(data: Path, exp: Path, tracking_uri: str, params: dict, config, f
     """The Trainer, with a bare step after each of its steps; per-step records, and FLOPs/audio s."""
     import torch
 
-    from asrflow.training.trainer import EXIT_INTERRUPTED, Trainer, TrainPaths
+    from asrflow.training.observers import TrainObserver
+    from asrflow.training.paths import TrainPaths
+    from asrflow.training.trainer import EXIT_INTERRUPTED, Trainer
 
     planned = PlannedBatches(data, config, features, seed)
     bare_model, bare_optimizer = build(config, features, seed, planned.tokenizer.vocab_size)
@@ -177,21 +171,10 @@ def run_paired(data: Path, exp: Path, tracking_uri: str, params: dict, config, f
     records: list[dict] = []
     started = []
 
-    class PairedTrainer(Trainer):
-        last_ids: list[str] = []
+    class PairedSteps(TrainObserver):
+        """After each of the Trainer's steps, a bare step on the same batches."""
 
-        def _setup(self):
-            super()._setup()
-            observe = self.guard.observe
-
-            def observing(step, finite, loss, grad_norm, cut_ids):  # the loop's cut ids of each step
-                self.last_ids = list(cut_ids)
-                return observe(step, finite, loss, grad_norm, cut_ids)
-
-            self.guard.observe = observing
-
-        def _record(self, result, waited, elapsed):
-            super()._record(result, waited, elapsed)
+        def after_step(self, trainer, result):
             now = time.perf_counter()
             batches = pending.pop() if pending else planned.next_step()
             ids = [cut_id for batch in batches for cut_id in batch["cut_ids"]]
@@ -203,21 +186,19 @@ def run_paired(data: Path, exp: Path, tracking_uri: str, params: dict, config, f
                 torch.set_num_threads(config.num_threads)
             if not started:
                 started.append(time.perf_counter())
-            records.append({"t": now, "audio_s": result.audio_seconds, "waited": waited, "elapsed": elapsed,
-                            "padding": result.padding_ratio, "bare_s": bare_s, "single_s": single_s,
-                            "same_batch": ids == self.last_ids, "hook_s": time.perf_counter() - now})
-            steps = self.progress.global_step
+            records.append({"t": now, "audio_s": result.audio_seconds, "waited": result.data_wait_s,
+                            "elapsed": result.elapsed_s, "padding": result.padding_ratio, "bare_s": bare_s,
+                            "single_s": single_s, "same_batch": ids == list(result.cut_ids),
+                            "hook_s": time.perf_counter() - now})
+            steps = trainer.progress.global_step
             spent = time.perf_counter() - started[0]
             if steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s):
-                self._stop_requested = True  # the next step is the last one, then a checkpoint (as on SIGTERM)
+                trainer.request_stop()  # the next step is the last one, then a checkpoint (as on SIGTERM)
 
-    paths = TrainPaths(
-        fbank_dir=data / "fbank", lang_dir=data / "lang", model_path=exp / "model.pt",
-        checkpoint_dir=exp / "checkpoints", loss_csv=exp / "plots" / "train_loss.csv",
-        bad_batches=exp / "bad_batches.jsonl",
-    )
+    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
     try:
-        PairedTrainer(config, features, seed, params, paths, tracking_uri=tracking_uri).run()
+        Trainer(config, features, seed=seed, all_params=params, paths=paths, tracking_uri=tracking_uri,
+                observers=[PairedSteps()]).run()
     except SystemExit as stop:
         if stop.code != EXIT_INTERRUPTED:
             raise

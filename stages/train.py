@@ -14,15 +14,15 @@ import argparse
 import os
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
 from asrflow.training.config import TrainConfig
-from asrflow.training.launch import needs_torchrun, torchrun_command
-from asrflow.training.trainer import Trainer, TrainPaths
+from asrflow.training.launch import check_launch, needs_torchrun, torchrun_command
+from asrflow.training.paths import TrainPaths
+from asrflow.training.trainer import Trainer
 
 
 @exit_on_user_error
@@ -42,16 +42,12 @@ def main(argv: list[str] | None = None) -> None:
         config = replace(config, node_rank=args.node_rank)
     features = build_config(FeatureConfig, params.get("features"), "features")
     if needs_torchrun(config):
+        check_launch(config)
         command = torchrun_command(config, ["-m", "stages.train", *(argv if argv is not None else sys.argv[1:])])
         logger.info("launching %s", " ".join(command))
         os.execvp(command[0], command)
-    paths = TrainPaths(
-        model_path=Path(args.exp) / "model.pt",
-        checkpoint_dir=Path(args.exp) / "checkpoints",
-        loss_csv=Path(args.exp) / "plots" / "train_loss.csv",
-        bad_batches=Path(args.exp) / "bad_batches.jsonl",
-    )
-    summary = Trainer(config, features, read_seed(params), params, paths).run()
+    paths = TrainPaths.under(args.exp, fbank_dir="data/fbank", lang_dir="data/lang")
+    summary = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths).run()
     logger.info("training done: %s", summary)
 
 

@@ -84,16 +84,9 @@ def tiny_train_config(**overrides):
 
 def train_paths(data: Path, exp: Path):
     """TrainPaths reading ``data`` (from :func:`yesno_data`) and writing under ``exp``."""
-    from asrflow.training.trainer import TrainPaths
+    from asrflow.training.paths import TrainPaths
 
-    return TrainPaths(
-        fbank_dir=data / "fbank",
-        lang_dir=data / "lang",
-        model_path=exp / "model.pt",
-        checkpoint_dir=exp / "checkpoints",
-        loss_csv=exp / "plots" / "train_loss.csv",
-        bad_batches=exp / "bad_batches.jsonl",
-    )
+    return TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
 
 
 def copy_repo(destination: Path) -> Path:

@@ -61,7 +61,7 @@ def yesno_model(yesno_data: Path, tmp_path_factory) -> Path:
     for seed in SEEDS:
         exp = tmp_path_factory.mktemp(f"yesno_model_seed{seed}")
         paths = replace(train_paths(yesno_data, exp), lang_dir=lang)
-        Trainer(config, FeatureConfig(), seed, {}, paths, tracking_uri=f"sqlite:///{exp / 'mlflow.db'}").run()
+        Trainer(config, FeatureConfig(), seed=seed, paths=paths, tracking_uri=f"sqlite:///{exp / 'mlflow.db'}").run()
         wer = dev_wer(exp / "model.pt", yesno_data / "fbank")
         if wer <= MAX_DEV_WER:
             return exp / "model.pt"

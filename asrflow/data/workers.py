@@ -3,9 +3,14 @@ spawned worker imports the module of each function it is given (not the trainer,
 
 from __future__ import annotations
 
+import ctypes
 import signal
+import sys
 
 import torch
+
+#: Linux's ``prctl`` option that sends the process a signal when its parent dies.
+_PR_SET_PDEATHSIG = 1
 
 #: Small per-utterance tensors of a batch, sent from a data worker as Python lists. Each
 #: tensor crosses the process boundary through its own shared-memory handle, which cost about
@@ -35,7 +40,20 @@ def unpack_batch(batch: dict) -> dict:
 
 
 def init_worker(_worker_id: int) -> None:
-    """Leave interruption to the main process (it finishes the step and saves); one thread each."""
+    """Leave interruption to the main process (it finishes the step and saves); one thread each.
+
+    A worker ignores SIGINT and SIGTERM (sent to the whole process group by Ctrl-C or a
+    scheduler, they must not kill it under a step that is finishing), so it is also told to
+    die with its parent: a training process that ends in any way, ``SIGKILL`` included,
+    leaves no worker behind.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
     torch.set_num_threads(1)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (elsewhere: nothing happens)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

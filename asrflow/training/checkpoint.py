@@ -24,7 +24,7 @@ from asrflow.io import fsync_dir
 
 logger = logging.getLogger("asrflow.checkpoint")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 BEST = "best.pt"
 _STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 

@@ -62,6 +62,7 @@ class TrainConfig:
     rollback_lr_factor: float = 0.5
     max_rollbacks: int = 3
     inject_nonfinite_steps: list[int] = field(default_factory=list)
+    inject_nonfinite_ranks: list[int] = field(default_factory=list)
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -119,6 +120,8 @@ class TrainConfig:
             raise param_error(SECTION, "node_rank", self.node_rank, f"must be below train.nnodes ({self.nnodes})")
         if any(step < 1 for step in self.inject_nonfinite_steps):
             raise param_error(SECTION, "inject_nonfinite_steps", self.inject_nonfinite_steps, "must list steps >= 1")
+        if any(rank < 0 for rank in self.inject_nonfinite_ranks):
+            raise param_error(SECTION, "inject_nonfinite_ranks", self.inject_nonfinite_ranks, "must list ranks >= 0")
         check_choice(self, SECTION, "mp_start_method", START_METHODS)
         if not self.experiment.strip():
             raise param_error(SECTION, "experiment", self.experiment, "must name an MLflow experiment")

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asrflow.errors import AsrflowError
+
 logger = logging.getLogger("asrflow.distributed")
 
 
@@ -86,3 +88,18 @@ def broadcast_from_main(info: DistInfo, value):
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
+
+
+def check_same_everywhere(info: DistInfo, value: str, what: str) -> None:
+    """Raise the same :class:`AsrflowError` on every rank when ranks hold different ``value``s (e.g. the
+    digest of their params: nodes started with other params.yaml files or data)."""
+    if not info.enabled:
+        return
+    values: list[str | None] = [None] * info.world_size
+    dist.all_gather_object(values, value)
+    others = [rank for rank, seen in enumerate(values) if seen != values[0]]
+    if others:
+        raise AsrflowError(
+            f"rank(s) {others} run with other {what} than rank 0: every node must use the same params.yaml, "
+            "code and data (a shared checkout, or the same commit and `dvc pull`)"
+        )

@@ -73,9 +73,12 @@ class NonFiniteGuard:
                       "cut_ids": cut_ids}
             handle.write(json.dumps(record) + "\n")
 
-    def rolled_back(self) -> None:
-        """Count a rollback and start counting skips afresh."""
-        self.rollbacks += 1
+    def rolled_back(self, *, skipped_before: int, rollbacks_before: int) -> None:
+        """After a rollback restored an older state of this guard: keep the run's totals as they were
+        before it (``bad_batches.jsonl`` lists every skipped step), count this rollback, and start
+        counting skips in a row afresh."""
+        self.total_skipped = skipped_before
+        self.rollbacks = rollbacks_before + 1
         self.consecutive = 0
         self.recent_bad.clear()
 

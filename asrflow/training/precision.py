@@ -9,6 +9,7 @@ and on the CPU. ``fp16`` always runs with a dynamic gradient scaler.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -74,3 +75,19 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(device)
+
+
+def precision_change_tags(saved: str, policy: PrecisionPolicy, step: int) -> dict[str, str]:
+    """When a resume trains in another precision than its checkpoint (``saved``): a warning, and the MLflow
+    tags that record the change; else no tags."""
+    if saved == policy.name:
+        return {}
+    logging.getLogger(__name__).warning(
+        "the checkpoint was trained in %s, this run trains in %s (%s): the steps from %d on differ "
+        "from an uninterrupted run", saved, policy.name, policy.reason, step,
+    )
+    return {
+        "precision": policy.name,
+        "precision_reason": policy.reason,
+        "precision_changed": f"{saved} -> {policy.name} at step {step}",
+    }

@@ -16,3 +16,10 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over :func:`warmup_factor`; its state is part of every checkpoint."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step + 1, warmup_steps))
+
+
+def apply_lr_scale(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) -> None:
+    """Move the schedule's peak to ``peak_lr`` (after a rollback) and set the optimizer's current lr to match."""
+    scheduler.base_lrs = [peak_lr for _ in scheduler.base_lrs]
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)

@@ -33,7 +33,11 @@ from asrflow.training.precision import PrecisionPolicy
 
 @dataclass
 class StepResult:
-    """What one optimizer step did. ``loss`` is per token (global), ``grad_norm`` before clipping."""
+    """What one optimizer step did. ``loss`` is per token (global), ``grad_norm`` before clipping.
+
+    The training loop adds the step's wall time (``elapsed_s``, data wait included), the part
+    spent waiting for batches (``data_wait_s``) and every cut id of the step (all ranks).
+    """
 
     loss: float
     grad_norm: float
@@ -42,6 +46,9 @@ class StepResult:
     num_utterances: int
     audio_seconds: float
     padding_ratio: float
+    elapsed_s: float = 0.0
+    data_wait_s: float = 0.0
+    cut_ids: tuple[str, ...] = ()
 
 
 def ctc_loss_sum(log_probs: torch.Tensor, out_lens: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -18,6 +18,7 @@ from asrflow.bundle import load_bundle
 from asrflow.data.features import CMVN_FILE, FeatureConfig, compute_features, load_cmvn
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
+from asrflow.training.train_data import TrainData
 from asrflow.training.trainer import Trainer
 
 SUBSET = {"train": 12, "dev": 2, "test": 2}
@@ -71,7 +72,8 @@ def test_training_with_on_the_fly_features_speed_and_noise(otf_data, noise_dir, 
     config = tiny_train_config(epochs=1, speed_perturb=True, noise_dir=str(noise_dir))
     all_params = {"seed": 42, "features": asdict(OTF), "train": asdict(config)}
     paths = train_paths(otf_data, tmp_path / "exp")
-    summary = Trainer(config, OTF, 42, all_params, paths, f"sqlite:///{tmp_path / 'mlflow.db'}").run()
+    summary = Trainer(config, OTF, seed=42, all_params=all_params, paths=paths,
+                      tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").run()
     assert summary
     bundle = load_bundle(paths.model_path)
     assert bundle.features == OTF
@@ -82,10 +84,8 @@ def test_training_with_on_the_fly_features_speed_and_noise(otf_data, noise_dir, 
 
 def test_noise_needs_on_the_fly_features_and_audio(otf_data, tmp_path):
     (tmp_path / "empty").mkdir()
-    paths = train_paths(otf_data, tmp_path / "exp")
-    stored = Trainer(tiny_train_config(noise_dir=str(tmp_path)), FeatureConfig(), 42, {}, paths)
+    folders = {"fbank_dir": otf_data / "fbank", "lang_dir": otf_data / "lang"}
     with pytest.raises(AsrflowError, match="on_the_fly"):
-        stored._noise_cuts()
-    empty = Trainer(tiny_train_config(noise_dir=str(tmp_path / "empty")), OTF, 42, {}, paths)
+        TrainData.build(tiny_train_config(noise_dir=str(tmp_path)), FeatureConfig(), seed=42, **folders)
     with pytest.raises(AsrflowError, match="empty holds no noise"):
-        empty._noise_cuts()
+        TrainData.build(tiny_train_config(noise_dir=str(tmp_path / "empty")), OTF, seed=42, **folders)

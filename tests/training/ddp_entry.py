@@ -8,21 +8,28 @@ Usage::
 ``SPEC.json`` holds ``data`` (a folder made by the ``yesno_data`` fixture), ``exp`` (the
 output folder), ``config`` (overrides for ``tiny_train_config``) and ``tracking_uri``.
 Rank 0 writes the run's summary to ``<exp>/summary.json``. A user error exits 2 with one
-line, as the train stage does.
+line, as the train stage does. Each rank prints ``asrflow.test.rank R pid P`` when its
+first step is next.
 
-Test hooks (environment variables, read only by this script; the library has none):
+Faults (environment variables, read only by this script through a public observer; the
+library has no test hooks of its own), each ``rank:step`` or ``rank:batch``:
 
-``ASRFLOW_TEST_FAIL_RANK_AT_STEP=rank:step``
+``ASRFLOW_TEST_FAIL_RANK_AT_STEP``
     that rank raises ``RuntimeError`` right after finishing that optimizer step.
-``ASRFLOW_TEST_STALL_RANK_AT_STEP=rank:step``
-    that rank sleeps forever right after finishing that optimizer step (the stall
-    watchdog or the collective timeout must end the job).
+``ASRFLOW_TEST_STALL_RANK_AT_STEP``
+    that rank sleeps forever right after finishing that optimizer step.
+``ASRFLOW_TEST_PAUSE_RANK_IN_STEP``
+    that rank holds that step in flight (right before its all-reduce), printing
+    ``asrflow.test.paused R S``, until a stop is requested (SIGTERM to that rank).
+``ASRFLOW_TEST_STALL_WORKER_AT_BATCH`` / ``ASRFLOW_TEST_KILL_WORKER_AT_BATCH``
+    the data worker of that rank that builds that planned batch sleeps forever / SIGKILLs itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,26 +41,62 @@ from conftest import tiny_train_config, train_paths  # noqa: E402
 from asrflow.data.features import FeatureConfig  # noqa: E402
 from asrflow.errors import exit_on_user_error  # noqa: E402
 from asrflow.logs import setup_logging  # noqa: E402
+from asrflow.training.observers import TrainObserver  # noqa: E402
 from asrflow.training.trainer import Trainer  # noqa: E402
 
 FAIL_ENV = "ASRFLOW_TEST_FAIL_RANK_AT_STEP"
 STALL_ENV = "ASRFLOW_TEST_STALL_RANK_AT_STEP"
+PAUSE_ENV = "ASRFLOW_TEST_PAUSE_RANK_IN_STEP"
+WORKER_STALL_ENV = "ASRFLOW_TEST_STALL_WORKER_AT_BATCH"
+WORKER_KILL_ENV = "ASRFLOW_TEST_KILL_WORKER_AT_BATCH"
 
 
 def _hook(name: str) -> tuple[int, int] | None:
     value = os.environ.get(name)
     if not value:
         return None
-    rank, step = value.split(":")
-    return int(rank), int(step)
+    rank, where = value.split(":")
+    return int(rank), int(where)
 
 
-class HookedTrainer(Trainer):
-    """A Trainer whose ranks can be made to fail or stall after a given step."""
+class FaultyDataset:
+    """The real dataset; building planned batch ``batch_index`` stalls or kills the worker."""
 
-    def _record(self, result, waited, elapsed) -> None:
-        super()._record(result, waited, elapsed)
-        here = (self.dist.rank, self.progress.global_step)
+    def __init__(self, dataset, batch_index: int, kill: bool):
+        self.dataset, self.batch_index, self.kill = dataset, batch_index, kill
+
+    def __getitem__(self, item):
+        if item.batch_index == self.batch_index:
+            print(f"injected worker fault at batch {item.batch_index} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:
+                time.sleep(1)
+        return self.dataset[item]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class Faults(TrainObserver):
+    """Injects the faults the environment asks for on this rank."""
+
+    def on_start(self, trainer) -> None:
+        rank = trainer.dist.rank
+        print(f"asrflow.test.rank {rank} pid {os.getpid()}", file=sys.stderr, flush=True)
+        for name, kill in ((WORKER_STALL_ENV, False), (WORKER_KILL_ENV, True)):
+            hook = _hook(name)
+            if hook and hook[0] == rank:
+                trainer.data.dataset = FaultyDataset(trainer.data.dataset, hook[1], kill)
+
+    def in_step(self, trainer, step: int) -> None:
+        if (trainer.dist.rank, step) == _hook(PAUSE_ENV):
+            print(f"asrflow.test.paused {trainer.dist.rank} {step}", file=sys.stderr, flush=True)
+            while not trainer.stop_requested:
+                time.sleep(0.02)
+
+    def after_step(self, trainer, result) -> None:
+        here = (trainer.dist.rank, trainer.progress.global_step)
         if here == _hook(FAIL_ENV):
             raise RuntimeError(f"injected failure on rank {here[0]} at step {here[1]} ({FAIL_ENV})")
         if here == _hook(STALL_ENV):
@@ -67,9 +110,9 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     setup_logging()
     exp = Path(spec["exp"])
-    trainer = HookedTrainer(
-        tiny_train_config(**spec.get("config", {})), FeatureConfig(), int(spec.get("seed", 42)), {},
-        train_paths(Path(spec["data"]), exp), tracking_uri=spec.get("tracking_uri"),
+    trainer = Trainer(
+        tiny_train_config(**spec.get("config", {})), FeatureConfig(), seed=int(spec.get("seed", 42)),
+        paths=train_paths(Path(spec["data"]), exp), tracking_uri=spec.get("tracking_uri"), observers=[Faults()],
     )
     summary = trainer.run()
     if trainer.dist.is_main:

@@ -19,28 +19,22 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_train_config, train_paths
+from conftest import tiny_train_config, train_paths
+from ddp_jobs import SEED, Job, jobs_fixture  # noqa: F401 (the `jobs` fixture)
 from train_entry import fresh_mlflow_store
 
 from asrflow.data.batches import plan_epoch, steps_in_plan
 from asrflow.data.features import FeatureConfig
 from asrflow.data.manifests import load_cuts
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
-from asrflow.training.config import TrainConfig
-from asrflow.training.launch import torchrun_command
 from asrflow.training.trainer import Trainer
 from asrflow.training.watchdog import write_stacks
 
-ENTRY = Path(__file__).with_name("ddp_entry.py")
-SEED = 42
-JOB_TIMEOUT_S = 240.0
 #: Shared by every run that is compared: 2 epochs (6 + 5 steps with 2 ranks), checkpoints every 4 steps.
 BASE = dict(epochs=2, max_duration_s=12.0, checkpoint_every_steps=4, validate_every_steps=4, keep_last=50,
             average_last=1)
@@ -53,108 +47,6 @@ DDP = dict(BASE, accum_grad=2)
 # (Before dropout was seeded per batch the runs differed by ~2e-2 in loss and ~6e-3 in weights.)
 LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-5
 WEIGHT_ATOL, DISPLACEMENT_RTOL = 1e-3, 1e-2
-
-
-class Job:
-    """One training job (torchrun with 2 ranks, or a single process) in its own session.
-
-    Output goes to ``log_path``. :meth:`kill` SIGKILLs the launcher and every process
-    below it (torchrun starts each rank in a session of its own, with its data workers).
-    """
-
-    def __init__(self, data: Path, exp: Path, overrides: dict, *, ranks: int = 2, env: dict | None = None):
-        self.exp = Path(exp)
-        self.exp.mkdir(parents=True, exist_ok=True)
-        spec = self.exp / "spec.json"
-        tracking = self.exp / "mlflow.db"
-        uri = f"sqlite:///{tracking}" if tracking.is_file() else fresh_mlflow_store(self.exp)
-        spec.write_text(json.dumps({"data": str(data), "exp": str(self.exp), "config": overrides,
-                                    "tracking_uri": uri, "seed": SEED}))
-        if ranks > 1:
-            command = torchrun_command(TrainConfig(nproc_per_node=ranks), [str(ENTRY), str(spec)])
-        else:
-            command = [sys.executable, str(ENTRY), str(spec)]
-        full_env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            "GIT_PYTHON_REFRESH": "quiet",
-            "PYTHONUNBUFFERED": "1",
-            "GLOO_SOCKET_IFNAME": "lo",
-            "MLFLOW_TRACKING_URI": uri,
-            **(env or {}),
-        }
-        self.log_path = self.exp / f"job-{time.monotonic_ns()}.log"
-        self.started = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=full_env, cwd=self.exp, start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait(self, timeout: float = JOB_TIMEOUT_S) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"job did not end within {timeout} s:\n{self.log()}") from None
-
-    def wait_for(self, text: str, timeout: float = JOB_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log():
-            if self.process.poll() is not None:
-                raise AssertionError(f"job ended (exit {self.process.returncode}) before {text!r}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"no {text!r} within {timeout} s:\n{self.log()}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL the launcher and all its descendants (a node dying), then reap the launcher."""
-        victims = [self.process.pid, *_descendants(self.process.pid)]
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait(timeout=60)
-        for pid in victims[1:]:  # torchrun puts each rank in its own process group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below ``root``, from /proc (parents before children)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found, queue = [], [root]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            found.append(child)
-            queue.append(child)
-    return found
-
-
-@pytest.fixture
-def jobs():
-    """Start jobs through this; whatever is still running at the end of the test is killed."""
-    started: list[Job] = []
-
-    def start(*args, **kwargs) -> Job:
-        job = Job(*args, **kwargs)
-        started.append(job)
-        return job
-
-    yield start
-    for job in started:
-        if job.process.poll() is None:
-            job.kill()
 
 
 def _last_checkpoint(exp: Path) -> dict:
@@ -187,17 +79,17 @@ def _epoch_steps(data: Path, epoch: int, accum_grad: int, world_size: int) -> in
 def test_two_ranks_match_one_process_with_the_same_global_batch(yesno_data, ddp_reference, tmp_path):
     single = tmp_path / "single"
     config = tiny_train_config(**dict(BASE, accum_grad=4))
-    summary = Trainer(config, FeatureConfig(), SEED, {}, train_paths(yesno_data, single),
+    summary = Trainer(config, FeatureConfig(), seed=SEED, paths=train_paths(yesno_data, single),
                       tracking_uri=fresh_mlflow_store(single)).run()
 
     steps = sum(_epoch_steps(yesno_data, epoch, 2, 2) for epoch in range(BASE["epochs"]))
     assert steps >= 8
     assert summary["steps"] == _summary(ddp_reference)["steps"] == steps
     ddp_state, one_state = _last_checkpoint(ddp_reference), _last_checkpoint(single)
-    assert ddp_state["world_size"] == 2 and one_state["world_size"] == 1
-    assert one_state["plan_digest"] == ddp_state["plan_digest"]
+    assert ddp_state["position"]["world_size"] == 2 and one_state["position"]["world_size"] == 1
+    assert one_state["position"]["plan_digest"] == ddp_state["position"]["plan_digest"]
     # Per-step losses (nats per token over all 4 micro-batches) agree ...
-    ddp_losses, one_losses = ddp_state["progress"]["history"]["loss"], one_state["progress"]["history"]["loss"]
+    ddp_losses, one_losses = ddp_state["history"]["loss"], one_state["history"]["loss"]
     assert len(ddp_losses) == len(one_losses) == steps
     assert ddp_losses == pytest.approx(one_losses, rel=LOSS_RTOL, abs=LOSS_ATOL)
     # ... and so do the parameters at the end.
@@ -238,17 +130,17 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
     new, reference = _last_checkpoint(exp), _last_checkpoint(ddp_reference)
     for name, tensor in reference["model"].items():
         assert torch.equal(new["model"][name], tensor), f"{name} differs after the resume"
-    assert new["progress"]["history"] == reference["progress"]["history"]
+    assert new["history"] == reference["history"]
 
     # The 2-rank checkpoint, resumed by one process (accum_grad unchanged).
     config = tiny_train_config(**dict(DDP, num_workers=0))
-    summary = Trainer(config, FeatureConfig(), SEED, {}, train_paths(yesno_data, one_process),
+    summary = Trainer(config, FeatureConfig(), seed=SEED, paths=train_paths(yesno_data, one_process),
                       tracking_uri=f"sqlite:///{one_process / 'mlflow.db'}").run()
     assert "written with 2 processes, this run has 1" in caplog.text
     assert "epoch 0 restarts from its first batch" in caplog.text
     assert summary["steps"] == 4 + _epoch_steps(yesno_data, 0, 2, 1) + _epoch_steps(yesno_data, 1, 2, 1)
     final = _last_checkpoint(one_process)
-    assert final["world_size"] == 1
+    assert final["position"]["world_size"] == 1
     assert all(torch.isfinite(t).all() for t in final["model"].values() if t.is_floating_point())
 
 
@@ -283,7 +175,7 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
     assert "injected stall on rank 1 at step 2" in log
     assert re.search(r"rank 1: no training step finished for \d+ s \(train\.stall_timeout_s = 10\)", log), log
     assert "most recent call first" in log  # faulthandler's dump of the stalled process's threads
-    assert re.search(r'^rank 1:   File "\S+ddp_entry\.py", line \d+ in _record$', log, re.M), log  # where it sleeps
+    assert re.search(r'^rank 1:   File "\S+ddp_entry\.py", line \d+ in after_step$', log, re.M), log  # where it sleeps
     assert not (tmp_path / "stall" / "model.pt").exists()
 
 
@@ -301,3 +193,139 @@ def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_pa
     assert record["step"] == 2
     assert record["cut_ids"] == [cut_id for batch in plan[group : 2 * group] for cut_id in batch]
     assert _summary(exp)["nonfinite_skipped"] == 1
+
+
+# ---------------------------------------------------------------------- faults: every rank ends, none hangs
+#
+# Each job below has 2 gloo ranks; ``dist_timeout_s`` bounds every collective. After a job ends, no
+# process it started may be left: every rank process group (rank and data workers) is checked.
+
+FAULT_TIMEOUT_S = 20.0
+#: What a test waits beyond the collective timeout for a whole job to end (torchrun's own shutdown).
+END_MARGIN_S = 60.0
+
+
+def _rank_pids(log: str) -> dict[int, int]:
+    return {int(rank): int(pid) for rank, pid in re.findall(r"^asrflow\.test\.rank (\d) pid (\d+)$", log, re.M)}
+
+
+def _processes_left(groups: list[int]) -> list[str]:
+    """Processes still alive in the process groups ``groups`` (a rank and its data workers)."""
+    left = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" and int(fields[2]) in groups:
+                    left.append(f"pid {entry.name} (group {fields[2]})")
+    return left
+
+
+def _ends_cleanly(job: Job, timeout_s: float = FAULT_TIMEOUT_S + END_MARGIN_S) -> tuple[int, str]:
+    """Wait for the job; assert no process of any rank outlives it; return (exit code, log)."""
+    code = job.wait(timeout=timeout_s)
+    log = job.log()
+    pids = _rank_pids(log)
+    assert sorted(pids) == [0, 1], log
+    deadline = time.monotonic() + 10.0
+    while _processes_left(list(pids.values())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_left(list(pids.values())) == [], log
+    return code, log
+
+
+def _equal_to_reference(exp: Path, reference: Path) -> None:
+    new, expected = _last_checkpoint(exp), _last_checkpoint(reference)
+    for name, tensor in expected["model"].items():
+        assert torch.equal(new["model"][name], tensor), f"{name} differs from the uninterrupted run"
+    assert new["history"] == expected["history"]
+
+
+def test_intervals_that_do_not_divide_and_a_dev_loss_that_stops_improving(yesno_data, tmp_path, jobs):
+    """Validation every 3 steps, checkpoints every 5: a validation that does not improve must not send
+    one rank to a checkpoint barrier the other never reaches. (lr 1e-30 leaves the weights as they
+    are, so every dev loss after the first ties the best: not an improvement.)"""
+    overrides = dict(DDP, num_workers=0, validate_every_steps=3, checkpoint_every_steps=5, lr=1e-30,
+                     weight_decay=0.0, dist_timeout_s=FAULT_TIMEOUT_S)
+    code, log = _ends_cleanly(jobs(yesno_data, tmp_path / "exp", overrides))
+    assert code == 0, log
+    for rank in (0, 1):
+        losses = re.findall(rf"\[rank {rank}\] \S+ step (\d+): dev loss (\S+)", log)
+        assert [int(step) for step, _ in losses] == [3, 6, 9], log
+        assert len({loss for _, loss in losses}) == 1, losses  # equal: steps 6 and 9 did not improve
+    assert [step_of(path) for path in list_checkpoints(tmp_path / "exp" / "checkpoints")][-4:] == [10, 5, 3, 0]
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
+    yesno_data, ddp_reference, tmp_path, jobs
+):
+    """A preempted node: rank 1 alone gets SIGTERM while step 5 is in flight."""
+    exp = tmp_path / "exp"
+    job = jobs(yesno_data, exp, dict(DDP, num_workers=0), env={"ASRFLOW_TEST_PAUSE_RANK_IN_STEP": "1:5"})
+    job.wait_for("asrflow.test.paused 1 5")
+    os.kill(_rank_pids(job.log())[1], signal.SIGTERM)
+    code, log = _ends_cleanly(job)
+    assert code != 0, log
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] .*stopped at step 5 with a checkpoint saved", log), log
+    newest = load_checkpoint(list_checkpoints(exp / "checkpoints")[0])
+    assert newest["step"] == 5 and not newest["complete"]
+
+    resumed = jobs(yesno_data, exp, dict(DDP, num_workers=0))
+    assert resumed.wait() == 0, resumed.log()
+    assert "resuming from" in resumed.log() and "step 5, epoch 0" in resumed.log()
+    _equal_to_reference(exp, ddp_reference)
+
+
+def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_data, ddp_reference, tmp_path, jobs):
+    """Rank 1 dies (SIGKILL) inside step 6; rank 0, inside the step's all-reduce, must end too."""
+    exp = tmp_path / "exp"
+    overrides = dict(DDP, num_workers=2, dist_timeout_s=FAULT_TIMEOUT_S)
+    job = jobs(yesno_data, exp, overrides, env={"ASRFLOW_TEST_PAUSE_RANK_IN_STEP": "1:6"})
+    job.wait_for("asrflow.test.paused 1 6")
+    os.kill(_rank_pids(job.log())[1], signal.SIGKILL)
+    code, log = _ends_cleanly(job)
+    assert code != 0, log
+    assert re.search(r"\[rank 0\] .*stopping: a collective with the other ranks failed", log), log
+
+    resumed = jobs(yesno_data, exp, overrides)
+    assert resumed.wait() == 0, resumed.log()
+    assert "step 4, epoch 0" in resumed.log()
+    _equal_to_reference(exp, ddp_reference)
+
+
+def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, jobs):
+    exp = tmp_path / "exp"
+    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, inject_nonfinite_steps=[2],
+                                     inject_nonfinite_ranks=[1]))
+    code, log = _ends_cleanly(job)
+    assert code == 0, log
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] .*step 2: non-finite loss .* step skipped \(1 in a row\)", log), log
+    assert [json.loads(line)["step"] for line in (exp / "bad_batches.jsonl").read_text().splitlines()] == [2]
+    assert _summary(exp)["nonfinite_skipped"] == 1
+
+
+def test_a_stalled_data_worker_ends_the_job_with_every_ranks_stacks(yesno_data, tmp_path, jobs):
+    """Rank 1's data worker sleeps building step 2's batch: both watchdogs fire and print their stacks."""
+    group = DDP["accum_grad"] * 2
+    overrides = dict(DDP, num_workers=1, stall_timeout_s=10.0, dist_timeout_s=60.0)
+    job = jobs(yesno_data, tmp_path / "exp", overrides,
+               env={"ASRFLOW_TEST_STALL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
+    code, log = _ends_cleanly(job, timeout_s=120.0)
+    assert code != 0, log
+    assert "injected worker fault" in log
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: no training step finished for \d+ s", log), log
+        assert re.search(rf'^rank {rank}:   File "\S+trainer\.py", line \d+ in _train$', log, re.M), log
+
+
+def test_a_killed_data_worker_ends_the_job_with_a_clear_message(yesno_data, tmp_path, jobs):
+    group = DDP["accum_grad"] * 2
+    overrides = dict(DDP, num_workers=1, dist_timeout_s=FAULT_TIMEOUT_S)
+    job = jobs(yesno_data, tmp_path / "exp", overrides,
+               env={"ASRFLOW_TEST_KILL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
+    code, log = _ends_cleanly(job)
+    assert code != 0, log
+    assert re.search(r"\[rank 1\] .*stopping: a data worker died \(DataLoader worker", log), log
+    assert re.search(r"\[rank 0\] .*stopping: a collective with the other ranks failed", log), log

@@ -42,7 +42,7 @@ def _train(data: Path, exp: Path, **overrides) -> dict:
     """Train ``tiny_train_config(**overrides)``; MLflow goes to ``exp/mlflow.db``."""
     config = tiny_train_config(**overrides)
     uri = fresh_mlflow_store(exp)
-    return Trainer(config, FeatureConfig(), SEED, {}, train_paths(data, exp), tracking_uri=uri).run()
+    return Trainer(config, FeatureConfig(), seed=SEED, paths=train_paths(data, exp), tracking_uri=uri).run()
 
 
 def _model_at(exp: Path, step: int) -> dict[str, torch.Tensor]:
@@ -184,7 +184,7 @@ def test_a_streak_at_the_end_keeps_the_last_good_checkpoint_through_keep_last(ye
     assert sorted(path.name for path in checkpoints.glob("step-*.pt")) == ["step-00000006.pt", "step-00000009.pt"]
     final = load_checkpoint(checkpoint_path(checkpoints, 9))
     assert final["complete"] and final["guard"]["consecutive"] == 2
-    assert final["progress"]["good_step"] == 6
+    assert final["checkpointing"]["good_step"] == 6
     assert load_checkpoint(checkpoint_path(checkpoints, 6))["guard"]["consecutive"] == 0
 
 

@@ -87,7 +87,7 @@ def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
         precision=precision, epochs=2, checkpoint_every_steps=100, validate_every_steps=0, max_consecutive_nonfinite=2,
     )
     paths = train_paths(yesno_data, tmp_path)
-    summary = Trainer(config, FeatureConfig(), 42, {}, paths, tracking_uri=fresh_mlflow_store(tmp_path)).run()
+    summary = Trainer(config, FeatureConfig(), seed=42, paths=paths, tracking_uri=fresh_mlflow_store(tmp_path)).run()
 
     assert summary["precision"] == precision
     assert summary["steps"] == 18

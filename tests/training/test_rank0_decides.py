@@ -10,7 +10,6 @@ waiting at a collective.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -23,6 +22,7 @@ from train_entry import fresh_mlflow_store, train_in_process
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
 from asrflow.training import checkpoint as ckpt
+from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.distributed import shutdown_distributed
 from asrflow.training.trainer import Trainer
 
@@ -42,17 +42,18 @@ def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
     os.environ.update({"WORLD_SIZE": str(WORLD_SIZE), "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
     exp = Path(folders[f"rank{rank}"])
-    trainer = Trainer(tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), SEED, {},
-                      train_paths(Path(data), exp))
+    trainer = Trainer(tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), seed=SEED,
+                      paths=train_paths(Path(data), exp))
     result = {}
     try:
-        trainer._setup()
-        decision, state, path = trainer._resume_decision()
+        trainer.setup()
+        fingerprint = trainer.checkpoints.facts["fingerprint"]
+        decision, state, path = trainer.checkpoints.resume(fingerprint, trainer.train_params)
         result["finished"] = {"decision": decision, "path": str(path), "step": state["step"]}
-        if rank == 0:
-            trainer.paths = dataclasses.replace(trainer.paths, checkpoint_dir=Path(folders["other_shape"]))
+        folder = Path(folders["other_shape"]) if rank == 0 else exp / "checkpoints"
+        other = CheckpointManager(folder, every_steps=4, keep_last=20, dist=trainer.dist, facts={})
         try:
-            trainer._resume_decision()
+            other.resume(fingerprint, trainer.train_params)
             result["other_shape"] = "no error"
         except AsrflowError as error:
             result["other_shape"] = str(error)

@@ -166,7 +166,7 @@ def test_trainer_starts_fresh_after_a_finished_run_with_changed_params(yesno_dat
     assert second["steps"] == first["steps"]  # trained again from step 0
     newest = ckpt.load_checkpoint(ckpt.list_checkpoints(exp / "checkpoints")[0])
     assert newest["train_params"]["lr"] == 0.001
-    assert newest["progress"]["history"]["step"] == list(range(1, first["steps"] + 1))
+    assert newest["history"]["step"] == list(range(1, first["steps"] + 1))
 
 
 def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_data, tmp_path):

@@ -65,7 +65,7 @@ def assert_identical(resumed: dict, reference: dict) -> None:
     assert new_ckpt["scheduler"] == ref_ckpt["scheduler"]
     assert new_ckpt["optimizer"]["param_groups"] == ref_ckpt["optimizer"]["param_groups"]
     assert new_ckpt["rng"]["python"] == ref_ckpt["rng"]["python"]
-    ref_history, new_history = ref_ckpt["progress"]["history"], new_ckpt["progress"]["history"]
+    ref_history, new_history = ref_ckpt["history"], new_ckpt["history"]
     assert new_history["step"] == ref_history["step"] == list(range(1, len(ref_history["step"]) + 1))
     assert new_history["loss"] == ref_history["loss"]  # exact float equality, step by step
     assert new_history["grad_norm"] == ref_history["grad_norm"]
@@ -85,8 +85,8 @@ def reference(yesno_data, tmp_path_factory) -> dict:
     uri = fresh_mlflow_store(exp.parent)
     run_training(yesno_data, exp, OVERRIDES, log_path=exp.parent / "train.log", tracking_uri=uri)
     state = _final_state(exp)
-    progress = state["checkpoint"]["progress"]
-    assert progress["global_step"] == 27 and progress["epoch"] == 2, "expected 3 epochs of 9 steps"
+    progress, position = state["checkpoint"]["progress"], state["checkpoint"]["position"]
+    assert progress["global_step"] == 27 and position["epoch"] == 2, "expected 3 epochs of 9 steps"
     return state
 
 
@@ -141,8 +141,8 @@ def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp
     assert step_of(newest) == 13
     state = load_checkpoint(newest)
     assert state["progress"]["global_step"] == 13 and not state["complete"]
-    assert state["progress"]["history"]["step"] == list(range(1, 14))
-    assert state["progress"]["history"]["loss"] == reference["checkpoint"]["progress"]["history"]["loss"][:13]
+    assert state["history"]["step"] == list(range(1, 14))
+    assert state["history"]["loss"] == reference["checkpoint"]["history"]["loss"][:13]
     assert not (exp / "model.pt").exists()
 
     log = run_training(yesno_data, exp, OVERRIDES, log_path=tmp_path / "resume.log", tracking_uri=uri)

@@ -23,18 +23,21 @@ from train_entry import fresh_mlflow_store
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
 from asrflow.training import checkpoint as ckpt
-from asrflow.training.trainer import LOSS_SCALE_FLOOR, Trainer
+from asrflow.training.observers import TrainObserver
+from asrflow.training.step_log import LOSS_SCALE_FLOOR
+from asrflow.training.trainer import Trainer
 
 SEED = 42
 EXPERIMENT = "outputs-test"
 
 
-def _trainer(data: Path, exp: Path, trainer_class=Trainer, features: FeatureConfig | None = None, **overrides):
+def _trainer(data: Path, exp: Path, observers=(), features: FeatureConfig | None = None, **overrides):
     """A Trainer for ``tiny_train_config(**overrides)``; MLflow in ``exp/mlflow.db`` (kept if present)."""
     config = tiny_train_config(experiment=EXPERIMENT, **overrides)
     uri = f"sqlite:///{(exp / 'mlflow.db').resolve()}" if (exp / "mlflow.db").exists() else fresh_mlflow_store(exp)
     all_params = {"seed": SEED, "train": {"lr": config.lr, "precision": config.precision}}
-    return trainer_class(config, features or FeatureConfig(), SEED, all_params, train_paths(data, exp), uri)
+    return Trainer(config, features or FeatureConfig(), seed=SEED, all_params=all_params, paths=train_paths(data, exp),
+                   tracking_uri=uri, observers=observers)
 
 
 def _run(exp: Path) -> tuple[MlflowClient, object]:
@@ -61,13 +64,13 @@ def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesn
     best_step = min(dev, key=dev.get)
     best = ckpt.load_checkpoint(tmp_path / "checkpoints" / ckpt.BEST)
     assert best["step"] == best_step
-    assert best["progress"]["best_dev_loss"] == dev[best_step]
+    assert best["checkpointing"]["best_dev_loss"] == dev[best_step]
     # Step 3's validation is the first (so it improved): it made a checkpoint, off the every-4 schedule.
     steps = sorted(ckpt.step_of(path) for path in ckpt.list_checkpoints(tmp_path / "checkpoints"))
     improved_at_6 = {6} if dev[6] < dev[3] else set()
     assert steps == sorted({0, 3, 4, 8, 9} | improved_at_6)
     step_3 = ckpt.load_checkpoint(ckpt.checkpoint_path(tmp_path / "checkpoints", 3))
-    assert step_3["progress"]["best_dev_loss"] == dev[3]
+    assert step_3["checkpointing"]["best_dev_loss"] == dev[3]
     # keep_last (20) < average_last (25): said at the start.
     assert "train.keep_last (20) < train.average_last (25)" in caplog.text
 
@@ -96,16 +99,16 @@ def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesn
 # ---------------------------------------------------------------------- fp16 loss scale
 
 
-class _LowScaleTrainer(Trainer):
-    """The real Trainer with its (real) fp16 gradient scaler started below the warning floor."""
+class _LowScale(TrainObserver):
+    """Starts the run's (real) fp16 gradient scaler below the warning floor, through its public state."""
 
-    def _setup(self) -> None:
-        super()._setup()
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE_FLOOR / 4)
+    def on_start(self, trainer) -> None:
+        state = trainer.scaler.state_dict()
+        trainer.scaler.load_state_dict({**state, "scale": LOSS_SCALE_FLOOR / 4})
 
 
 def test_fp16_loss_scale_is_logged_and_a_collapse_warned(yesno_data, tmp_path, caplog):
-    _trainer(yesno_data, tmp_path, _LowScaleTrainer, epochs=1, precision="fp16", validate_every_steps=0).run()
+    _trainer(yesno_data, tmp_path, [_LowScale()], epochs=1, precision="fp16", validate_every_steps=0).run()
     assert f"fp16 loss scale collapsed to {LOSS_SCALE_FLOOR / 4:g}" in caplog.text
     client, run = _run(tmp_path)
     history = client.get_metric_history(run.info.run_id, "train/loss_scale")
@@ -144,9 +147,10 @@ def _unfinished_copy(finished: Path, exp: Path, step: int = 4) -> Path:
 def test_a_changed_batch_plan_restarts_the_epoch_from_its_first_batch(yesno_data, finished_run, tmp_path, caplog):
     path = _unfinished_copy(finished_run, tmp_path / "exp")
     state = ckpt.load_checkpoint(path)
-    assert state["plan_digest"] and state["progress"]["step_in_epoch"] == 4
+    assert state["position"]["plan_digest"] and state["position"]["step_in_epoch"] == 4
     # What a resume sees when the sampler (or the train cuts) now plan other batches for epoch 0.
-    ckpt.save_checkpoint({**state, "plan_digest": "0" * 16}, path.parent, 4, keep_last=20, is_best=False)
+    other_plan = {**state, "position": {**state["position"], "plan_digest": "0" * 16}}
+    ckpt.save_checkpoint(other_plan, path.parent, 4, keep_last=20, is_best=False)
 
     summary = _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="fp32", validate_every_steps=0).run()
     assert "the batch plan of epoch 0 differs from the checkpoint's" in caplog.text

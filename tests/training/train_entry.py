@@ -20,7 +20,7 @@ Three test hooks observe the loop without changing what it computes:
   for a signal. SIGKILL loses step ``N`` and any step after the last checkpoint; SIGTERM
   or SIGINT lets the loop go on, so the trainer finishes step ``N + 1``, saves and exits 75;
 * ``--pause-in-step N`` holds step ``N`` in flight, right before the trainer reads its stop
-  flag (``Trainer._should_stop``, just before the step's all-reduce), and prints
+  flag (the observers' ``in_step`` point, just before the step's all-reduce), and prints
   ``asrflow.test.paused N``. SIGTERM or SIGINT then makes step ``N`` the last: it is
   finished, saved, and the trainer exits 75.
 
@@ -47,6 +47,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
+sys.path[:0] = [str(TESTS), str(REPO)]
+
+from asrflow.training.observers import TrainObserver  # noqa: E402
 
 #: Prefix of the per-step line written with ``--log-every-step``.
 STEP_MARK = "asrflow.test.step"
@@ -54,33 +57,30 @@ STEP_MARK = "asrflow.test.step"
 PAUSE_MARK = "asrflow.test.paused"
 
 
+class StepHooks(TrainObserver):
+    """The hooks of ``--log-every-step``, ``--pause-after-step`` and ``--pause-in-step``."""
+
+    def __init__(self, log_every_step: bool, pause_after_step: int | None, pause_in_step: int | None):
+        self.log_every_step = log_every_step
+        self.pause_after_step = pause_after_step
+        self.pause_in_step = pause_in_step
+
+    def in_step(self, trainer, step: int) -> None:
+        if step == self.pause_in_step:
+            _wait_for_stop(trainer, step)
+
+    def after_step(self, trainer, result) -> None:
+        step = trainer.progress.global_step
+        if self.log_every_step:
+            print(f"{STEP_MARK} {step} {time.time():.6f} {time.process_time():.6f}", file=sys.stderr, flush=True)
+        if step == self.pause_after_step:
+            _wait_for_stop(trainer, step)
+
+
 def _wait_for_stop(trainer, step: int) -> None:
     print(f"{PAUSE_MARK} {step}", file=sys.stderr, flush=True)
-    while not trainer._stop_requested:
+    while not trainer.stop_requested:
         time.sleep(0.02)
-
-
-def _install_hooks(log_every_step: bool, pause_after_step: int | None, pause_in_step: int | None) -> None:
-    from asrflow.training import trainer
-
-    original = trainer.Trainer._record
-    original_should_stop = trainer.Trainer._should_stop
-
-    def record(self, result, waited, elapsed):
-        original(self, result, waited, elapsed)
-        step = self.progress.global_step
-        if log_every_step:
-            print(f"{STEP_MARK} {step} {time.time():.6f} {time.process_time():.6f}", file=sys.stderr, flush=True)
-        if step == pause_after_step:
-            _wait_for_stop(self, step)
-
-    def should_stop(self):
-        if self.progress.global_step + 1 == pause_in_step:
-            _wait_for_stop(self, pause_in_step)
-        return original_should_stop(self)
-
-    trainer.Trainer._record = record
-    trainer.Trainer._should_stop = should_stop
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pause-in-step", type=int, default=None)
     args = parser.parse_args(argv)
 
-    sys.path[:0] = [str(TESTS), str(REPO)]
     from conftest import tiny_train_config, train_paths
 
     from asrflow.data.features import FeatureConfig
@@ -103,13 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     from asrflow.training.trainer import Trainer
 
     setup_logging(logging.INFO)
-    _install_hooks(args.log_every_step, args.pause_after_step, args.pause_in_step)
     config = tiny_train_config(**json.loads(args.overrides))
     features = FeatureConfig(num_jobs=1)
     all_params = {"seed": args.seed, "features": asdict(features), "train": asdict(config)}
     tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(args.exp / 'mlflow.db').resolve()}"
     args.exp.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(config, features, args.seed, all_params, train_paths(args.data, args.exp), tracking_uri)
+    hooks = StepHooks(args.log_every_step, args.pause_after_step, args.pause_in_step)
+    trainer = Trainer(config, features, seed=args.seed, all_params=all_params, paths=train_paths(args.data, args.exp),
+                      tracking_uri=tracking_uri, observers=[hooks])
     summary = exit_on_user_error(trainer.run)()
     print(json.dumps({"summary": summary}), flush=True)
 
@@ -231,7 +231,8 @@ def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, 
     config = tiny_train_config(**overrides)
     features = FeatureConfig(num_jobs=1)
     all_params = {"seed": seed, "features": asdict(features), "train": asdict(config)}
-    return Trainer(config, features, seed, all_params, train_paths(data, exp), tracking_uri).run()
+    return Trainer(config, features, seed=seed, all_params=all_params, paths=train_paths(data, exp),
+                   tracking_uri=tracking_uri).run()
 
 
 _TEMPLATE_DB: Path | None = None

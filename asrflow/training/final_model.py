@@ -1,0 +1,70 @@
+"""The run's final weights: the average of the last checkpoints or the last weights, by dev loss."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from asrflow.io import atomic_path
+from asrflow.tokenizer import MODEL_FILE
+from asrflow.training import checkpoint as ckpt
+from asrflow.training.paths import TrainPaths
+from asrflow.training.progress import LossHistory
+
+logger = logging.getLogger(__name__)
+
+
+def final_weights(
+    last: dict[str, torch.Tensor],
+    recent: list[Path],
+    dev_loss_of: Callable[[dict[str, torch.Tensor]], float] | None,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The bundle's weights and what was chosen.
+
+    Args:
+        last: the model's current weights (detached CPU copies).
+        recent: checkpoints whose weights are averaged.
+        dev_loss_of: dev loss (nats per token) of a set of weights; None without dev data.
+    Returns:
+        the average of ``recent`` or ``last``, whichever has the lower dev loss (the average on a tie
+        or without dev data), and ``{"final_weights": "average"|"last", "dev_loss_average": ..,
+        "dev_loss_last": ..}`` (the losses only with dev data).
+    """
+    averaged = ckpt.average_model_states(recent)
+    names = ", ".join(path.name for path in recent)
+    if dev_loss_of is None:
+        logger.info("final model: average of %s (no dev data to compare it with the last weights)", names)
+        return averaged, {"final_weights": "average"}
+    losses = {"dev_loss_average": dev_loss_of(averaged), "dev_loss_last": dev_loss_of(last)}
+    choice = "average" if losses["dev_loss_average"] <= losses["dev_loss_last"] else "last"
+    logger.info(
+        "final model: %s weights (dev loss %.4f for the average of %s, %.4f for the last weights)",
+        choice, losses["dev_loss_average"], names, losses["dev_loss_last"],
+    )
+    return (averaged if choice == "average" else last), {"final_weights": choice, **losses}
+
+
+def write_loss_csv(path: Path, history: LossHistory) -> None:
+    """``step,loss`` per optimizer step, written whole or not at all."""
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["step", "loss"])
+        for step, loss in zip(history.steps, history.losses, strict=True):
+            writer.writerow([step, f"{loss:.6f}"])
+
+
+def log_run_artifacts(tracker, paths: TrainPaths, all_params: dict) -> None:
+    """The model bundle, the tokenizer, the loss plot and the params the run was given, as MLflow artifacts."""
+    tracker.log_artifact(paths.model_path, artifact_path="model")
+    tracker.log_artifact(paths.lang_dir / MODEL_FILE, artifact_path="tokenizer")
+    tracker.log_artifact(paths.loss_csv, artifact_path="plots")
+    with tempfile.TemporaryDirectory() as folder:
+        params_file = Path(folder) / "params.yaml"
+        params_file.write_text(yaml.safe_dump(all_params, sort_keys=False))
+        tracker.log_artifact(params_file, artifact_path="params")

@@ -1,0 +1,172 @@
+"""Everything training reads, built once from the config: the one place that assembles it.
+
+The trainer, the benchmarks and the tests all get their tokenizer, CMVN, CTC-feasible cuts,
+batch plan, datasets and data loader from :meth:`TrainData.build`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lhotse.dataset import GlobalMVN
+
+from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches
+from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
+from asrflow.data.filters import filter_ctc_feasible
+from asrflow.data.manifests import cuts_path, load_cuts
+from asrflow.data.workers import init_worker, pack_batch
+from asrflow.errors import AsrflowError
+from asrflow.tokenizer import MODEL_FILE, Tokenizer
+from asrflow.training.config import TrainConfig
+from asrflow.training.dev_loss import dev_batches
+from asrflow.training.resume import file_digest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainData:
+    """The tokenizer, normalisation, train batch plan and dev batches of one run.
+
+    Attributes:
+        tokenizer: SentencePiece model of ``lang_dir``.
+        mvn: global mean/variance normalisation from the features stage's CMVN stats.
+        cmvn_path: the stats file (copied into the model bundle).
+        batches: this rank's micro-batches over every epoch (a plan per epoch).
+        dataset: builds a train batch for a :class:`~asrflow.data.batches.BatchItem`.
+        dev_dataset: the same without augmentation, over the dev cuts.
+        dev_batches: dev cut ids packed by duration (every rank holds all of them).
+        num_train, num_dev: utterances kept; removed_for_ctc: train utterances too short for their transcript.
+        digest: hash of the tokenizer, train cuts and CMVN files (part of the resume fingerprint).
+    """
+
+    tokenizer: Tokenizer
+    mvn: GlobalMVN
+    cmvn_path: Path
+    batches: TrainingBatches
+    dataset: AsrBatchDataset
+    dev_dataset: AsrBatchDataset
+    dev_batches: list[tuple[str, ...]]
+    num_train: int
+    num_dev: int
+    removed_for_ctc: int
+    digest: str
+    num_workers: int
+    mp_start_method: str
+    seed: int
+
+    @classmethod
+    def build(
+        cls,
+        config: TrainConfig,
+        features: FeatureConfig,
+        *,
+        seed: int,
+        fbank_dir: Path,
+        lang_dir: Path,
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> TrainData:
+        """Read the features and tokenizer stages' outputs and make this rank's data."""
+        _check_options(config, features)
+        tokenizer_path = Path(lang_dir) / MODEL_FILE
+        if not tokenizer_path.is_file():
+            raise AsrflowError(f"{tokenizer_path} not found: run the tokenizer stage first")
+        tokenizer = Tokenizer(tokenizer_path)
+        cmvn_path = Path(fbank_dir) / CMVN_FILE
+        mvn = load_cmvn(cmvn_path)
+        max_speed = max(SPEED_FACTORS) if config.speed_perturb else 1.0
+        train_cuts, removed = filter_ctc_feasible(
+            load_cuts(fbank_dir, "train").to_eager(), tokenizer, features.frame_shift_s, max_speed
+        )
+        if len(train_cuts) == 0:
+            raise AsrflowError("no train utterance is long enough for its transcript; check the data")
+        dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
+        batches = TrainingBatches(
+            train_cuts, seed, config.max_duration_s, config.num_buckets, config.accum_grad,
+            world_size, rank, 0, 0, config.epochs,
+        )
+        extractor = features.extractor() if features.on_the_fly else None
+        noise = _noise_cuts(config, features)
+        return cls(
+            tokenizer=tokenizer,
+            mvn=mvn,
+            cmvn_path=cmvn_path,
+            batches=batches,
+            dataset=AsrBatchDataset(train_cuts, tokenizer, mvn, seed, config.augment(), extractor, noise),
+            dev_dataset=AsrBatchDataset(dev_cuts, tokenizer, mvn, seed, None, extractor),
+            dev_batches=dev_batches(dev_cuts, config.max_duration_s),
+            num_train=len(train_cuts),
+            num_dev=len(dev_cuts),
+            removed_for_ctc=len(removed),
+            digest=file_digest(tokenizer_path, cuts_path(fbank_dir, "train"), cmvn_path),
+            num_workers=config.num_workers,
+            mp_start_method=config.mp_start_method,
+            seed=seed,
+        )
+
+    def loader(self, epoch: int, step_in_epoch: int) -> torch.utils.data.DataLoader:
+        """This rank's batches from optimizer step ``step_in_epoch`` of ``epoch`` to the end of training.
+
+        Yields packed batches (see :func:`asrflow.data.workers.unpack_batch`), built by
+        ``num_workers`` spawned processes (0: in this process).
+        """
+        self.batches.start_at(epoch, step_in_epoch)
+        workers = self.num_workers
+        return torch.utils.data.DataLoader(
+            self.dataset,
+            sampler=self.batches,
+            batch_size=None,
+            collate_fn=pack_batch,
+            num_workers=workers,
+            multiprocessing_context=self.mp_start_method if workers else None,
+            worker_init_fn=init_worker if workers else None,
+            prefetch_factor=4 if workers else None,
+            # Its own generator: iter() draws the workers' base seed from it, not from the global torch
+            # RNG, which a resume restores from the checkpoint and a draw here would shift (exact resume).
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+
+    @contextlib.contextmanager
+    def batches_from(self, epoch: int, step_in_epoch: int) -> Iterator[Iterator[dict]]:
+        """An iterator over :meth:`loader`'s batches whose data workers are shut down when the block ends,
+        however it ends: an exception's traceback keeps the iterator alive, and a worker left running
+        would hold the process at exit (multiprocessing joins its children)."""
+        iterator = iter(self.loader(epoch, step_in_epoch))
+        try:
+            yield iterator
+        finally:
+            shutdown = getattr(iterator, "_shutdown_workers", None)  # what DataLoader's own __del__ calls
+            if shutdown is not None:
+                shutdown()
+
+
+def _check_options(config: TrainConfig, features: FeatureConfig) -> None:
+    """Refuse option combinations that would be silently ignored; warn about weak ones."""
+    if config.speed_perturb and not features.on_the_fly:
+        raise AsrflowError(
+            "train.speed_perturb needs features.on_the_fly: true (speed perturbation changes the audio, "
+            "and precomputed features have none): set features.on_the_fly: true or train.speed_perturb: false"
+        )
+    if config.keep_last < config.average_last:
+        logger.warning(
+            "train.keep_last (%d) < train.average_last (%d): at most %d checkpoints can be averaged",
+            config.keep_last, config.average_last, config.keep_last,
+        )
+
+
+def _noise_cuts(config: TrainConfig, features: FeatureConfig):
+    """Noise cuts for augmentation from ``train.noise_dir`` (see :mod:`asrflow.data.noise`), or None."""
+    if not config.noise_dir:
+        return None
+    if not features.on_the_fly:
+        raise AsrflowError("train.noise_dir needs features.on_the_fly: true (noise is mixed into audio)")
+    from asrflow.data.noise import load_noise_cuts
+
+    return load_noise_cuts(config.noise_dir, features.sampling_rate)

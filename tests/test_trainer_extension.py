@@ -1,0 +1,54 @@
+"""Tests and benchmarks extend the trainer only through its public observers and ``request_stop()``.
+
+No file under tests/ or bench/ subclasses ``Trainer``, reads or writes a private attribute of a
+trainer object, or monkeypatches the class.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = sorted(path for folder in ("tests", "bench") for path in (REPO / folder).rglob("*.py"))
+
+
+def _owner_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def private_trainer_uses(source: str) -> list[str]:
+    """Places in ``source`` that reach into the trainer: ``line: what``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and any(_owner_name(base) == "Trainer" for base in node.bases):
+            found.append(f"{node.lineno}: class {node.name} subclasses Trainer")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if "trainer" in _owner_name(node.value).lower():
+                found.append(f"{node.lineno}: {_owner_name(node.value)}.{node.attr}")
+        elif (isinstance(node, ast.Call) and _owner_name(node.func) == "setattr" and node.args
+              and "trainer" in _owner_name(node.args[0]).lower()):
+            found.append(f"{node.lineno}: setattr on {_owner_name(node.args[0])}")
+    return found
+
+
+def test_the_check_finds_each_way_of_reaching_in():
+    source = (
+        "class Mine(Trainer):\n    pass\n"
+        "trainer._stop_requested = True\n"
+        "self.trainer._record(1)\n"
+        "monkeypatch.setattr(Trainer, 'run', None)\n"
+        "trainer.request_stop()\n"
+    )
+    assert sorted(int(line.split(":")[0]) for line in private_trainer_uses(source)) == [1, 3, 4, 5]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda path: str(path.relative_to(REPO)))
+def test_no_private_trainer_access(path: Path):
+    assert private_trainer_uses(path.read_text()) == []
