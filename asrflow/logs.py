@@ -12,6 +12,8 @@ T = TypeVar("T")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 
+logger = logging.getLogger(__name__)
+
 
 def setup_logging(level: int = logging.INFO) -> logging.Logger:
     """Log to stderr in one format for every stage; returns the ``asrflow`` logger."""
@@ -28,7 +30,6 @@ def progress(
 
         yield from tqdm(items, desc=desc, total=total)
         return
-    logger = logging.getLogger("asrflow")
     last = time.monotonic()
     count = 0
     for count, item in enumerate(items, start=1):

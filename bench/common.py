@@ -35,7 +35,7 @@ SAMPLING_RATE = 16000
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-logger = logging.getLogger("bench")
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- output
