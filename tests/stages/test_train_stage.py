@@ -39,7 +39,7 @@ def test_trains_from_the_folders_on_its_command_line(yesno_data, tiny_params, tm
 
 
 @pytest.mark.parametrize("missing", ["--fbank", "--lang"])
-def test_a_missing_input_folder_is_named(yesno_data, tiny_params, tmp_path, capsys, monkeypatch, *, missing):
+def test_a_missing_input_folder_is_named(yesno_data, tiny_params, tmp_path, capsys, *, monkeypatch, missing):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     inputs = {"--fbank": str(yesno_data / "fbank"), "--lang": str(yesno_data / "lang")}
     inputs[missing] = str(tmp_path / "nowhere")
