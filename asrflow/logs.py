@@ -15,10 +15,13 @@ LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 logger = logging.getLogger(__name__)
 
 
-def setup_logging(level: int = logging.INFO) -> logging.Logger:
-    """Log to stderr in one format for every stage; returns the ``asrflow`` logger."""
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log to stderr in one format for every stage.
+
+    Every module logs under its import path (``logging.getLogger(__name__)``; a stage
+    script, run as ``__main__``, spells it: ``"stages.train"``), shown as ``[name]``.
+    """
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
-    return logging.getLogger("asrflow")
 
 
 def progress(
