@@ -21,7 +21,7 @@ from asrflow.tokenizer import Tokenizer
 BUNDLE_FORMAT = 1
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Bundle:
     """A loaded model file, ready to run (``model`` in eval mode, on the CPU)."""
 

@@ -38,7 +38,7 @@ EXIT_SOME_FILES_FAILED = 1
 #: Shorter audio cannot fill the encoder's two stride-2 convolutions; it is reported as an error.
 MIN_DURATION_S = 0.1
 
-logger = logging.getLogger("asrflow.cli")
+logger = logging.getLogger(__name__)
 
 
 def _positive_int(text: str) -> int:
@@ -227,8 +227,8 @@ def run_transcribe(args: argparse.Namespace) -> int:
         raise AsrflowError("--lm needs --decoder beam")
     bundle = load_bundle(args.model)
     decode = build_decoder(
-        args.decoder, bundle.tokenizer.pieces, BLANK_ID, args.beam_size,
-        str(args.lm) if args.lm else None, args.lm_weight, args.word_score,
+        args.decoder, tokens=bundle.tokenizer.pieces, blank=BLANK_ID, beam_size=args.beam_size,
+        lm_path=str(args.lm) if args.lm else None, lm_weight=args.lm_weight, word_score=args.word_score,
     )
     failed = 0
     for path, text, message in transcribe_files(bundle, args.audio, decode, args.batch_seconds):

@@ -10,6 +10,8 @@ from typing import TypeVar
 
 F = TypeVar("F", bound=Callable[..., object])
 
+logger = logging.getLogger(__name__)
+
 #: Exit code for a mistake the user can fix (bad param, missing file, too much bad data).
 EXIT_USER_ERROR = 2
 
@@ -39,7 +41,7 @@ def exit_on_user_error(main: F) -> F:
         try:
             return main(*args, **kwargs)
         except AsrflowError as error:
-            logging.getLogger("asrflow").error("%s", error)
+            logger.error("%s", error)
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(EXIT_USER_ERROR) from None
 

@@ -41,7 +41,7 @@ from asrflow.io import atomic_path
 from asrflow.model.conformer_ctc import ConformerCtc
 from asrflow.tokenizer import BLANK_ID
 
-logger = logging.getLogger("asrflow.export")
+logger = logging.getLogger(__name__)
 
 FORMATS = ("onnx", "torchscript")
 

@@ -13,18 +13,22 @@ T = TypeVar("T")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 
+logger = logging.getLogger(__name__)
 
-def setup_logging(level: int = logging.INFO) -> logging.Logger:
-    """Log to stderr in one format for every stage; returns the ``asrflow`` logger.
 
-    Under torchrun with several processes every line names its rank (``[rank 1]``): all ranks
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log to stderr in one format for every stage.
+
+    Every module logs under its import path (``logging.getLogger(__name__)``; a stage
+    script, run as ``__main__``, spells it: ``"stages.train"``), shown as ``[name]``. Under
+    torchrun with several processes every line also names its rank (``[rank 1]``): all ranks
     write to the same terminal.
     """
     log_format = LOG_FORMAT
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         log_format = LOG_FORMAT.replace("[%(name)s]", f"[rank {os.environ.get('RANK', '?')}] [%(name)s]")
     logging.basicConfig(level=level, format=log_format, stream=sys.stderr, force=True)
-    return logging.getLogger("asrflow")
 
 
 def progress(
@@ -36,7 +40,6 @@ def progress(
 
         yield from tqdm(items, desc=desc, total=total)
         return
-    logger = logging.getLogger("asrflow")
     last = time.monotonic()
     count = 0
     for count, item in enumerate(items, start=1):

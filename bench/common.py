@@ -35,7 +35,7 @@ SAMPLING_RATE = 16000
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-logger = logging.getLogger("bench")
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- output
@@ -286,7 +286,7 @@ def synth_utterance(rng, duration_s: float) -> tuple[object, str]:
     return audio, " ".join(words)
 
 
-def generate_corpus(folder: Path, num_utterances: int, seed: int = 0, min_s: float = 1.0,
+def generate_corpus(folder: Path, num_utterances: int, *, seed: int = 0, min_s: float = 1.0,
                     max_s: float = 15.0, dev_fraction: float = 0.02, test_fraction: float = 0.02) -> dict:
     """Write a ``corpus: folder`` corpus (16 kHz WAVs + train/dev/test TSVs) into ``folder``.
 
@@ -329,7 +329,7 @@ def generated_data(work: Path, num_utterances: int, seed: int = 0) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     start = time.perf_counter()
     # dev and test: 2 utterances each (they only have to exist for the stages)
-    info = generate_corpus(root / "corpus", num_utterances, seed, dev_fraction=0.0, test_fraction=0.0)
+    info = generate_corpus(root / "corpus", num_utterances, seed=seed, dev_fraction=0.0, test_fraction=0.0)
     logger.info("generated %d utterances (%.0f s of audio) in %.1f s",
                 info["utterances"], info["audio_s"], time.perf_counter() - start)
     config = PrepareConfig(

@@ -115,7 +115,7 @@ def _log_times(log: str) -> dict[str, float]:
 
 
 def time_first_step(
-    data: Path, exp: Path, overrides: dict, uri: str, first_step: int, log: Path, stop_after: int | None = None
+    data: Path, exp: Path, *, overrides: dict, uri: str, first_step: int, log: Path, stop_after: int | None = None
 ) -> dict:
     """Launch training in ``exp``, time its first step, SIGKILL it after step ``stop_after`` (default: the first)."""
     stop_after = stop_after or first_step
@@ -208,10 +208,12 @@ def main(argv: list[str] | None = None) -> dict:
                     # The first fresh run trains on past the last position: its checkpoints are resumed.
                     uri = fresh_mlflow_store(target)
                     stop = max(positions.values()) + 1 if round_index == 0 else 1
-                    timing = time_first_step(data, target / "exp", run_config, uri, 1, log, stop)
+                    timing = time_first_step(data, target / "exp", overrides=run_config, uri=uri, first_step=1, log=log,
+                                             stop_after=stop)
                 else:
                     uri = clone_run(trained, target, positions[name])
-                    timing = time_first_step(data, target / "exp", run_config, uri, positions[name] + 1, log)
+                    timing = time_first_step(data, target / "exp", overrides=run_config, uri=uri,
+                                             first_step=positions[name] + 1, log=log)
                 runs[name].append(timing)
             _phase(f"round {round_index + 1}", began)
     finally:

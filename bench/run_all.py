@@ -40,7 +40,7 @@ MODULES = [
 EXTERNAL = [("resume", "bench.resume_cost", 900, 150)]
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"
 
-logger = logging.getLogger("bench")
+logger = logging.getLogger("bench.run_all")  # its import path (run as __main__)
 
 
 def run_module(name: str, module: str, args: list[str]) -> list[dict]:

@@ -9,12 +9,16 @@ exp/plots/train_loss.csv and a WER-by-duration table and chart, to the training'
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from asrflow.errors import exit_on_user_error
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params
+
+#: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).
+logger = logging.getLogger("stages.evaluate")
 
 
 @exit_on_user_error
@@ -25,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fbank", default="data/fbank", help="features stage output (default: %(default)s)")
     parser.add_argument("--out", default="exp/eval", help="report folder (default: %(default)s)")
     args = parser.parse_args(argv)
-    logger = setup_logging()
+    setup_logging()
     config = build_config(EvaluateConfig, load_params(args.params).get("evaluate"), "evaluate")
     metrics = evaluate(Path(args.model), Path(args.fbank), Path(args.out), config)
     print(f"test WER: {100 * metrics['wer']:.2f}%  CER: {100 * metrics['cer']:.2f}%")

@@ -7,11 +7,15 @@ writes data/fbank/ (features, cuts with features, cmvn.json) as one folder.
 from __future__ import annotations
 
 import argparse
+import logging
 
 from asrflow.data.features import FeatureConfig, compute_features
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params
+
+#: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).
+logger = logging.getLogger("stages.features")
 
 
 @exit_on_user_error
@@ -21,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--manifests", default="data/manifests", help="prepare stage output (default: %(default)s)")
     parser.add_argument("--out", default="data/fbank", help="output folder (default: %(default)s)")
     args = parser.parse_args(argv)
-    logger = setup_logging()
+    setup_logging()
     config = build_config(FeatureConfig, load_params(args.params).get("features"), "features")
     counts = compute_features(args.manifests, args.out, config)
     logger.info("features written to %s: %s", args.out, ", ".join(f"{k} {v} cuts" for k, v in counts.items()))

@@ -1,8 +1,9 @@
 """train stage: Conformer-CTC training with step checkpoints, exact resume and MLflow logging.
 
-Reads data/fbank/, data/lang/ and params.yaml (`seed`, `features:`, `train:`); writes
-exp/model.pt (a self-contained bundle) and exp/plots/train_loss.csv; keeps checkpoints in
-exp/checkpoints/ across runs, so running again after an interruption resumes. With
+Reads the features stage's output (--fbank, data/fbank/), the tokenizer stage's (--lang,
+data/lang/) and params.yaml (`seed`, `features:`, `train:`); writes into --exp (exp/):
+model.pt (a self-contained bundle) and plots/train_loss.csv; keeps checkpoints in
+checkpoints/ across runs, so running again after an interruption resumes. With
 train.nproc_per_node > 1 or train.nnodes > 1 it re-launches itself under torchrun; on the
 machines other than the first of a multi-node run, start it with --node-rank.
 Exit code 75: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume.
@@ -11,12 +12,14 @@ Exit code 75: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from asrflow.data.features import FeatureConfig
-from asrflow.errors import exit_on_user_error
+from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
 from asrflow.training.config import TrainConfig
@@ -24,18 +27,31 @@ from asrflow.training.launch import check_launch, needs_torchrun, torchrun_comma
 from asrflow.training.paths import TrainPaths
 from asrflow.training.trainer import Trainer
 
+#: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).
+logger = logging.getLogger("stages.train")
+
+
+def input_folder(path: str, option: str, stage: str) -> Path:
+    """``path`` as a folder another stage wrote; a missing one is a user error naming ``option``."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AsrflowError(f"{option} {folder}: no such folder; run the {stage} stage first or pass its output folder")
+    return folder
+
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
+    parser.add_argument("--fbank", default="data/fbank", help="features stage output (default: %(default)s)")
+    parser.add_argument("--lang", default="data/lang", help="tokenizer stage output (default: %(default)s)")
     parser.add_argument("--exp", default="exp", help="experiment folder (default: %(default)s)")
     parser.add_argument(
         "--node-rank", type=int, default=None,
         help="this machine's rank in a multi-node run (overrides train.node_rank; 0 .. train.nnodes-1)",
     )
     args = parser.parse_args(argv)
-    logger = setup_logging()
+    setup_logging()
     params = load_params(args.params)
     config = build_config(TrainConfig, params.get("train"), "train")
     if args.node_rank is not None:
@@ -46,7 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         command = torchrun_command(config, ["-m", "stages.train", *(argv if argv is not None else sys.argv[1:])])
         logger.info("launching %s", " ".join(command))
         os.execvp(command[0], command)
-    paths = TrainPaths.under(args.exp, fbank_dir="data/fbank", lang_dir="data/lang")
+    fbank_dir = input_folder(args.fbank, "--fbank", "features")
+    lang_dir = input_folder(args.lang, "--lang", "tokenizer")
+    paths = TrainPaths.under(args.exp, fbank_dir=fbank_dir, lang_dir=lang_dir)
     summary = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths).run()
     logger.info("training done: %s", summary)
 

@@ -54,7 +54,7 @@ def _reference(bundle, features, lengths):
     return scores.numpy(), out_lens.numpy()
 
 
-def test_onnx_export_matches_the_bundle(bundle, batches, yesno_model, tmp_path, capsys):
+def test_onnx_export_matches_the_bundle(bundle, batches, yesno_model, *, tmp_path, capsys):
     import onnx
     import onnxruntime
 

@@ -33,7 +33,9 @@ def stage_args(stage: str, params: Path, tmp_path: Path) -> list[str]:
         "prepare": ["--out", str(tmp_path / "manifests")],
         "features": ["--manifests", str(tmp_path / "manifests"), "--out", str(tmp_path / "fbank")],
         "tokenizer": ["--manifests", str(tmp_path / "manifests"), "--out", str(tmp_path / "lang")],
-        "train": ["--exp", str(tmp_path / "exp")],
+        "train": ["--fbank", str(tmp_path / "fbank"), "--lang", str(tmp_path / "lang"), "--exp", str(tmp_path / "exp")],
+        "evaluate": ["--model", str(tmp_path / "exp" / "model.pt"), "--fbank", str(tmp_path / "fbank"),
+                     "--out", str(tmp_path / "eval")],
     }
     return ["--params", str(params), *outputs[stage]]
 
@@ -64,11 +66,20 @@ CASES = [
     ("train", "train.precision", "fp8", "train.precision = 'fp8' is not valid; use one of auto"),
     ("train", "train.conv_kernel_size", 14, "train.conv_kernel_size = 14 must be odd"),
     ("train", "train.node_rank", 1, r"train.node_rank = 1 must be below train.nnodes \(1\)"),
+    ("evaluate", "evaluate", "abc", "section evaluate = 'abc' must be a mapping"),
+    ("evaluate", "evaluate.decoder", "viterbi", "evaluate.decoder = 'viterbi' is not valid; use one of greedy, beam"),
+    ("evaluate", "evaluate.beam_size", 0, "evaluate.beam_size = 0 must be at least 1"),
+    ("evaluate", "evaluate.beam_size", 2.5, "evaluate.beam_size = 2.5 has the wrong type"),
+    ("evaluate", "evaluate.max_batch_duration_s", 0, "evaluate.max_batch_duration_s = 0 must be greater than 0"),
+    ("evaluate", "evaluate.lm_weight", -1, "evaluate.lm_weight = -1 must be at least 0"),
+    ("evaluate", "evaluate.word_score", float("inf"), "evaluate.word_score = inf must be a finite number"),
+    ("evaluate", "evaluate.lm_path", "lm.arpa", "evaluate.lm_path = 'lm.arpa' needs evaluate.decoder: beam"),
+    ("evaluate", "evaluate.beam", 8, r"unknown key\(s\) evaluate.beam; valid keys are: beam_size"),
 ]
 
 
 @pytest.mark.parametrize(("stage", "key", "value", "message"), CASES, ids=[f"{c[1]}={c[2]!r}" for c in CASES])
-def test_bad_param_ends_the_stage_with_one_line(tmp_path, capsys, stage, key, value, message):
+def test_bad_param_ends_the_stage_with_one_line(tmp_path, capsys, *, stage, key, value, message):
     params = write_params(tmp_path, key, value)
     main = importlib.import_module(f"stages.{stage}").main
     with pytest.raises(SystemExit) as exit_info:
@@ -106,13 +117,16 @@ def test_seed_defaults_to_zero_and_keeps_integers():
 def test_shipped_params_pass_every_check():
     from asrflow.data.features import FeatureConfig
     from asrflow.data.prepare import PrepareConfig
+    from asrflow.evaluation.evaluate import EvaluateConfig
     from asrflow.params import build_config
     from asrflow.tokenizer import TokenizerConfig
     from asrflow.training.config import TrainConfig
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     PrepareConfig.from_section(params["prepare"])
-    for cls, name in ((FeatureConfig, "features"), (TokenizerConfig, "tokenizer"), (TrainConfig, "train")):
+    configs = ((FeatureConfig, "features"), (TokenizerConfig, "tokenizer"), (TrainConfig, "train"),
+               (EvaluateConfig, "evaluate"))
+    for cls, name in configs:
         build_config(cls, params[name], name)
     assert read_seed(params) == params["seed"]
 

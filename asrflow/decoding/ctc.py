@@ -134,7 +134,7 @@ def _prefix_beam_search_one(log_probs: Tensor, beam_size: int, blank: int, token
 
 
 def prefix_beam_search(
-    log_probs: Tensor, lengths: Tensor, beam_size: int, blank: int = 0, token_beam: float = 10.0
+    log_probs: Tensor, lengths: Tensor, beam_size: int, *, blank: int = 0, token_beam: float = 10.0
 ) -> list[list[int]]:
     """CTC prefix beam search without a language model.
 
@@ -193,6 +193,7 @@ class LMBeamSearchDecoder:
         self,
         tokens: list[str],
         blank: int,
+        *,
         beam_size: int,
         lm_path: str | Path,
         lm_weight: float,
@@ -287,6 +288,7 @@ def _word_bonus_lm(kenlm: object, lm_weight: float, word_score: float, word_star
 
 def build_decoder(
     kind: str,
+    *,
     tokens: list[str],
     blank: int,
     beam_size: int,
@@ -313,5 +315,7 @@ def build_decoder(
     if beam_size < 1:
         raise AsrflowError(f"params.yaml: evaluate.beam_size = {beam_size}; use 1 or more")
     if lm_path:
-        return LMBeamSearchDecoder(tokens, blank, beam_size, lm_path, lm_weight, word_score)
+        return LMBeamSearchDecoder(
+            tokens, blank, beam_size=beam_size, lm_path=lm_path, lm_weight=lm_weight, word_score=word_score
+        )
     return lambda log_probs, lengths: prefix_beam_search(log_probs, lengths, beam_size, blank=blank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +12,7 @@ from lhotse import CutSet
 
 from asrflow.bundle import Bundle, load_bundle
 from asrflow.data.manifests import cut_text, load_cuts, pack_by_duration
-from asrflow.decoding.ctc import build_decoder
-from asrflow.errors import AsrflowError
+from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.evaluation.report import (
     WER_BY_DURATION_COLUMNS,
@@ -22,9 +22,13 @@ from asrflow.evaluation.report import (
 )
 from asrflow.inference import cut_features, log_probs
 from asrflow.logs import progress
+from asrflow.params import check_at_least, check_choice, check_positive, param_error
 from asrflow.tokenizer import BLANK_ID
 
-logger = logging.getLogger("asrflow.evaluate")
+logger = logging.getLogger(__name__)
+
+#: The params.yaml section :class:`EvaluateConfig` reads.
+SECTION = "evaluate"
 
 #: MLflow artifacts of the training run: WER by duration bucket as a table
 #: (``mlflow.load_table``, the UI's table view) and as a bar chart.
@@ -32,9 +36,20 @@ WER_TABLE_ARTIFACT = "eval/wer_by_duration.json"
 WER_FIGURE_ARTIFACT = "eval/wer_by_duration.png"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvaluateConfig:
-    """The ``evaluate:`` section of params.yaml."""
+    """The ``evaluate:`` section of params.yaml, checked when built.
+
+    Attributes:
+        decoder: ``greedy`` or ``beam`` (:data:`asrflow.decoding.ctc.DECODER_KINDS`); the
+            only decoder evaluation runs (``python -m bench.decode_rtf`` compares the speed of both).
+        beam_size: prefixes kept per frame by beam search (1 or more).
+        lm_path: a token-level KenLM ARPA/binary file fused into beam search, or ``None``;
+            needs ``decoder: beam``.
+        lm_weight: weight of the LM's log10-probability (0 or more; only with ``lm_path``).
+        word_score: score added per word started (only with ``lm_path``; negative penalises words).
+        max_batch_duration_s: seconds of audio decoded per batch (above 0).
+    """
 
     decoder: str = "greedy"
     beam_size: int = 8
@@ -42,6 +57,21 @@ class EvaluateConfig:
     lm_weight: float = 0.5
     word_score: float = 0.0
     max_batch_duration_s: float = 200.0
+
+    def __post_init__(self) -> None:
+        check_choice(self, SECTION, "decoder", DECODER_KINDS)
+        check_at_least(self, SECTION, 1, "beam_size")
+        check_positive(self, SECTION, "max_batch_duration_s")
+        for key in ("lm_weight", "word_score"):
+            if not math.isfinite(getattr(self, key)):
+                raise param_error(SECTION, key, getattr(self, key), "must be a finite number")
+        check_at_least(self, SECTION, 0, "lm_weight")
+        if self.lm_path and self.decoder != "beam":
+            raise param_error(
+                SECTION, "lm_path", self.lm_path,
+                f"needs evaluate.decoder: beam (evaluate.decoder = {self.decoder!r} uses no language model); "
+                "set decoder: beam, or lm_path: null",
+            )
 
 
 def decoding_batches(cuts: CutSet, max_batch_duration_s: float) -> list[CutSet]:
@@ -51,57 +81,57 @@ def decoding_batches(cuts: CutSet, max_batch_duration_s: float) -> list[CutSet]:
 
 
 def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[dict[str, str], dict[str, float]]:
-    """Hypotheses of the configured decoder, and real-time factors of greedy and beam decoding.
+    """Hypotheses of the decoder ``config`` names (only that one runs), and its real-time factors.
 
-    Each RTF is (encoder seconds + that decoder's seconds) / audio seconds.
+    Returns:
+        ``(hyps, rtf)``: the transcript per cut id, and ``rtf["encoder"]`` (features + CMVN +
+        encoder seconds per audio second) and ``rtf["total"]`` (that plus the decoder's seconds).
     """
-    pieces = bundle.tokenizer.pieces
-    decoders = {
-        kind: build_decoder(kind, pieces, BLANK_ID, config.beam_size, config.lm_path, config.lm_weight,
-                            config.word_score)
-        for kind in ("greedy", "beam")
-    }
-    if config.decoder not in decoders:
-        raise AsrflowError(f"params.yaml: evaluate.decoder = {config.decoder!r}; use greedy or beam")
-    seconds = {"encoder": 0.0, "greedy": 0.0, "beam": 0.0}
+    decode = build_decoder(
+        config.decoder, tokens=bundle.tokenizer.pieces, blank=BLANK_ID, beam_size=config.beam_size,
+        lm_path=config.lm_path, lm_weight=config.lm_weight, word_score=config.word_score,
+    )
+    encoder_s = decoder_s = 0.0
     hyps: dict[str, str] = {}
     batches = decoding_batches(cuts, config.max_batch_duration_s)
     for batch in progress(batches, desc="decoding", total=len(batches)):
         start = time.perf_counter()
         features, lengths = cut_features(bundle, batch)
-        scores, out_lens = log_probs(bundle, features, lengths)
-        seconds["encoder"] += time.perf_counter() - start
-        results = {}
-        for name, decode in decoders.items():
-            start = time.perf_counter()
-            results[name] = decode(scores, out_lens)
-            seconds[name] += time.perf_counter() - start
-        for cut, ids in zip(batch, results[config.decoder], strict=True):
+        scores, out_lens = log_probs(bundle, features, lengths)  # (N, T, V), (N,)
+        encoder_s += time.perf_counter() - start
+        start = time.perf_counter()
+        token_ids = decode(scores, out_lens)
+        decoder_s += time.perf_counter() - start
+        for cut, ids in zip(batch, token_ids, strict=True):
             hyps[cut.id] = bundle.tokenizer.decode(ids)
-    audio = sum(cut.duration for cut in cuts)
-    rtf = {name: (seconds["encoder"] + seconds[name]) / max(audio, 1e-9) for name in ("greedy", "beam")}
-    return hyps, rtf
+    audio = max(sum(cut.duration for cut in cuts), 1e-9)
+    return hyps, {"encoder": encoder_s / audio, "total": (encoder_s + decoder_s) / audio}
 
 
-def evaluate(model_path: Path, fbank_dir: Path, out_dir: Path, config: EvaluateConfig,
-             tracking_uri: str | None = None) -> dict:
-    """Decode ``fbank_dir``'s test split, write the report into ``out_dir``, log it to MLflow."""
+def evaluate(
+    model_path: Path, fbank_dir: Path, out_dir: Path, config: EvaluateConfig, *, tracking_uri: str | None = None
+) -> dict:
+    """Decode ``fbank_dir``'s test split with ``config.decoder``, write the report into ``out_dir``,
+    log it to the training's MLflow run (``tracking_uri``, else MLflow's default store)."""
     bundle = load_bundle(model_path)
     cuts = load_cuts(fbank_dir, "test").to_eager()
     refs = {cut.id: cut_text(cut) for cut in cuts}
     hyps, rtf = decode_split(bundle, cuts, config)
     score = score_corpus(refs, hyps)
     durations = {cut.id: cut.duration for cut in cuts}
-    metrics = write_report(out_dir, score, durations, rtf)
+    metrics = write_report(out_dir, score, durations, rtf=rtf)
     logger.info("test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
                 100 * score.wer, 100 * score.cer, len(cuts), config.decoder)
     if bundle.run_id:
-        _log_to_training_run(bundle.run_id, metrics, wer_by_duration(score, durations), out_dir, tracking_uri)
+        _log_to_training_run(
+            bundle.run_id, metrics, wer_rows=wer_by_duration(score, durations), out_dir=out_dir,
+            tracking_uri=tracking_uri,
+        )
     return metrics
 
 
 def _log_to_training_run(
-    run_id: str, metrics: dict, wer_rows: list[dict[str, object]], out_dir: Path, tracking_uri: str | None
+    run_id: str, metrics: dict, *, wer_rows: list[dict[str, object]], out_dir: Path, tracking_uri: str | None
 ) -> None:
     """Log the metrics (``test/*``), the report files, the training loss CSV, and the WER by
     duration as an MLflow table (:data:`WER_TABLE_ARTIFACT`) and chart (:data:`WER_FIGURE_ARTIFACT`)."""

@@ -57,7 +57,7 @@ class ErrorCounts:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UtteranceScore:
     """One utterance: its texts, error counts and word alignment.
 

@@ -150,6 +150,7 @@ def write_report(
     out_dir: Path,
     score: CorpusScore,
     durations: dict[str, float],
+    *,
     rtf: dict[str, float] | None = None,
     top_n: int = TOP_ERRORS,
 ) -> dict[str, float | int]:

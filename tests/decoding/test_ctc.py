@@ -237,7 +237,9 @@ def test_word_score_adds_or_removes_words(tmp_path):
     lengths = torch.tensor([4])
     lm = uniform_lm(tmp_path / "words.arpa", WORD_TOKENS)
     results = {
-        score: LMBeamSearchDecoder(WORD_TOKENS, BLANK, 4, lm, lm_weight=0.0, word_score=score)(log_probs, lengths)
+        score: LMBeamSearchDecoder(
+            WORD_TOKENS, BLANK, beam_size=4, lm_path=lm, lm_weight=0.0, word_score=score
+        )(log_probs, lengths)
         for score in (0.0, 3.0, -10.0)
     }
     assert results == {0.0: [[2]], 3.0: [[2, 3]], -10.0: [[]]}
@@ -245,11 +247,11 @@ def test_word_score_adds_or_removes_words(tmp_path):
 
 def test_lm_decoder_reports_missing_or_corrupt_files(tmp_path):
     with pytest.raises(AsrflowError, match="does not exist"):
-        LMBeamSearchDecoder(WORD_TOKENS, BLANK, 4, tmp_path / "nope.arpa", lm_weight=1.0)
+        LMBeamSearchDecoder(WORD_TOKENS, BLANK, beam_size=4, lm_path=tmp_path / "nope.arpa", lm_weight=1.0)
     bad = tmp_path / "bad.arpa"
     bad.write_text("this is not an ARPA file\n")
     with pytest.raises(AsrflowError, match="could not be loaded"):
-        LMBeamSearchDecoder(WORD_TOKENS, BLANK, 4, bad, lm_weight=1.0)
+        LMBeamSearchDecoder(WORD_TOKENS, BLANK, beam_size=4, lm_path=bad, lm_weight=1.0)
 
 
 # ---------------------------------------------------------------------------- factory

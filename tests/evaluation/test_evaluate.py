@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,19 +12,34 @@ from mlflow.tracking import MlflowClient
 from trained_model import yesno_model  # noqa: F401  (fixture)
 
 from asrflow.bundle import load_bundle
+from asrflow.data.manifests import load_cuts
+from asrflow.decoding.ctc import greedy_decode, prefix_beam_search
 from asrflow.errors import AsrflowError
-from asrflow.evaluation.evaluate import WER_FIGURE_ARTIFACT, WER_TABLE_ARTIFACT, EvaluateConfig, evaluate
+from asrflow.evaluation.evaluate import (
+    WER_FIGURE_ARTIFACT,
+    WER_TABLE_ARTIFACT,
+    EvaluateConfig,
+    decode_split,
+    decoding_batches,
+    evaluate,
+)
+from asrflow.inference import cut_features, log_probs
+from asrflow.tokenizer import BLANK_ID
 
 
 def test_evaluate_writes_report_and_logs_to_the_training_run(yesno_model, yesno_data, tmp_path):  # noqa: F811
     uri = f"sqlite:///{yesno_model.parent / 'mlflow.db'}"
-    metrics = evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", EvaluateConfig(decoder="beam"), uri)
+    metrics = evaluate(
+        yesno_model, yesno_data / "fbank", tmp_path / "eval", EvaluateConfig(decoder="beam"), tracking_uri=uri
+    )
 
     on_disk = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert on_disk == pytest.approx(metrics)
     assert on_disk["num_utterances"] == 30 and on_disk["ref_words"] == 240
     assert 0.0 <= on_disk["wer"] < 0.25
-    assert on_disk["rtf_greedy"] > 0 and on_disk["rtf_beam"] > 0
+    # Only the chosen decoder ran: one end-to-end real-time factor, and the encoder's share of it.
+    assert sorted(key for key in on_disk if key.startswith("rtf")) == ["rtf_encoder", "rtf_total"]
+    assert 0 < on_disk["rtf_encoder"] <= on_disk["rtf_total"]
     rows = [json.loads(line) for line in (tmp_path / "eval" / "per_utterance.jsonl").read_text().splitlines()]
     assert len(rows) == 30 and {"id", "ref", "hyp", "duration"} <= set(rows[0])
     assert (tmp_path / "eval" / "wer_by_duration.csv").read_text().startswith("duration_bucket,wer")
@@ -50,8 +66,47 @@ def test_evaluate_writes_report_and_logs_to_the_training_run(yesno_model, yesno_
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_unknown_decoder_is_a_user_error(yesno_model, yesno_data, tmp_path):  # noqa: F811
-    with pytest.raises(AsrflowError, match="evaluate.decoder"):
-        evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", EvaluateConfig(decoder="viterbi"),
-                 f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert not (tmp_path / "eval" / "metrics.json").exists()
+def test_only_the_chosen_decoder_runs(yesno_model, yesno_data):  # noqa: F811
+    """Greedy evaluation gives greedy_decode's output; beam gives prefix_beam_search's (no LM set)."""
+    bundle = load_bundle(yesno_model)
+    cuts = load_cuts(yesno_data / "fbank", "test").to_eager().subset(first=6)
+    [batch] = decoding_batches(cuts, EvaluateConfig().max_batch_duration_s)  # the batch decode_split makes
+    features, lengths = cut_features(bundle, batch)
+    scores, out_lens = log_probs(bundle, features, lengths)
+    expected = {
+        "greedy": greedy_decode(scores, out_lens, blank=BLANK_ID),
+        "beam": prefix_beam_search(scores, out_lens, 3, blank=BLANK_ID),
+    }
+    for decoder, token_ids in expected.items():
+        hyps, rtf = decode_split(bundle, cuts, EvaluateConfig(decoder=decoder, beam_size=3))
+        assert hyps == {cut.id: bundle.tokenizer.decode(ids) for cut, ids in zip(batch, token_ids, strict=True)}
+        assert sorted(rtf) == ["encoder", "total"]
+
+
+def test_a_missing_language_model_stops_evaluation_before_writing(yesno_model, yesno_data, tmp_path):  # noqa: F811
+    config = EvaluateConfig(decoder="beam", lm_path=str(tmp_path / "missing.arpa"))
+    with pytest.raises(AsrflowError, match="missing.arpa"):
+        evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", config,
+                 tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"decoder": "viterbi"}, "evaluate.decoder = 'viterbi' is not valid; use one of greedy, beam"),
+        ({"beam_size": 0}, "evaluate.beam_size = 0 must be at least 1"),
+        ({"max_batch_duration_s": 0.0}, "evaluate.max_batch_duration_s = 0.0 must be greater than 0"),
+        ({"lm_weight": -0.5}, "evaluate.lm_weight = -0.5 must be at least 0"),
+        ({"word_score": float("nan")}, "evaluate.word_score = nan must be a finite number"),
+        ({"lm_path": "lm.arpa"}, "evaluate.lm_path = 'lm.arpa' needs evaluate.decoder: beam"),
+    ],
+)
+def test_bad_settings_name_the_key(settings, message):
+    with pytest.raises(AsrflowError, match=re.escape(f"params.yaml: {message}")):
+        EvaluateConfig(**settings)
+
+
+def test_lm_settings_are_accepted_with_beam_search():
+    config = EvaluateConfig(decoder="beam", lm_path="lm.arpa", lm_weight=0.0, word_score=-1.5)
+    assert config.lm_path == "lm.arpa" and config.word_score == -1.5

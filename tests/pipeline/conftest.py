@@ -25,7 +25,7 @@ FULL_RUN_TIMEOUT_S = 1800
 _ORDER = ("test_tools_agree.py", "test_rerun.py", "test_reports.py", "test_interrupt.py")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PipelineRun:
     tool: str
     copy: Path
@@ -69,7 +69,8 @@ def _run_pipeline(tool: str, copy: Path, *command: str) -> PipelineRun:
     result = run(copy, *command, timeout=FULL_RUN_TIMEOUT_S)
     seconds = time.monotonic() - start
     print(f"\n{tool}: the whole pipeline ran in {seconds:.0f} s")
-    return PipelineRun(tool, copy, output_files(copy), read_metrics(copy), result.stdout, seconds)
+    return PipelineRun(tool=tool, copy=copy, files=output_files(copy), metrics=read_metrics(copy), output=result.stdout,
+                       seconds=seconds)
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def _interrupt_group(process: subprocess.Popen) -> None:
 
 
 def interrupt_during_training(
-    copy: Path, command: list[str], watched_log: Path, console: Path, how: signal.Signals = signal.SIGKILL
+    copy: Path, command: list[str], *, watched_log: Path, console: Path, how: signal.Signals = signal.SIGKILL
 ) -> int:
     """Start ``command`` in a new process group; once ``watched_log`` shows a checkpoint at step
     :data:`KILL_AFTER_STEP` or later, send ``how`` (SIGKILL or SIGINT) to the whole group.
@@ -141,7 +141,7 @@ def test_snakemake_finishes_a_killed_run_and_resumes_training(snakemake_run):
     train_log = copy / "logs/train.log"
     train_log.unlink()  # the finished run's log also shows a step-50 checkpoint
     killed_at = interrupt_during_training(
-        copy, ["snakemake", "--cores", "all"], train_log, copy.parent / "snakemake-killed.log"
+        copy, ["snakemake", "--cores", "all"], watched_log=train_log, console=copy.parent / "snakemake-killed.log"
     )
     assert (copy / f"exp/checkpoints/step-{killed_at:08d}.pt").is_file(), "the checkpoints did not survive"
     check_live_locks_stand(copy)
@@ -158,7 +158,7 @@ def test_dvc_finishes_a_killed_run_and_resumes_training(dvc_run):
     copy = dvc_run.copy
     new_training_run(copy)
     console = copy.parent / "dvc-killed.log"
-    killed_at = interrupt_during_training(copy, ["dvc", "repro"], console, console)
+    killed_at = interrupt_during_training(copy, ["dvc", "repro"], watched_log=console, console=console)
     assert dvc_ran_stages(console.read_text()) == {"train"}, tail(console.read_text())
     assert (copy / f"exp/checkpoints/step-{killed_at:08d}.pt").is_file(), "the checkpoints did not survive"
 
@@ -186,7 +186,8 @@ def test_snakemake_after_ctrl_c_resumes_training_where_it_stopped(snakemake_run)
     train_log = copy / "logs/train.log"
     train_log.unlink()
     interrupt_during_training(
-        copy, ["snakemake", "--cores", "all"], train_log, copy.parent / "snakemake-ctrl-c.log", signal.SIGINT
+        copy, ["snakemake", "--cores", "all"], watched_log=train_log, console=copy.parent / "snakemake-ctrl-c.log",
+        how=signal.SIGINT,
     )
     interrupted = train_log.read_text()
     result = run(copy, "snakemake", "--cores", "all", timeout=RERUN_TIMEOUT_S)
@@ -199,7 +200,7 @@ def test_dvc_after_ctrl_c_resumes_training_where_it_stopped(dvc_run):
     copy = dvc_run.copy
     new_training_run(copy)
     console = copy.parent / "dvc-ctrl-c.log"
-    interrupt_during_training(copy, ["dvc", "repro"], console, console, signal.SIGINT)
+    interrupt_during_training(copy, ["dvc", "repro"], watched_log=console, console=console, how=signal.SIGINT)
     result = run(copy, "dvc", "repro", timeout=RERUN_TIMEOUT_S)
     assert dvc_ran_stages(result.stdout) == {"train", "evaluate"}, tail(result.stdout)
     check_stopped_and_resumed_at_the_same_step(console.read_text(errors="replace"), result.stdout)

@@ -96,7 +96,7 @@ def test_dvc_metrics_show_has_wer_and_cer(dvc_run):
     assert not workspace.get("error"), workspace
     assert list(workspace["data"]) == ["exp/eval/metrics.json"]
     metrics = workspace["data"]["exp/eval/metrics.json"]["data"]
-    assert {"wer", "cer", "rtf_greedy", "rtf_beam"} <= set(metrics)
+    assert {"wer", "cer", "rtf_total", "rtf_encoder"} <= set(metrics)
     assert metrics == read_metrics(dvc_run.copy)
 
 

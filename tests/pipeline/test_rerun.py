@@ -61,7 +61,7 @@ def test_a_second_run_has_nothing_to_do(snakemake_run, dvc_run):
         ("evaluate.beam_size", 5, {"evaluate"}, EVALUATE),
     ],
 )
-def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, key, value, readers, expected):
+def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, *, key, value, readers, expected):
     with edited_params(snakemake_run.copy, key, value), edited_params(dvc_run.copy, key, value):
         seen = would_run(snakemake_run, dvc_run)
         changed = dvc_status(dvc_run.copy)
@@ -83,7 +83,7 @@ def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run,
         ("asrflow/decoding/ctc.py", "asrflow/decoding", {"evaluate"}, EVALUATE),
     ],
 )
-def test_a_code_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, path, dep, readers, expected):
+def test_a_code_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, *, path, dep, readers, expected):
     with appended_comment(snakemake_run.copy / path), appended_comment(dvc_run.copy / path):
         seen = would_run(snakemake_run, dvc_run)
         changed = dvc_status(dvc_run.copy)
