@@ -35,6 +35,7 @@ class Bundle:
 
 def save_bundle(
     path: str | Path,
+    *,
     model_state: dict[str, torch.Tensor],
     model_config: ModelConfig,
     tokenizer: Tokenizer,

@@ -24,12 +24,6 @@ PENDING = {
     "asrflow/data/importers.py",
     "asrflow/data/prepare.py",
     "asrflow/data/validation.py",
-    "asrflow/training/checkpoint.py",
-    "asrflow/training/distributed.py",
-    "asrflow/training/guards.py",
-    "asrflow/training/resume.py",
-    "asrflow/training/trainer.py",
-    "asrflow/training/watchdog.py",
 }
 
 

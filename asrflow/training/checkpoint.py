@@ -22,7 +22,7 @@ import torch
 
 from asrflow.io import fsync_dir
 
-logger = logging.getLogger("asrflow.checkpoint")
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
 BEST = "best.pt"
@@ -48,7 +48,7 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def save_checkpoint(
-    state: dict, directory: str | Path, step: int, keep_last: int, is_best: bool, protect: int | None = None
+    state: dict, directory: str | Path, step: int, *, keep_last: int, is_best: bool, protect: int | None = None
 ) -> Path:
     """Write ``state`` as step ``step`` atomically; keep the newest ``keep_last``, the best and step ``protect``.
 

@@ -93,8 +93,8 @@ class CheckpointManager:
         if self.dist.is_main:
             state = {name: component.state_dict() for name, component in self.components.items()}
             path = ckpt.save_checkpoint(
-                {**state, **self.facts, "complete": complete}, self.directory, step, self.keep_last,
-                dev_loss is not None, protect=self.good_step,
+                {**state, **self.facts, "complete": complete}, self.directory, step, keep_last=self.keep_last,
+                is_best=dev_loss is not None, protect=self.good_step,
             )
             logger.info("saved checkpoint %s", path)
         barrier(self.dist)

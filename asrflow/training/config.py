@@ -25,7 +25,7 @@ OPERATIONAL_KEYS = frozenset(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Training hyper-parameters; see params.yaml for what each one means."""
 

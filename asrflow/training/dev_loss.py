@@ -26,6 +26,7 @@ def dev_loss(
     model: nn.Module,
     dataset: AsrBatchDataset,
     batches: list[tuple[str, ...]],
+    *,
     precision: PrecisionPolicy,
     dist: DistInfo,
     device: torch.device,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from asrflow.errors import AsrflowError
 
-logger = logging.getLogger("asrflow.distributed")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,14 @@ from pathlib import Path
 
 from asrflow.errors import AsrflowError
 
-logger = logging.getLogger("asrflow.guard")
+logger = logging.getLogger(__name__)
 
 
 class RollbackNeeded(Exception):
     """Raised when ``max_consecutive_nonfinite`` steps in a row were skipped."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NonFiniteGuard:
     """Counts skipped steps and decides when to roll back or stop.
 
@@ -35,7 +35,7 @@ class NonFiniteGuard:
     rollbacks: int = 0
     recent_bad: list[list[str]] = field(default_factory=list)
 
-    def observe(self, step: int, finite: bool, loss: float, grad_norm: float, cut_ids: list[str]) -> bool:
+    def observe(self, step: int, *, finite: bool, loss: float, grad_norm: float, cut_ids: list[str]) -> bool:
         """Record one step; returns True when the step may be applied.
 
         ``cut_ids`` are every cut of the optimizer step (all micro-batches, all ranks).

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainPaths:
     """Inputs (features, tokenizer) and outputs (model bundle, checkpoints, plots) of the train stage."""
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from asrflow.errors import AsrflowError
 from asrflow.training.config import OPERATIONAL_KEYS, TrainConfig
 
-logger = logging.getLogger("asrflow.resume")
+logger = logging.getLogger(__name__)
 
 FRESH, RESUME = "fresh", "resume"
 
@@ -48,7 +48,7 @@ def file_digest(*paths: Path) -> str:
 PARALLELISM_FEATURE_KEYS = frozenset({"num_jobs"})
 
 
-def build_fingerprint(model: dict, features: dict, data_digest: str, seed: int, config: TrainConfig) -> dict:
+def build_fingerprint(model: dict, features: dict, *, data_digest: str, seed: int, config: TrainConfig) -> dict:
     """The settings a resume must not change, as a flat dict of JSON-able values."""
     fingerprint = {f"model.{key}": value for key, value in model.items()}
     fingerprint.update(

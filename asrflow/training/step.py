@@ -31,7 +31,7 @@ from asrflow.training.distributed import DistInfo, agree_on_step
 from asrflow.training.precision import PrecisionPolicy
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepResult:
     """What one optimizer step did. ``loss`` is per token (global), ``grad_norm`` before clipping.
 
@@ -78,6 +78,7 @@ def seed_dropout(seed: int, batch: dict) -> None:
 def train_step(
     model: nn.Module,
     micro_batches: list[dict],
+    *,
     step_tokens: int,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,

@@ -31,7 +31,9 @@ def step_metrics(result: StepResult, *, lr: float, epoch: int, world_size: int, 
     }
 
 
-def report_step(tracker, history: LossHistory, step: int, metrics: dict[str, float], loss_scale: float | None) -> None:
+def report_step(
+    tracker, history: LossHistory, *, step: int, metrics: dict[str, float], loss_scale: float | None
+) -> None:
     """Buffer the step's finite metrics in ``tracker``, extend ``history``, log a line every few steps."""
     if loss_scale is not None:
         metrics = {**metrics, "train/loss_scale": loss_scale}

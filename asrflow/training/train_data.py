@@ -29,7 +29,7 @@ from asrflow.training.resume import file_digest
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainData:
     """The tokenizer, normalisation, train batch plan and dev batches of one run.
 

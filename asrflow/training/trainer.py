@@ -110,13 +110,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
         self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard(
-            config.max_consecutive_nonfinite, config.max_rollbacks, self.paths.bad_batches,
-            writes_records=self.dist.is_main,
+            max_consecutive=config.max_consecutive_nonfinite, max_rollbacks=config.max_rollbacks,
+            bad_batches_path=self.paths.bad_batches, writes_records=self.dist.is_main,
         )
         self.progress, self.history = Progress(), LossHistory()
         self.position = PlanPosition(self.data.batches, self.dist.world_size)
         fingerprint = build_fingerprint(
-            asdict(self.model_config), asdict(self.features), self.data.digest, self.seed, config
+            asdict(self.model_config), asdict(self.features), data_digest=self.data.digest, seed=self.seed,
+            config=config,
         )
         self.train_params = training_params(config, source_digest(__name__))
         check_same_everywhere(self.dist, content_digest([fingerprint, self.train_params]), "params, code or data")
@@ -197,9 +198,9 @@ class Trainer:
             waited = time.perf_counter() - began
             step = self.progress.global_step + 1
             result = train_step(
-                self.ddp_model, micro_batches, micro_batches[0]["step_tokens"], self.optimizer, self.scaler,
-                self.precision, self.config.max_grad_norm, self.dist, self.device,
-                inject_nonfinite=self._inject_nonfinite(step),
+                self.ddp_model, micro_batches, step_tokens=micro_batches[0]["step_tokens"], optimizer=self.optimizer,
+                scaler=self.scaler, precision=self.precision, max_grad_norm=self.config.max_grad_norm, dist=self.dist,
+                device=self.device, inject_nonfinite=self._inject_nonfinite(step),
                 stop_requested=functools.partial(self._stop_flag, step), seed=self.seed,
             )
             self.scheduler.step()
@@ -209,7 +210,8 @@ class Trainer:
                              cut_ids=item.step_cut_ids)
             self.progress.global_step = step
             self.position.advance(item)
-            self.guard.observe(step, result.finite, result.loss, result.grad_norm, list(result.cut_ids))
+            self.guard.observe(step, finite=result.finite, loss=result.loss, grad_norm=result.grad_norm,
+                               cut_ids=list(result.cut_ids))
             self._report(result)
             for observer in self.observers:
                 observer.after_step(self, result)
@@ -241,13 +243,13 @@ class Trainer:
         metrics = step_metrics(result, lr=self.optimizer.param_groups[0]["lr"], epoch=self.position.epoch,
                                world_size=self.dist.world_size, skipped_total=self.guard.total_skipped)
         loss_scale = self.scaler.get_scale() if self.precision.uses_scaler else None
-        report_step(self.tracker, self.history, self.progress.global_step, metrics, loss_scale)
+        report_step(self.tracker, self.history, step=self.progress.global_step, metrics=metrics, loss_scale=loss_scale)
 
     def _validate(self, watchdog: StallWatchdog) -> float | None:
         """Dev loss of the current weights, logged; returned when it beats the best checkpoint's (every rank
         gets rank 0's verdict), else None."""
-        loss = dev_loss(self.ddp_model, self.data.dev_dataset, self.data.dev_batches, self.precision, self.dist,
-                        self.device, watchdog.beat)
+        loss = dev_loss(self.ddp_model, self.data.dev_dataset, self.data.dev_batches, precision=self.precision,
+                        dist=self.dist, device=self.device, beat=watchdog.beat)
         watchdog.beat()
         step = self.progress.global_step
         self.progress.last_dev_loss, self.progress.last_dev_step = loss, step
@@ -315,8 +317,8 @@ class Trainer:
         last = {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
         weights, choice = final_weights(last, recent, self._dev_loss_of if self.data.dev_batches else None)
         save_bundle(
-            self.paths.model_path, weights, self.model_config, self.data.tokenizer, self.features,
-            cmvn_stats(load_cmvn(self.data.cmvn_path)), self.tracker.run_id,
+            self.paths.model_path, model_state=weights, model_config=self.model_config, tokenizer=self.data.tokenizer,
+            features=self.features, cmvn=cmvn_stats(load_cmvn(self.data.cmvn_path)), run_id=self.tracker.run_id,
             info={**summary, "averaged": [path.name for path in recent], **choice},
         )
         write_loss_csv(self.paths.loss_csv, self.history)
@@ -331,7 +333,8 @@ class Trainer:
         """Dev loss (nats per token) of ``weights`` in this process alone (rank 0, no collectives)."""
         model = copy.deepcopy(self.model)  # a copy, not build_model: no draw from the torch RNG
         model.load_state_dict(weights)
-        return dev_loss(model, self.data.dev_dataset, self.data.dev_batches, self.precision, DistInfo(), self.device)
+        return dev_loss(model, self.data.dev_dataset, self.data.dev_batches, precision=self.precision, dist=DistInfo(),
+                        device=self.device)
 
     def _on_signal(self, signum, _frame) -> None:
         """SIGTERM/SIGINT: finish the step in flight, save, exit 75."""

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 
-logger = logging.getLogger("asrflow.watchdog")
+logger = logging.getLogger(__name__)
 
 #: Exit code of a process the watchdog ended.
 EXIT_STALLED = 124

@@ -61,8 +61,8 @@ def _step(model: torch.nn.Module, micro_batches: list[dict], lr: float):
     precision = resolve_precision("fp32", "cpu", None)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     tokens = NUM_UTTERANCES * TOKENS
-    return train_step(model, micro_batches, tokens, optimizer, precision.grad_scaler(), precision,
-                      max_grad_norm=1e9, dist=DistInfo(), device=torch.device("cpu"))
+    return train_step(model, micro_batches, step_tokens=tokens, optimizer=optimizer, scaler=precision.grad_scaler(),
+                      precision=precision, max_grad_norm=1e9, dist=DistInfo(), device=torch.device("cpu"))
 
 
 def test_two_micro_batches_give_the_gradients_of_one_batch():

@@ -112,7 +112,7 @@ def test_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog
         newest.write_bytes(os.urandom(len(data)))
     else:  # a readable torch file that is not an asrflow checkpoint
         torch.save({"weights": torch.zeros(2)}, newest)
-    with caplog.at_level(logging.WARNING, logger="asrflow.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="asrflow.training.checkpoint"):
         state, path = ckpt.load_latest(tmp_path)
     assert path == tmp_path / "step-00000004.pt"
     assert state["step"] == 4 and torch.equal(state["model"]["w"], torch.full((3, 2), 4.0))
@@ -135,7 +135,7 @@ def test_a_flipped_bit_in_tensor_data_is_caught_by_the_digest(tmp_path, caplog):
     assert not torch.equal(silently["model"]["w"], torch.full((3, 2), 4.0))
     with pytest.raises(ValueError, match="does not match the digest"):
         ckpt.load_checkpoint(newest)
-    with caplog.at_level(logging.WARNING, logger="asrflow.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="asrflow.training.checkpoint"):
         state, path = ckpt.load_latest(tmp_path)
     assert path == tmp_path / "step-00000002.pt" and state["step"] == 2
     assert any("step-00000004.pt is unreadable" in r.getMessage() for r in caplog.records)
@@ -212,7 +212,7 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_without_running_it(tmp
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         ckpt.load_checkpoint(evil)
     assert not marker.exists()
-    with caplog.at_level(logging.WARNING, logger="asrflow.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="asrflow.training.checkpoint"):
         state, path = ckpt.load_latest(tmp_path)
     assert path.name == "step-00000001.pt" and state["step"] == 1
     assert not marker.exists()

@@ -27,7 +27,9 @@ CKPT_DIR = Path("exp/checkpoints")
 def _settings(config=None, d_model: int = 32, seed: int = 42, data_digest: str = "abc123", code: str = "c0de"):
     config = config or tiny_train_config()
     model = ModelConfig(input_dim=80, vocab_size=5, d_model=d_model, num_heads=2, ffn_dim=64, num_layers=1)
-    fingerprint = build_fingerprint(asdict(model), asdict(FeatureConfig()), data_digest, seed, config)
+    fingerprint = build_fingerprint(
+        asdict(model), asdict(FeatureConfig()), data_digest=data_digest, seed=seed, config=config
+    )
     return fingerprint, training_params(config, code)
 
 
@@ -63,27 +65,27 @@ def test_finished_run_resumes_when_only_epochs_were_raised():
     ids=["lr", "d_model", "data", "seed", "code"],
 )
 def test_finished_run_with_changed_settings_starts_fresh(changed, caplog):
-    with caplog.at_level(logging.INFO, logger="asrflow.resume"):
+    with caplog.at_level(logging.INFO, logger="asrflow.training.resume"):
         assert decide(_checkpoint(True), *_settings(**changed), CKPT_DIR) == FRESH
     assert "used other settings" in caplog.text and "starting a fresh run" in caplog.text
 
 
 def test_unfinished_run_with_a_changed_train_param_resumes_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+    with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
         decision = decide(_checkpoint(False), *_settings(tiny_train_config(lr=0.01)), CKPT_DIR)
     assert decision == RESUME
     assert "train param changed since the checkpoint: lr: 0.003 -> 0.01" in caplog.text
 
 
 def test_unfinished_run_under_edited_code_resumes_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+    with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
         assert decide(_checkpoint(False), *_settings(code="edited"), CKPT_DIR) == RESUME
     assert "train param changed since the checkpoint: code_digest: 'c0de' -> 'edited'" in caplog.text
 
 
 def test_unfinished_run_with_operational_changes_resumes_silently(caplog):
     changed = tiny_train_config(num_workers=4, checkpoint_every_steps=100, keep_last=1, epochs=9)
-    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+    with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
         assert decide(_checkpoint(False), *_settings(changed), CKPT_DIR) == RESUME
     assert caplog.text == ""
 
@@ -92,13 +94,14 @@ def test_feature_extraction_parallelism_does_not_block_a_resume(caplog):
     """features.num_jobs only sets how many processes extract features: not part of the fingerprint."""
     config = tiny_train_config()
     model = asdict(ModelConfig(input_dim=80, vocab_size=5, d_model=32, num_heads=2, ffn_dim=64, num_layers=1))
-    one_job = build_fingerprint(model, asdict(FeatureConfig(num_jobs=1)), "abc123", 42, config)
-    many_jobs = build_fingerprint(model, asdict(FeatureConfig(num_jobs=8)), "abc123", 42, config)
+    same = {"data_digest": "abc123", "seed": 42, "config": config}
+    one_job = build_fingerprint(model, asdict(FeatureConfig(num_jobs=1)), **same)
+    many_jobs = build_fingerprint(model, asdict(FeatureConfig(num_jobs=8)), **same)
     assert one_job == many_jobs
     assert "features.num_mel_bins" in one_job and "features.num_jobs" not in one_job
     checkpoint = {"fingerprint": one_job, "train_params": training_params(config, "c0de"), "complete": False,
                   "step": 120}
-    with caplog.at_level(logging.WARNING, logger="asrflow.resume"):
+    with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
         assert decide(checkpoint, many_jobs, training_params(config, "c0de"), CKPT_DIR) == RESUME
     assert caplog.text == ""
 
@@ -148,7 +151,7 @@ def test_trainer_refuses_an_unfinished_run_with_another_model_shape(yesno_data, 
 
     # with the shape restored, the same run resumes and finishes
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="asrflow.train"):
+    with caplog.at_level(logging.INFO, logger="asrflow.training.trainer"):
         assert train_in_process(yesno_data, exp, overrides, uri)["steps"] == summary["steps"]
     assert f"resuming from {newest}" in caplog.text
 

@@ -219,7 +219,7 @@ def run_training(data: Path, exp: Path, overrides: dict, *, log_path: Path, expe
     return process.log()
 
 
-def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, seed: int = 42) -> dict:
+def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, seed: int = 42) -> dict:
     """Run the Trainer in this process (no data workers unless asked): for quick checks."""
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
