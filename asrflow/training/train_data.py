@@ -6,10 +6,9 @@ batch plan, datasets and data loader from :meth:`TrainData.build`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,6 +58,7 @@ class TrainData:
     num_workers: int
     mp_start_method: str
     seed: int
+    _open: Iterator[dict] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def build(
@@ -133,18 +133,20 @@ class TrainData:
         )
 
 
-    @contextlib.contextmanager
-    def batches_from(self, epoch: int, step_in_epoch: int) -> Iterator[Iterator[dict]]:
-        """An iterator over :meth:`loader`'s batches whose data workers are shut down when the block ends,
-        however it ends: an exception's traceback keeps the iterator alive, and a worker left running
-        would hold the process at exit (multiprocessing joins its children)."""
-        iterator = iter(self.loader(epoch, step_in_epoch))
-        try:
-            yield iterator
-        finally:
-            shutdown = getattr(iterator, "_shutdown_workers", None)  # what DataLoader's own __del__ calls
-            if shutdown is not None:
-                shutdown()
+    def open(self, epoch: int, step_in_epoch: int) -> Iterator[dict]:
+        """Start :meth:`loader` at that position (its data workers start now, in the background) and return
+        its iterator; the loader opened before is closed."""
+        self.close()
+        self._open = iter(self.loader(epoch, step_in_epoch))
+        return self._open
+
+    def close(self) -> None:
+        """Shut the open loader's data workers down. Not left to garbage collection: an exception's traceback
+        keeps the iterator alive, and a worker still running holds the process at exit."""
+        iterator, self._open = self._open, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # what DataLoader's own __del__ calls
+        if shutdown is not None:
+            shutdown()
 
 
 def _check_options(config: TrainConfig, features: FeatureConfig) -> None:

@@ -148,15 +148,17 @@ class Trainer:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         status = "FAILED"
         try:
-            self._start_or_resume()
-            device_ids = [self.dist.local_rank] if self.device.type == "cuda" else None
-            self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids) if self.dist.enabled \
-                else self.model
+            loader = self._start_or_resume()
+            devices = [self.dist.local_rank] if self.device.type == "cuda" else None
+            self.ddp_model = self.model
+            if self.dist.enabled:
+                self.ddp_model = DistributedDataParallel(self.model, device_ids=devices)
             self.ddp_model.train()
             for observer in self.observers:
                 observer.on_start(self)
-            with StallWatchdog(self.config.stall_timeout_s, self._label()) as watchdog:
-                finished = self._train_with_rollbacks(watchdog)
+            label = f"rank {self.dist.rank}: " if self.dist.enabled else ""  # labels its stack dumps
+            with StallWatchdog(self.config.stall_timeout_s, label) as watchdog:
+                finished = self._train_with_rollbacks(loader, watchdog)
             if not finished:
                 status = "KILLED"
                 logger.warning("stopped at step %d with a checkpoint saved; run the same command again to resume",
@@ -172,20 +174,21 @@ class Trainer:
             logger.error("stopping: %s; run the same command again to resume from the last checkpoint", failure[1])
             raise SystemExit(failure[0]) from error
         finally:
+            self.data.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.tracker.end(status)  # also flushes points past the last checkpoint: a resume skips them
             shutdown_distributed()
 
     # ---------------------------------------------------------------- the loop
-    def _train_with_rollbacks(self, watchdog: StallWatchdog) -> bool:
+    def _train_with_rollbacks(self, loader: Iterator[dict], watchdog: StallWatchdog) -> bool:
         """Train until the last epoch ends (True) or a stop was requested (False), rolling back when told."""
         while True:
             try:
-                with self.data.batches_from(self.position.epoch, self.position.step_in_epoch) as loader:
-                    return self._train(loader, watchdog)
+                return self._train(loader, watchdog)
             except RollbackNeeded:
                 self._rollback()
+                loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
 
     def _train(self, loader: Iterator[dict], watchdog: StallWatchdog) -> bool:
         """The steps from the current position to the end of training (True) or a requested stop (False)."""
@@ -279,25 +282,29 @@ class Trainer:
         )
 
     # ---------------------------------------------------------------- start and end
-    def _start_or_resume(self) -> None:
-        """Rank 0 decides (fresh or resume); the tracker starts (rank 0), the components are restored."""
+    def _start_or_resume(self) -> Iterator[dict]:
+        """Rank 0 decides (fresh or resume) and the components are restored; the data loader opens at the
+        position (its workers start while MLflow does, on rank 0) and is returned."""
         decision, state, path = self.checkpoints.resume(self.checkpoints.facts["fingerprint"], self.train_params)
+        if state is not None:
+            self.checkpoints.restore(state)  # the tracker is not registered yet: it starts below
+            logger.info("resuming from %s: step %d, epoch %d, batch %d of the epoch", path,
+                        self.progress.global_step, self.position.epoch, self.position.step_in_epoch)
+        loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
         if self.dist.is_main:
-            run_id = state["tracker"].get("run_id") if state else None
-            self.tracker = RunTracker.start(
-                experiment=self.config.experiment, run_id=run_id, run_name="train", tracking_uri=self.tracking_uri
-            )
+            self.tracker = RunTracker.start(experiment=self.config.experiment, run_name="train",
+                                            run_id=state["tracker"].get("run_id") if state else None,
+                                            tracking_uri=self.tracking_uri)
         self.checkpoints.register(tracker=self.tracker)
         if state is None:
             logger.info("starting a fresh run")
             self.tracker.log_params(flatten(self.all_params))
             self.tracker.set_tags({"precision": self.precision.name, "precision_reason": self.precision.reason})
             self._save()  # step 0: a rollback target, and the MLflow run id on disk
-            return
-        self.checkpoints.restore(state)
-        logger.info("resuming from %s: step %d, epoch %d, batch %d of the epoch", path, self.progress.global_step,
-                    self.position.epoch, self.position.step_in_epoch)
-        self.tracker.set_tags(precision_change_tags(state["precision"], self.precision, self.progress.global_step))
+        else:
+            self.tracker.load_state_dict(state["tracker"])
+            self.tracker.set_tags(precision_change_tags(state["precision"], self.precision, self.progress.global_step))
+        return loader
 
     def _finish(self) -> dict:
         """The final checkpoint on every rank; rank 0 then writes the bundle, the loss plot and the artifacts."""
@@ -340,7 +347,3 @@ class Trainer:
         """SIGTERM/SIGINT: finish the step in flight, save, exit 75."""
         logger.warning("received %s: finishing the current step, then saving a checkpoint", signal.Signals(signum).name)
         self.request_stop()
-
-    def _label(self) -> str:
-        """``rank R: `` under DDP (labels the watchdog's stack dumps), else empty."""
-        return f"rank {self.dist.rank}: " if self.dist.enabled else ""
