@@ -18,6 +18,8 @@ Transcripts are returned raw; normalisation and the remaining checks happen in
 * The utterance id (and recording id) is the audio path relative to ``corpus_dir``
   without its extension, e.g. ``spk1/utt001``.
 * Each line is decoded as UTF-8 on its own, so one bad line rejects one item.
+* A path listed twice: every line goes to validation, which keeps the first *valid* copy
+  and rejects the later ones as ``duplicate_id`` (an invalid copy claims nothing).
 
 **Kaldi data folders** (``corpus: kaldi``). For each split name ``S``, the folder
 ``<corpus_dir>/S/`` holds:
@@ -25,7 +27,10 @@ Transcripts are returned raw; normalisation and the remaining checks happen in
 * ``wav.scp``: ``<recording-id> <audio path>``. Paths are relative to ``corpus_dir`` or
   absolute inside it. Piped commands (``sox x.sph -t wav - |``) and archive offsets
   (``feats.ark:123``) are rejected (``piped_command``): convert the audio to files first.
-* ``text``: ``<utterance-id> <transcript>``.
+* ``text``: ``<utterance-id> <transcript>``. A repeated utterance id: every line goes to
+  validation, which keeps the first *valid* transcript (as for TSVs). A repeated id in
+  ``wav.scp`` or ``segments`` keeps its first line (the later ones are rejected as
+  ``duplicate_id``): they name recordings and times, not the item's transcript.
 * ``segments`` (optional): ``<utterance-id> <recording-id> <start-s> <end-s>``; an end of
   ``-1`` means the end of the recording. Without it, utterance id = recording id.
 * ``utt2spk`` (optional): ``<utterance-id> <speaker>``.
@@ -186,31 +191,35 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         speaker = (fields[2].strip() or None) if len(fields) == 3 else None
         entries.append((item_id, raw_path, fields[1], speaker))
 
-    seen: set[str] = set()
-    unique = []
-    for entry in entries:
-        if entry[0] in seen:
-            rejected.append(
-                Rejection(split, entry[0], entry[1], DUPLICATE_ID,
-                          f"{tsv.name} lists {entry[1]!r} more than once; the first line is kept")
-            )
-            continue
-        seen.add(entry[0])
-        unique.append(entry)
+    # Every line is a candidate, duplicates included: validation keeps the first *valid*
+    # copy of an id and rejects the others as duplicates. Lines naming the same file share
+    # one recording; a later file with the same id (``a.wav`` then ``a.flac``) gets its own
+    # recording id ``<id>#<n>``, so that either can be the one kept.
+    recording_of: dict[tuple[str, str], str] = {}
+    files_per_id: dict[str, int] = {}
+    for item_id, raw, _, _ in entries:
+        if (item_id, raw) not in recording_of:
+            files_per_id[item_id] = files_per_id.get(item_id, 0) + 1
+            count = files_per_id[item_id]
+            recording_of[(item_id, raw)] = item_id if count == 1 else f"{item_id}#{count}"
+    pending = [(rec_id, raw) for (_, raw), rec_id in recording_of.items()]
+    probed = dict(zip([rec_id for rec_id, _ in pending], _probe(root, pending, split), strict=True))
 
     recordings, supervisions = [], []
-    probed = _probe(root, [(item_id, raw) for item_id, raw, _, _ in unique], split)
-    for (item_id, raw, text, speaker), result in zip(unique, probed, strict=True):
+    for item_id, raw, text, speaker in entries:
+        rec_id = recording_of[(item_id, raw)]
+        result = probed[rec_id]
         if isinstance(result, ItemRejected):
             rejected.append(Rejection(split, item_id, raw, result.reason, result.detail))
             continue
         recordings.append(result)
         supervisions.append(
             SupervisionSegment(
-                id=item_id, recording_id=item_id, start=0.0, duration=result.duration,
+                id=item_id, recording_id=rec_id, start=0.0, duration=result.duration,
                 channel=0, text=text, speaker=speaker,
             )
         )
+    recordings = list({recording.id: recording for recording in recordings}.values())
     return ImportedSplit(
         RecordingSet.from_recordings(recordings), SupervisionSet.from_segments(supervisions), rejected
     )
@@ -294,16 +303,12 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         else:
             wav[rec_id] = rest
 
-    text: dict[str, str] = {}
+    # Every text line is a candidate, a repeated id included: validation keeps the first
+    # *valid* transcript of an utterance and rejects the others as duplicates.
+    text: dict[str, list[str]] = {}
     before = len(rejected)
     for line, fields in _kaldi_table(folder / "text", split, 1, rejected, "id transcript"):
-        utt_id = fields[0]
-        if utt_id in text:
-            rejected.append(Rejection(split, utt_id, None, DUPLICATE_ID,
-                                      f"text line {line.number} repeats utterance id {utt_id!r}; "
-                                      "the first is kept"))
-            continue
-        text[utt_id] = fields[1] if len(fields) > 1 else ""
+        text.setdefault(fields[0], []).append(fields[1] if len(fields) > 1 else "")
     unreadable_text = {r.id for r in rejected[before:] if r.reason != DUPLICATE_ID}
 
     segments: dict[str, tuple[str, float, float]] | None = None
@@ -369,11 +374,12 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
             continue
         recordings[rec_id] = status
         duration = (status.duration if end is None else end) - start
-        supervisions.append(
+        supervisions.extend(
             SupervisionSegment(
                 id=utt_id, recording_id=rec_id, start=start, duration=round(duration, 6),
-                channel=0, text=text[utt_id], speaker=speakers.get(utt_id),
+                channel=0, text=transcript, speaker=speakers.get(utt_id),
             )
+            for transcript in text[utt_id]
         )
     return ImportedSplit(
         RecordingSet.from_recordings(recordings[rec_id] for rec_id in sorted(recordings)),
