@@ -307,7 +307,7 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
     # *valid* transcript of an utterance and rejects the others as duplicates.
     text: dict[str, list[str]] = {}
     before = len(rejected)
-    for line, fields in _kaldi_table(folder / "text", split, 1, rejected, "id transcript"):
+    for _line, fields in _kaldi_table(folder / "text", split, 1, rejected, "id transcript"):
         text.setdefault(fields[0], []).append(fields[1] if len(fields) > 1 else "")
     unreadable_text = {r.id for r in rejected[before:] if r.reason != DUPLICATE_ID}
 
