@@ -51,6 +51,32 @@ from asrflow.errors import AsrflowError
 
 #: Manifest keys left out of the content digest: where the features are stored, not what they are.
 STORAGE_KEYS = ("storage_path", "storage_key")
+#: Cuts read between two conversions to numpy arrays (and memory checks) while building.
+BUILD_CHUNK = 100_000
+#: Building stops with an error when less memory than this is left (bytes).
+MIN_FREE_BYTES = 256 * 1024 * 1024
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can still be allocated (``MemAvailable``), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(manifest: Path, cuts_read: int) -> None:
+    """Stop building before the machine runs out of memory, naming the manifest and what to do."""
+    free = available_memory()
+    if free is not None and free < MIN_FREE_BYTES:
+        raise AsrflowError(
+            f"{manifest} is too large for this machine's memory: {cuts_read} cuts indexed and only "
+            f"{free // 2**20} MB left; train on a machine with more memory, or on fewer utterances "
+            "(prepare.splits, prepare.max_duration_s)"
+        )
 
 
 def _content_digest(entry: dict) -> bytes:
@@ -92,10 +118,19 @@ class CutIndex:
         manifest, store = Path(manifest), Path(store)
         if not manifest.is_file():
             raise AsrflowError(f"{manifest} not found: run the stage that writes it first")
+        chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         ids: list[bytes] = []
         durations: list[float] = []
         offsets: list[int] = []
         hashes: list[bytes] = []
+
+        def flush() -> None:
+            if ids:
+                chunks.append((np.array(ids, dtype=np.bytes_), np.array(durations, dtype=np.float64),
+                               np.array(offsets, dtype=np.int64), np.array(hashes, dtype="S32")))
+                ids.clear(), durations.clear(), offsets.clear(), hashes.clear()
+            _check_memory(manifest, sum(len(chunk[0]) for chunk in chunks))
+
         opener = gzip.open if manifest.suffix == ".gz" else open
         store.parent.mkdir(parents=True, exist_ok=True)
         tmp = store.with_name(store.name + ".tmp")
@@ -108,6 +143,7 @@ class CutIndex:
                     entry = json.loads(line)
                     cut_id, duration = entry["id"], float(entry["duration"])
                 except (ValueError, KeyError, TypeError) as error:
+                    tmp.unlink(missing_ok=True)
                     raise AsrflowError(
                         f"{manifest}, line {number}: not a cut ({type(error).__name__}: {error}); "
                         "re-run the stage that wrote it"
@@ -120,8 +156,20 @@ class CutIndex:
                 hashes.append(_content_digest(entry))
                 out.write(line)
                 position += len(line)
+                if len(ids) >= BUILD_CHUNK:
+                    try:
+                        flush()
+                    except AsrflowError:
+                        out.close()
+                        tmp.unlink(missing_ok=True)
+                        raise
+        flush()
         os.replace(tmp, store)
-        return cls._sorted(ids, durations, offsets, hashes, store, None, str(manifest))
+        if not chunks:
+            return cls._sorted(np.array([], dtype="S1"), np.array([]), np.array([], dtype=np.int64),
+                               np.array([], dtype="S32"), store, None, str(manifest))
+        return cls._sorted(*(np.concatenate([chunk[k] for chunk in chunks]) for k in range(4)),
+                           store, None, str(manifest))
 
     @classmethod
     def from_cuts(cls, cuts: Iterable[Cut]) -> CutIndex:
@@ -133,12 +181,13 @@ class CutIndex:
             ids.append(cut.id.encode("utf-8"))
             durations.append(float(cut.duration))
             hashes.append(_content_digest(cut.to_dict()))
-        return cls._sorted(ids, durations, [0] * len(ids), hashes, None, held, "cuts")
+        return cls._sorted(np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1"),
+                           np.array(durations, dtype=np.float64), np.zeros(len(ids), dtype=np.int64),
+                           np.array(hashes, dtype="S32"), None, held, "cuts")
 
     @classmethod
-    def _sorted(cls, ids: list[bytes], durations: list[float], offsets: list[int], hashes: list[bytes],
+    def _sorted(cls, id_array: np.ndarray, durations: np.ndarray, offsets: np.ndarray, hashes: np.ndarray,
                 store: Path | None, cuts: dict[str, Cut] | None, source: str) -> CutIndex:
-        id_array = np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1")
         order = np.argsort(id_array, kind="stable")
         id_array = id_array[order]
         if len(id_array) > 1:
@@ -148,13 +197,11 @@ class CutIndex:
                     f"{source}: cut id {id_array[same[0]].decode()!r} occurs more than once; "
                     "re-run the prepare stage (it keeps the first valid copy of an id)"
                 )
-        digest = hashlib.sha256()
-        for position in order:
-            digest.update(hashes[position])
+        digest = hashlib.sha256(np.ascontiguousarray(hashes[order]).tobytes())
         return cls(
             id_array,
-            np.asarray(durations, dtype=np.float64)[order],
-            np.asarray(offsets, dtype=np.int64)[order],
+            durations[order],
+            offsets[order],
             store,
             digest.hexdigest()[:16],
             cuts,

@@ -143,3 +143,15 @@ def test_duplicate_ids_and_broken_lines_are_clear_errors(tmp_path):
         CutIndex.build(tmp_path / "bad.jsonl", tmp_path / "store.jsonl")
     with pytest.raises(AsrflowError, match="not found"):
         CutIndex.build(tmp_path / "missing.jsonl.gz", tmp_path / "store.jsonl")
+
+
+def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_path, monkeypatch):
+    import asrflow.data.index as index_module
+
+    _write(tmp_path / "train_cuts.jsonl.gz", _entries(50))
+    monkeypatch.setattr(index_module, "BUILD_CHUNK", 20)
+    monkeypatch.setattr(index_module, "available_memory", lambda: 100 * 2**20)  # a machine with 100 MB left
+    with pytest.raises(AsrflowError, match=r"train_cuts.jsonl.gz is too large for this machine's memory: 20 cuts "
+                                           r"indexed and only 100 MB left"):
+        CutIndex.build(tmp_path / "train_cuts.jsonl.gz", tmp_path / "store" / "train.jsonl")
+    assert list((tmp_path / "store").iterdir()) == []
