@@ -40,10 +40,12 @@ import gzip
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import orjson
 from lhotse.cut import Cut
 from lhotse.cut.set import deserialize_cut
 
@@ -79,12 +81,17 @@ def _check_memory(manifest: Path, cuts_read: int) -> None:
         )
 
 
-def _content_digest(entry: dict) -> bytes:
-    """SHA-256 of one cut's manifest entry without its feature storage location."""
-    features = entry.get("features")
-    if isinstance(features, dict):
-        entry = {**entry, "features": {k: v for k, v in features.items() if k not in STORAGE_KEYS}}
-    return hashlib.sha256(json.dumps(entry, sort_keys=True, ensure_ascii=False).encode()).digest()
+_STORAGE_FIELD = re.compile(rb'"storage_(?:path|key)": ?(?:"(?:[^"\\]|\\.)*"|[-+.0-9eE]+|null)')
+
+
+def _content_digest(line: bytes) -> bytes:
+    """SHA-256 of one cut's manifest line without its feature storage location.
+
+    The line is Lhotse's JSON (one writer, one key order), so equal content gives equal
+    bytes once ``storage_path`` / ``storage_key`` are blanked (a regex: parsing and
+    re-serialising every line costs twice as much).
+    """
+    return hashlib.sha256(_STORAGE_FIELD.sub(b"", line.rstrip(b"\n"))).digest()
 
 
 class CutIndex:
@@ -140,7 +147,7 @@ class CutIndex:
                 if not line.strip():
                     continue
                 try:
-                    entry = json.loads(line)
+                    entry = orjson.loads(line)
                     cut_id, duration = entry["id"], float(entry["duration"])
                 except (ValueError, KeyError, TypeError) as error:
                     tmp.unlink(missing_ok=True)
@@ -153,7 +160,7 @@ class CutIndex:
                 ids.append(cut_id.encode("utf-8"))
                 durations.append(duration)
                 offsets.append(position)
-                hashes.append(_content_digest(entry))
+                hashes.append(_content_digest(line))
                 out.write(line)
                 position += len(line)
                 if len(ids) >= BUILD_CHUNK:
@@ -180,7 +187,7 @@ class CutIndex:
             held[cut.id] = cut
             ids.append(cut.id.encode("utf-8"))
             durations.append(float(cut.duration))
-            hashes.append(_content_digest(cut.to_dict()))
+            hashes.append(_content_digest(json.dumps(cut.to_dict(), ensure_ascii=False).encode()))
         return cls._sorted(np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1"),
                            np.array(durations, dtype=np.float64), np.zeros(len(ids), dtype=np.int64),
                            np.array(hashes, dtype="S32"), None, held, "cuts")
@@ -264,7 +271,7 @@ class CutIndex:
             self._handle = open(self.store, "rb")  # noqa: SIM115 (kept open for the process' lifetime)
             self._pid = os.getpid()
         self._handle.seek(offset)
-        return deserialize_cut(json.loads(self._handle.readline()))
+        return deserialize_cut(orjson.loads(self._handle.readline()))
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
