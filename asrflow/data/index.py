@@ -251,6 +251,19 @@ class CutIndex:
         for offset in self.offsets.tolist():
             yield self._read(offset)
 
+    def iter_entries(self) -> Iterator[tuple[int, dict]]:
+        """``(position, manifest entry as a dict)`` for every cut, reading the store front to
+        back (in the store's order, not id order): one sequential pass, no ``Cut`` objects."""
+        if self._cuts is not None:
+            for position, cut_id in enumerate(self.id_list()):
+                yield position, self._cuts[cut_id].to_dict()
+            return
+        by_offset = np.argsort(self.offsets, kind="stable")
+        with open(self.store, "rb") as handle:
+            for position in by_offset.tolist():
+                handle.seek(int(self.offsets[position]))
+                yield position, orjson.loads(handle.readline())
+
     def select(self, positions: np.ndarray) -> CutIndex:
         """The sub-index of the cuts at ``positions`` (e.g. those CTC can align); same store."""
         positions = np.sort(np.asarray(positions, dtype=np.int64))
