@@ -79,7 +79,14 @@ def write_manifest(path: Path, count: int, seed: int = 0) -> None:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process (MB; Linux reports KiB)."""
+    """Peak resident memory of this process image (MB): ``VmHWM`` (``ru_maxrss`` would carry a
+    spawned child's parent's peak over ``exec``), or ``ru_maxrss`` where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

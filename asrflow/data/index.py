@@ -330,16 +330,19 @@ def plan_positions(durations: np.ndarray, epoch: int, seed: int, max_duration_s:
     order = order[np.argsort(buckets[order], kind="stable")]  # bucket by bucket, permuted inside
     bucket_sorted = buckets[order]
     seconds = durations[order].tolist()
+    edges = [0, *(np.flatnonzero(np.diff(bucket_sorted)) + 1).tolist(), count]
     starts = []
-    size, longest, previous_bucket = 0, 0.0, -1
-    for i, (duration, bucket) in enumerate(zip(seconds, bucket_sorted.tolist(), strict=True)):
-        longest_if = max(longest, duration)
-        if bucket != previous_bucket or (size + 1) * longest_if > max_duration_s and size:
-            starts.append(i)
-            size, longest_if = 0, duration
-        size += 1
-        longest = longest_if
-        previous_bucket = bucket
+    for first, end in zip(edges[:-1], edges[1:], strict=True):  # one bucket at a time
+        starts.append(first)
+        size, longest = 0, 0.0
+        for i in range(first, end):
+            duration = seconds[i]
+            if duration > longest:
+                longest = duration
+            size += 1
+            if size > 1 and size * longest > max_duration_s:  # this cut opens the next batch
+                starts.append(i)
+                size, longest = 1, duration
     batches = np.split(order, starts[1:])
     batches = _merge_bucket_tails(batches, bucket_sorted[starts].tolist(), durations, max_duration_s)
     return [batches[i] for i in rng.permutation(len(batches))]
