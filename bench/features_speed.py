@@ -15,6 +15,12 @@ are listed 4 times under new ids, so 2.2 hours are extracted in full mode) with 
 ``speedup`` = all_cores / one_worker audio seconds per second. Wall time includes starting
 the worker processes, so the speed-up on a small corpus is below the core count.
 
+``input_rates`` (issue 13, item 6): the same generated audio written at 8 kHz, 16 kHz and
+44.1 kHz (resampled once, when the corpus is written), prepared, and extracted by the stage
+(``num_jobs: 1``, one thread) into 16 kHz features; the rates are run in turn, twice, and
+each keeps its faster run. ``seconds_vs_16k`` = seconds for that rate / seconds at 16 kHz
+(the baseline, same audio, same run); goal: <= 1.5 for 8 kHz and 44.1 kHz.
+
 Usage: ``python -m bench.features_speed [--quick] [--workdir DIR]``.
 """
 
@@ -33,6 +39,62 @@ from bench.common import emit, generate_corpus, parse_args, ratio, repo_params, 
 UTTERANCES = {"full": 240, "quick": 15}
 #: Times the train split's cuts are listed (new ids, same audio): more audio, no generation cost.
 TRAIN_REPEATS = {"full": 4, "quick": 1}
+#: Input sampling rates compared (Hz); the features are at params.yaml's rate (16 kHz).
+INPUT_RATES = (16000, 8000, 44100)
+
+
+def corpus_at_rate(source: Path, destination: Path, rate: int) -> None:
+    """A copy of the generated ``corpus: folder`` corpus at ``source`` with every WAV resampled to ``rate``."""
+    import soundfile as sf
+    import torch
+    import torchaudio
+
+    shutil.rmtree(destination, ignore_errors=True)
+    (destination / "wav").mkdir(parents=True)
+    for tsv in source.glob("*.tsv"):
+        shutil.copy(tsv, destination / tsv.name)
+    for wav in sorted((source / "wav").glob("*.wav")):
+        audio, native = sf.read(wav, dtype="float32")
+        out = audio if rate == native else torchaudio.functional.resample(torch.from_numpy(audio), native, rate).numpy()
+        sf.write(destination / "wav" / wav.name, out, rate, subtype="PCM_16")
+
+
+def input_rates(work: Path, utterances: int, config) -> dict:
+    """Stage seconds for the same audio at each of :data:`INPUT_RATES` (see the module docstring)."""
+    from asrflow.data.features import compute_features
+    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+
+    root = work / f"features-rates-{utterances}"
+    shutil.rmtree(root, ignore_errors=True)
+    generate_corpus(root / "corpus-16000", utterances, seed=2)
+    audio = 0.0
+    for rate in INPUT_RATES:
+        if rate != 16000:
+            corpus_at_rate(root / "corpus-16000", root / f"corpus-{rate}", rate)
+        summary = prepare_corpus(
+            PrepareConfig(corpus="folder", corpus_dir=str(root / f"corpus-{rate}"),
+                          splits={"train": "train", "dev": "dev", "test": "test"}),
+            root / f"manifests-{rate}", seed=42,
+        )
+        audio = summary.total_hours * 3600
+    seconds = {rate: float("inf") for rate in INPUT_RATES}
+    with threads(1):
+        for _ in range(2):
+            for rate in INPUT_RATES:
+                out = root / f"fbank-{rate}"
+                shutil.rmtree(out, ignore_errors=True)
+                start = time.perf_counter()
+                compute_features(root / f"manifests-{rate}", out, replace(config, num_jobs=1))
+                seconds[rate] = min(seconds[rate], time.perf_counter() - start)
+    shutil.rmtree(root, ignore_errors=True)
+    return {
+        "audio_s": rounded(audio),
+        "wall_s": {str(rate): rounded(s) for rate, s in seconds.items()},
+        "audio_s_per_s": {str(rate): rounded(audio / s) for rate, s in seconds.items()},
+        "baseline": "16000",
+        "seconds_vs_16k": {str(rate): rounded(ratio(s, seconds[16000])) for rate, s in seconds.items()},
+        "goal": "<= 1.5",
+    }
 
 
 def usable_cores() -> int:
@@ -108,6 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rates[name] = audio / seconds[name]
             shutil.rmtree(out, ignore_errors=True)
         speedup = ratio(rates["all_cores"], rates["one_worker"])
+        by_rate = input_rates(work, UTTERANCES[mode], config)
         return [emit({
             "benchmark": "features_speed",
             "mode": mode,
@@ -121,6 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "speedup": rounded(speedup),
             "default_vs_one_worker": rounded(ratio(rates["default"], rates["one_worker"])),
             "one_thread_vs_default_threads": rounded(ratio(rates["one_worker"], rates["one_worker_default_threads"])),
+            "input_rates": by_rate,
             "settings": {"sampling_rate": config.sampling_rate, "num_mel_bins": config.num_mel_bins},
         })]
 

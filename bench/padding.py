@@ -5,8 +5,10 @@ frames of which ``sum(frames)`` are real. The padding ratio of an epoch is
 ``1 - sum(real frames) / sum(padded frames)`` over all its batches (what the train loop
 logs per step as ``train/padding_ratio``).
 
-* figure: the epochs planned by :func:`asrflow.data.batches.plan_epoch` (Lhotse's
-  ``DynamicBucketingSampler``, params.yaml's ``train.max_duration_s`` and ``num_buckets``);
+* figure: the epochs planned by :func:`asrflow.data.batches.plan_epoch` (a global
+  permutation cut into ``num_buckets`` equal-count duration buckets,
+  :func:`asrflow.data.index.plan_positions`; params.yaml's ``train.max_duration_s`` and
+  ``num_buckets``);
 * baseline: Lhotse's ``SimpleCutSampler`` with ``shuffle=True`` at the same
   ``max_duration`` (random batches), same cuts, same seed and epochs;
 * ``ratio`` = figure / baseline; goal: figure <= 0.05.

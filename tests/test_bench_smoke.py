@@ -23,7 +23,9 @@ FIGURES = {
                          "mfu_loop", "mfu_bare"],
     "data_wait": ["data_wait_fraction"],
     "padding": ["padding_ratio", "baseline_random_padding_ratio", "ratio"],
-    "features_speed": ["audio_s_per_s", "speedup"],
+    "features_speed": ["audio_s_per_s", "speedup", "input_rates"],
+    "scale": ["plan_s_per_million", "baseline_plan_s_per_million", "worker_rss_growth_mb_per_million",
+              "resume_s", "resume_90_vs_10"],
     "pipeline_overhead": ["noop_s", "startup_s", "ratio"],
     "decode_rtf": ["rtf_greedy", "rtf_beam", "rtf_encoder"],
 }

@@ -113,3 +113,57 @@ def test_manifests_are_read_lazily(yesno_data):
     lazy = load_cuts(yesno_data / "manifests", "train")
     assert lazy.is_lazy
     assert [cut.id for cut in lazy] == [cut.id for cut in lazy.to_eager()] and len(lazy) == 27
+
+
+def test_the_job_count_changes_no_manifest_order_statistic_digest_or_plan(yesno_data, tmp_path):
+    """Issue 13, item 2, at the data level: a corpus (the yesno train audio listed 3 times
+    under new ids) extracted by 1 and by 2 processes gives cuts in the same (id) order,
+    byte-identical CMVN statistics, the same content digest and epoch plans, and equal
+    feature matrices; only where the features are stored differs. (With ``num_jobs: 0``
+    a split of 2 hours or more gets 2 processes on 2 cores: the job count is what matters,
+    tested here directly; 2 hours of audio would cost a minute on 2 busy cores.)"""
+    import shutil
+
+    import numpy as np
+    from lhotse import CutSet
+
+    from asrflow.data.batches import plan_digest, plan_epoch
+    from asrflow.data.index import CutIndex
+    from asrflow.data.manifests import cuts_path
+
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    train = load_cuts(yesno_data / "manifests", "train").to_eager()
+    long = sorted((cut.with_id(f"{cut.id}-r{r:02d}") for r in range(3) for cut in train), key=lambda c: c.id)
+    CutSet.from_cuts(long).to_file(cuts_path(manifests, "train"))
+    for split in ("dev", "test"):
+        shutil.copy(cuts_path(yesno_data / "manifests", split), cuts_path(manifests, split))
+
+    results = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"fbank{jobs}"
+        # Coarse frames (0.1 s, 10 bins) keep 4 hours of extraction to seconds; the order is what is tested.
+        compute_features(manifests, out, FeatureConfig(num_jobs=jobs, frame_shift_s=0.1, num_mel_bins=10))
+        index = CutIndex.build(cuts_path(out, "train"), tmp_path / f"store{jobs}.jsonl")
+        results[jobs] = (
+            [cut.id for cut in load_cuts(out, "train")],
+            (out / CMVN_FILE).read_bytes(),
+            index.digest,
+            [plan_digest(plan_epoch(index, epoch, 42, 60.0, 30)) for epoch in (0, 1)],
+        )
+    assert results[1] == results[2]
+    assert results[1][0] == sorted(cut.id for cut in long)
+    one, two = load_cuts(tmp_path / "fbank1", "train"), load_cuts(tmp_path / "fbank2", "train")
+    storages = set()
+    for a, b in zip(one, two, strict=True):
+        assert np.array_equal(a.load_features(), b.load_features())
+        storages.add((a.features.storage_path, b.features.storage_path))
+    assert len({b for _, b in storages}) == 2  # two jobs really wrote two storage files
+
+
+def test_an_unsorted_manifest_is_refused_by_name(tmp_path):
+    splits = {"train": ["b", "a"], "dev": ["d"], "test": ["e"]}
+    write_split_manifests(tmp_path / "manifests", tmp_path / "audio", splits)
+    with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz: cut 'a' comes after 'b'.*re-run prepare"):
+        compute_features(tmp_path / "manifests", tmp_path / "fbank", FeatureConfig(num_jobs=1))
+    assert not (tmp_path / "fbank").exists()

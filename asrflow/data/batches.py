@@ -1,9 +1,15 @@
 """Batches for training: a deterministic plan per epoch, and the dataset that fills it.
 
-The plan of an epoch is the list of batches (as cut ids) that Lhotse's
-``DynamicBucketingSampler`` yields for ``(seed, epoch)``. Materialising it from the
-manifest metadata (no audio, no features) costs the same at any position, so a resume
-jumps straight to batch ``k`` instead of replaying the epoch through the data pipeline.
+The plan of an epoch is the list of batches (as cut ids) that
+:func:`asrflow.data.index.plan_epoch_index` makes for ``(seed, epoch)`` from the cuts' ids
+and durations only: a full permutation of the id-sorted cuts (global shuffle, independent
+of the manifest's order on disk), bucketed by duration. Materialising it costs the same at
+any position, so a resume jumps straight to batch ``k`` instead of replaying the epoch
+through the data pipeline.
+
+Cuts come either as a Lhotse ``CutSet`` held in memory (small corpora) or as a
+:class:`~asrflow.data.index.CutIndex` (compact arrays; workers read a batch's cuts from
+its line store), which is what keeps a million-utterance corpus out of every process.
 
 Optimizer step ``s`` of an epoch consumes the ``accum_grad * world_size`` consecutive
 planned batches starting at ``s * accum_grad * world_size``; rank ``r`` takes micro-batch
@@ -28,9 +34,10 @@ import numpy as np
 import torch
 import torchaudio
 from lhotse import CutSet
-from lhotse.dataset import DynamicBucketingSampler, GlobalMVN, OnTheFlyFeatures
+from lhotse.dataset import GlobalMVN, OnTheFlyFeatures
 from lhotse.dataset.collation import collate_features
 
+from asrflow.data.index import CutIndex, plan_epoch_index
 from asrflow.data.manifests import cut_text
 from asrflow.tokenizer import Tokenizer
 
@@ -49,22 +56,17 @@ class BatchItem:
     step_cut_ids: tuple[str, ...]  # every cut of this optimizer step, all micro-batches and ranks
 
 
+def as_index(cuts: CutSet | CutIndex) -> CutIndex:
+    """``cuts`` as a :class:`CutIndex` (a ``CutSet`` is indexed in memory)."""
+    return cuts if isinstance(cuts, CutIndex) else CutIndex.from_cuts(cuts)
+
+
 def plan_epoch(
-    cuts: CutSet, epoch: int, seed: int, max_duration_s: float, num_buckets: int
+    cuts: CutSet | CutIndex, epoch: int, seed: int, max_duration_s: float, num_buckets: int
 ) -> list[list[str]]:
-    """The global list of batches (cut ids) of ``epoch``; identical on every rank."""
-    sampler = DynamicBucketingSampler(
-        cuts,
-        max_duration=max_duration_s,
-        num_buckets=min(num_buckets, max(1, len(cuts) // 2)),
-        shuffle=True,
-        drop_last=False,
-        seed=seed,
-        world_size=1,
-        rank=0,
-    )
-    sampler.set_epoch(epoch)
-    return [[cut.id for cut in batch] for batch in sampler]
+    """The global list of batches (cut ids) of ``epoch``; identical on every rank and for
+    any order of ``cuts`` (see :func:`asrflow.data.index.plan_positions`)."""
+    return plan_epoch_index(as_index(cuts), epoch, seed, max_duration_s, num_buckets)
 
 
 def plan_digest(plan: list[list[str]]) -> str:
@@ -149,12 +151,17 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         features (N, T, F) float32, normalised; feature_lens (N,) frames;
         targets (N, U) int64 padded with 0; target_lens (N,); cut_ids; durations (N,) seconds;
         padding_ratio: padded frames / all frames of the batch;
-        step_tokens: target tokens of the whole optimizer step (all micro-batches and ranks).
+        step_tokens: target tokens of the whole optimizer step (all micro-batches and ranks),
+            counted for the step's first micro-batch only (``micro_index`` 0; the train loop
+            reads it there); ``-1`` in the others, which do not re-tokenise the step.
+
+    ``cuts``: a ``CutSet`` (held in memory and pickled into each worker) or a
+    :class:`CutIndex` (each worker reads a batch's cuts from the index's line store).
     """
 
     def __init__(
         self,
-        cuts: CutSet,
+        cuts: CutSet | CutIndex,
         tokenizer: Tokenizer,
         mvn: GlobalMVN,
         seed: int,
@@ -162,7 +169,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         extractor=None,
         noise_cuts: CutSet | None = None,
     ):
-        self.cuts = {cut.id: cut for cut in cuts}
+        self.cuts = as_index(cuts)
         self.tokenizer = tokenizer
         self.mvn = mvn
         self.seed = seed
@@ -177,7 +184,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
     def __getitem__(self, item: BatchItem) -> dict:
         cut_seed = batch_seed(self.seed, item.epoch, item.batch_index)
         rng = random.Random(cut_seed)
-        cuts = [self.cuts[cut_id] for cut_id in item.cut_ids]
+        cuts = self.cuts.cuts(item.cut_ids)
         if self.extractor is not None:
             cuts = [self._waveform_augment(cut, rng) for cut in cuts]
             features, feature_lens = OnTheFlyFeatures(self.extractor)(CutSet.from_cuts(cuts))
@@ -202,9 +209,19 @@ class AsrBatchDataset(torch.utils.data.Dataset):
             "cut_ids": list(item.cut_ids),
             "durations": torch.tensor([cut.duration for cut in cuts], dtype=torch.float64),
             "padding_ratio": 1.0 - float(feature_lens.sum()) / total,
-            "step_tokens": sum(len(self.tokenizer.encode(cut_text(self.cuts[i]))) for i in item.step_cut_ids),
+            "step_tokens": self._step_tokens(item, cuts, target_lens),
             "item": item,
         }
+
+    def _step_tokens(self, item: BatchItem, cuts: list, target_lens: torch.Tensor) -> int:
+        """Target tokens of ``item``'s whole optimizer step (micro-batch 0 only, else -1)."""
+        if item.micro_index != 0:
+            return -1
+        own = set(item.cut_ids)
+        others = [cut_id for cut_id in item.step_cut_ids if cut_id not in own]
+        return int(target_lens.sum()) + sum(
+            len(self.tokenizer.encode(cut_text(cut))) for cut in self.cuts.cuts(others)
+        )
 
     def _waveform_augment(self, cut, rng: random.Random):
         """Speed perturbation and noise mixing (on-the-fly features only), drawn from ``rng``."""
@@ -234,6 +251,10 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         return mixed.truncate(duration=cut.duration)
 
 
+#: Epoch plans :class:`TrainingBatches` keeps.
+PLAN_CACHE_SIZE = 2
+
+
 class TrainingBatches:
     """This rank's micro-batches from ``(start_epoch, start_step)`` to the last epoch.
 
@@ -241,10 +262,10 @@ class TrainingBatches:
     epoch's plan is made when the loader first reaches it.
     """
 
-    def __init__(self, cuts: CutSet, seed: int, max_duration_s: float, num_buckets: int,
+    def __init__(self, cuts: CutSet | CutIndex, seed: int, max_duration_s: float, num_buckets: int,
                  accum_grad: int, world_size: int, rank: int,
                  start_epoch: int, start_step: int, num_epochs: int):
-        self.cuts = cuts
+        self.cuts = as_index(cuts)
         self.seed = seed
         self.max_duration_s = max_duration_s
         self.num_buckets = num_buckets
@@ -254,17 +275,20 @@ class TrainingBatches:
         self.start_epoch = start_epoch
         self.start_step = start_step
         self.num_epochs = num_epochs
-        self._cached: tuple[int, list[list[str]]] | None = None
+        self._cached: dict[int, list[list[str]]] = {}
 
     def start_at(self, epoch: int, step: int) -> None:
         """Make the next iteration begin at optimizer step ``step`` of ``epoch`` (a resume or a rollback)."""
         self.start_epoch, self.start_step = epoch, step
 
     def plan(self, epoch: int) -> list[list[str]]:
-        """The global plan of ``epoch`` (the latest one is cached)."""
-        if self._cached is None or self._cached[0] != epoch:
-            self._cached = (epoch, plan_epoch(self.cuts, epoch, self.seed, self.max_duration_s, self.num_buckets))
-        return self._cached[1]
+        """The global plan of ``epoch`` (the two latest are cached: a checkpoint of the
+        previous epoch's end and the loader's current epoch do not rebuild each other's)."""
+        if epoch not in self._cached:
+            if len(self._cached) >= PLAN_CACHE_SIZE:
+                del self._cached[next(iter(self._cached))]
+            self._cached[epoch] = plan_epoch(self.cuts, epoch, self.seed, self.max_duration_s, self.num_buckets)
+        return self._cached[epoch]
 
     def __iter__(self) -> Iterator[BatchItem]:
         for epoch in range(self.start_epoch, self.num_epochs):

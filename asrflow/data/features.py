@@ -12,14 +12,16 @@ streaming pass; nothing holds a whole split.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import heapq
 import itertools
 import json
 import logging
 import multiprocessing
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from lhotse.cut import Cut
 from lhotse.cut.set import null_result_on_audio_loading_error
 from lhotse.dataset import GlobalMVN
 from lhotse.features.base import compute_global_stats
-from lhotse.lazy import LazyIteratorChain, LazySlicer
+from lhotse.lazy import Dillable, LazySlicer
 
 from asrflow.data.audio import to_mono_at_rate
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
@@ -115,10 +117,14 @@ def compute_features(
 
     Cuts are streamed (read lazily, a few at a time, and written as they are done), so
     memory does not grow with the corpus; the statistics are accumulated in one pass.
+
+    Extraction runs at one torch thread here as in the spawned workers: its operations
+    (resampling, fbank of one utterance) are too small to share, and on a busy machine
+    two threads spin against each other (measured 5x slower with 2 threads, load 7).
     """
     output_dir = Path(output_dir)
     counts: dict[str, int] = {}
-    with atomic_path(output_dir) as tmp_dir, ExtractionWorkers() as workers:
+    with one_torch_thread(), atomic_path(output_dir) as tmp_dir, ExtractionWorkers() as workers:
         tmp_dir.mkdir(parents=True)
         for split in SPLITS:
             counts[split] = _split_features(manifests_dir, split, tmp_dir, output_dir, config, workers)
@@ -157,7 +163,7 @@ def _split_features(manifests_dir: str | Path, split: str, tmp_dir: Path, final_
     cuts = load_cuts(manifests_dir, split).map(
         functools.partial(to_mono_at_rate, sampling_rate=config.sampling_rate)
     )
-    count = sum(1 for _ in cuts)
+    count = _count_sorted(cuts, manifests_dir, split)
     if count == 0:
         logger.warning("split %s is empty", split)
         if split == "train":
@@ -203,6 +209,17 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch at one intra-op thread inside the block, the previous count after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _extract(
     cuts: CutSet, count: int, config: FeatureConfig, storage_path: Path, staging: Path, split: str,
     workers: ExtractionWorkers,
@@ -211,8 +228,10 @@ def _extract(
 
     With one job the features go to ``<storage_path>.lca``; with ``n`` jobs, job ``k`` takes
     every ``n``-th cut from the ``k``-th on (``LazySlicer``) into
-    ``<storage_path>/feats-<k>.lca``, and the result lists job 0's cuts, then job 1's...
-    (Lhotse's own layout and order). Each job writes its cuts to a manifest under
+    ``<storage_path>/feats-<k>.lca``. The result lists the cuts in id order (the order of the
+    input, which :func:`_count_sorted` checked), merged from the jobs' manifests: the same
+    manifest whatever the number of jobs or the order they finish in (only the storage
+    paths differ). Each job writes its cuts to a manifest under
     ``staging`` as it goes, in the shared ``workers``. Dropped cuts are reported.
     One job shows a progress bar over the ``count`` cuts (a log line now and then off a terminal).
     """
@@ -239,7 +258,41 @@ def _extract(
             "%s: %d cut(s) dropped because their audio could not be read: %s",
             split, len(lost), ", ".join(sorted(lost)[:10]),
         )
-    return CutSet(LazyIteratorChain(*(CutSet.from_jsonl_lazy(part).data for part in parts)))
+    return CutSet(LazyMergeById([CutSet.from_jsonl_lazy(part).data for part in parts]))
+
+
+class LazyMergeById(Dillable):
+    """A lazy manifest that merges manifests each sorted by cut id into one sorted by id.
+
+    Re-iterable (each iteration reads the parts again), constant memory.
+    """
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def __iter__(self):
+        return heapq.merge(*self.parts, key=lambda cut: cut.id)
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+
+def _count_sorted(cuts: CutSet, manifests_dir: str | Path, split: str) -> int:
+    """The number of ``cuts``, checking that they come in id order (as the prepare stage writes them).
+
+    Raises:
+        AsrflowError: two cuts out of order (a manifest not written by the prepare stage).
+    """
+    count, previous = 0, None
+    for cut in cuts:
+        if previous is not None and cut.id <= previous:
+            raise AsrflowError(
+                f"{cuts_path(manifests_dir, split)}: cut {cut.id!r} comes after {previous!r}; the features "
+                "stage needs the cuts sorted by id, each id once (as the prepare stage writes them): re-run prepare"
+            )
+        previous = cut.id
+        count += 1
+    return count
 
 
 def _extract_part(cuts: Iterable[Cut], extractor: Fbank, storage_path: Path, manifest: Path) -> list[str]:

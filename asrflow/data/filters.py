@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from lhotse import CutSet
 
+from asrflow.data.index import CutIndex
 from asrflow.data.manifests import cut_text
 from asrflow.model.conformer_ctc import subsampled_lengths
 from asrflow.tokenizer import Tokenizer
@@ -52,3 +54,34 @@ def filter_ctc_feasible(
             "(or with an empty one): %s", len(removed), len(removed) + len(kept), ", ".join(removed[:10]),
         )
     return CutSet.from_cuts(kept), removed
+
+
+def entry_frames(entry: dict, frame_shift_s: float) -> int:
+    """Input frames of a cut's manifest entry: its features' count, or duration / frame shift."""
+    features = entry.get("features")
+    if isinstance(features, dict) and features.get("num_frames") is not None:
+        return int(features["num_frames"])
+    return round(float(entry["duration"]) / frame_shift_s)
+
+
+def filter_ctc_feasible_index(
+    index: CutIndex, tokenizer: Tokenizer, frame_shift_s: float, max_speed: float = 1.0
+) -> tuple[CutIndex, list[str]]:
+    """:func:`filter_ctc_feasible` over a :class:`CutIndex`: one sequential pass over its
+    line store (manifest entries, no ``Cut`` objects); returns (the sub-index kept, removed ids).
+
+    Same rule, same ids removed, as :func:`filter_ctc_feasible` on the same cuts.
+    """
+    keep = np.zeros(len(index), dtype=bool)
+    for position, entry in index.iter_entries():
+        text = " ".join(s["text"] for s in entry.get("supervisions", []) if s.get("text"))
+        ids = tokenizer.encode(text)
+        num_frames = int(entry_frames(entry, frame_shift_s) / max_speed)
+        keep[position] = bool(ids) and output_frames(num_frames) >= ctc_frames_needed(ids)
+    removed = index.id_list(np.flatnonzero(~keep))
+    if removed:
+        logger.warning(
+            "removed %d of %d utterances too short for their transcript after subsampling by 4 "
+            "(or with an empty one): %s", len(removed), len(index), ", ".join(removed[:10]),
+        )
+    return index.select(np.flatnonzero(keep)), removed

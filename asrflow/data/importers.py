@@ -18,6 +18,8 @@ Transcripts are returned raw; normalisation and the remaining checks happen in
 * The utterance id (and recording id) is the audio path relative to ``corpus_dir``
   without its extension, e.g. ``spk1/utt001``.
 * Each line is decoded as UTF-8 on its own, so one bad line rejects one item.
+* A path listed twice: every line goes to validation, which keeps the first *valid* copy
+  and rejects the later ones as ``duplicate_id`` (an invalid copy claims nothing).
 
 **Kaldi data folders** (``corpus: kaldi``). For each split name ``S``, the folder
 ``<corpus_dir>/S/`` holds:
@@ -25,15 +27,23 @@ Transcripts are returned raw; normalisation and the remaining checks happen in
 * ``wav.scp``: ``<recording-id> <audio path>``. Paths are relative to ``corpus_dir`` or
   absolute inside it. Piped commands (``sox x.sph -t wav - |``) and archive offsets
   (``feats.ark:123``) are rejected (``piped_command``): convert the audio to files first.
-* ``text``: ``<utterance-id> <transcript>``.
+* ``text``: ``<utterance-id> <transcript>``. A repeated utterance id: every line goes to
+  validation, which keeps the first *valid* transcript (as for TSVs). A repeated id in
+  ``wav.scp`` or ``segments`` keeps its first line (the later ones are rejected as
+  ``duplicate_id``): they name recordings and times, not the item's transcript.
 * ``segments`` (optional): ``<utterance-id> <recording-id> <start-s> <end-s>``; an end of
   ``-1`` means the end of the recording. Without it, utterance id = recording id.
 * ``utt2spk`` (optional): ``<utterance-id> <speaker>``.
 
 **Lhotse recipes** (any other ``corpus`` value ``X``): ``lhotse.recipes.prepare_X(corpus_dir,
 **recipe_args)``, called without an output directory (or with a temporary one when the
-recipe requires it). The recipe's result maps its split names (``train``, ``dev-clean``,
-...) to ``{"recordings": ..., "supervisions": ...}``.
+recipe requires it, read before it is removed). ``corpus_dir`` goes to the recipe's
+``corpus_dir`` parameter, or to its first one (``audio_dir``, ``tedlium_root``...); other
+parameters without a default must be set in ``recipe_args``. The recipe's result maps its
+split names (``train``, ``dev-clean``, ...) to ``{"recordings": ..., "supervisions": ...}``;
+nested parts are named with ``/`` (``en/train``); a recipe that returns one unsplit pair
+offers it as the split ``all`` (carve dev and test from it: ``splits: {train: all, dev:
+null, test: null}``). See :func:`recipe_splits`.
 """
 
 from __future__ import annotations
@@ -186,31 +196,35 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         speaker = (fields[2].strip() or None) if len(fields) == 3 else None
         entries.append((item_id, raw_path, fields[1], speaker))
 
-    seen: set[str] = set()
-    unique = []
-    for entry in entries:
-        if entry[0] in seen:
-            rejected.append(
-                Rejection(split, entry[0], entry[1], DUPLICATE_ID,
-                          f"{tsv.name} lists {entry[1]!r} more than once; the first line is kept")
-            )
-            continue
-        seen.add(entry[0])
-        unique.append(entry)
+    # Every line is a candidate, duplicates included: validation keeps the first *valid*
+    # copy of an id and rejects the others as duplicates. Lines naming the same file share
+    # one recording; a later file with the same id (``a.wav`` then ``a.flac``) gets its own
+    # recording id ``<id>#<n>``, so that either can be the one kept.
+    recording_of: dict[tuple[str, str], str] = {}
+    files_per_id: dict[str, int] = {}
+    for item_id, raw, _, _ in entries:
+        if (item_id, raw) not in recording_of:
+            files_per_id[item_id] = files_per_id.get(item_id, 0) + 1
+            count = files_per_id[item_id]
+            recording_of[(item_id, raw)] = item_id if count == 1 else f"{item_id}#{count}"
+    pending = [(rec_id, raw) for (_, raw), rec_id in recording_of.items()]
+    probed = dict(zip([rec_id for rec_id, _ in pending], _probe(root, pending, split), strict=True))
 
     recordings, supervisions = [], []
-    probed = _probe(root, [(item_id, raw) for item_id, raw, _, _ in unique], split)
-    for (item_id, raw, text, speaker), result in zip(unique, probed, strict=True):
+    for item_id, raw, text, speaker in entries:
+        rec_id = recording_of[(item_id, raw)]
+        result = probed[rec_id]
         if isinstance(result, ItemRejected):
             rejected.append(Rejection(split, item_id, raw, result.reason, result.detail))
             continue
         recordings.append(result)
         supervisions.append(
             SupervisionSegment(
-                id=item_id, recording_id=item_id, start=0.0, duration=result.duration,
+                id=item_id, recording_id=rec_id, start=0.0, duration=result.duration,
                 channel=0, text=text, speaker=speaker,
             )
         )
+    recordings = list({recording.id: recording for recording in recordings}.values())
     return ImportedSplit(
         RecordingSet.from_recordings(recordings), SupervisionSet.from_segments(supervisions), rejected
     )
@@ -294,16 +308,12 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         else:
             wav[rec_id] = rest
 
-    text: dict[str, str] = {}
+    # Every text line is a candidate, a repeated id included: validation keeps the first
+    # *valid* transcript of an utterance and rejects the others as duplicates.
+    text: dict[str, list[str]] = {}
     before = len(rejected)
-    for line, fields in _kaldi_table(folder / "text", split, 1, rejected, "id transcript"):
-        utt_id = fields[0]
-        if utt_id in text:
-            rejected.append(Rejection(split, utt_id, None, DUPLICATE_ID,
-                                      f"text line {line.number} repeats utterance id {utt_id!r}; "
-                                      "the first is kept"))
-            continue
-        text[utt_id] = fields[1] if len(fields) > 1 else ""
+    for _line, fields in _kaldi_table(folder / "text", split, 1, rejected, "id transcript"):
+        text.setdefault(fields[0], []).append(fields[1] if len(fields) > 1 else "")
     unreadable_text = {r.id for r in rejected[before:] if r.reason != DUPLICATE_ID}
 
     segments: dict[str, tuple[str, float, float]] | None = None
@@ -369,11 +379,12 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
             continue
         recordings[rec_id] = status
         duration = (status.duration if end is None else end) - start
-        supervisions.append(
+        supervisions.extend(
             SupervisionSegment(
                 id=utt_id, recording_id=rec_id, start=start, duration=round(duration, 6),
-                channel=0, text=text[utt_id], speaker=speakers.get(utt_id),
+                channel=0, text=transcript, speaker=speakers.get(utt_id),
             )
+            for transcript in text[utt_id]
         )
     return ImportedSplit(
         RecordingSet.from_recordings(recordings[rec_id] for rec_id in sorted(recordings)),
@@ -419,47 +430,139 @@ def find_recipe(name: str) -> Any:
     return function
 
 
+#: The split name under which a recipe that returns one unsplit pair is offered.
+UNSPLIT = "all"
+
+
+@dataclass(frozen=True)
+class RecipeCall:
+    """How ``lhotse.recipes.prepare_<name>`` must be called.
+
+    Attributes:
+        corpus_parameter: the parameter that receives ``prepare.corpus_dir``: ``corpus_dir``
+            when the recipe has one, else its first parameter (``audio_dir``, ``tedlium_root``...).
+        output_dir: ``required``, ``optional`` or ``none``: whether the recipe must be given
+            a folder to write its manifests to (it then often returns lazy manifests read from it).
+        required: other parameters without a default: they must come from ``prepare.recipe_args``.
+        accepted: every parameter ``recipe_args`` may set.
+    """
+
+    name: str
+    corpus_parameter: str
+    output_dir: str
+    required: tuple[str, ...]
+    accepted: tuple[str, ...]
+    takes_any: bool
+
+
+def recipe_call(name: str, function: Any = None) -> RecipeCall:
+    """Classify the recipe's signature (see :class:`RecipeCall`)."""
+    function = function or find_recipe(name)
+    parameters = inspect.signature(function).parameters
+    named = [p for p in parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    corpus = "corpus_dir" if "corpus_dir" in parameters else (named[0].name if named else "")
+    output = parameters.get("output_dir")
+    output_kind = "none" if output is None else "required" if output.default is inspect.Parameter.empty else "optional"
+    required = tuple(p.name for p in named if p.default is inspect.Parameter.empty
+                     and p.name not in (corpus, "output_dir"))
+    accepted = tuple(p.name for p in named if p.name not in (corpus, "output_dir"))
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return RecipeCall(name, corpus, output_kind, required, accepted, takes_any)
+
+
+def _check_recipe_args(call: RecipeCall, recipe_args: dict[str, Any]) -> None:
+    where = f"lhotse.recipes.prepare_{call.name}"
+    own = {call.corpus_parameter, "output_dir"}
+    unknown = sorted(key for key in recipe_args if key not in call.accepted and not call.takes_any)
+    if unknown or own & set(recipe_args):
+        raise AsrflowError(
+            f"params.yaml: prepare.recipe_args {unknown or sorted(own & set(recipe_args))} not accepted by "
+            f"{where} (prepare.corpus_dir is given as its {call.corpus_parameter}, and asrflow picks the "
+            f"output folder); it takes: {', '.join(call.accepted) or 'nothing'}"
+        )
+    missing = [key for key in call.required if key not in recipe_args]
+    if missing:
+        raise AsrflowError(
+            f"{where} needs {', '.join(missing)}: set them in params.yaml under prepare.recipe_args "
+            f"(prepare.corpus_dir is given as its {call.corpus_parameter})"
+        )
+
+
+def _is_pair(value: Any) -> bool:
+    """A ``{"recordings": <manifest>, ...}`` entry (a manifest, eager or lazy, has ``to_eager``)."""
+    return isinstance(value, dict) and hasattr(value.get("recordings"), "to_eager")
+
+
+def recipe_splits(name: str, manifests: Any) -> dict[str, dict]:
+    """The recipe's result as ``{split name: {"recordings", "supervisions"}}``.
+
+    Shapes: split names to pairs (``{"train": {...}, "dev": {...}}``); one unsplit pair
+    (``{"recordings": ..., "supervisions": ...}`` or a 2-tuple), offered as :data:`UNSPLIT`;
+    nested parts (``{"en": {"train": {...}}}`` or ``{"train": {"part1": {...}}}``), offered
+    as ``en/train``, ``train/part1``. Entries that hold no recordings are left out.
+    """
+    if isinstance(manifests, tuple | list) and len(manifests) == 2:
+        manifests = {"recordings": manifests[0], "supervisions": manifests[1]}
+    if not isinstance(manifests, dict):
+        raise AsrflowError(f"lhotse recipe prepare_{name} returned {type(manifests).__name__}, not manifests")
+    if _is_pair(manifests):
+        return {UNSPLIT: manifests}
+    splits: dict[str, dict] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if _is_pair(value):
+            splits[prefix] = value
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}/{key}" if prefix else str(key), inner)
+
+    walk("", manifests)
+    return splits
+
+
 def run_recipe(name: str, corpus_dir: Path, recipe_args: dict[str, Any]) -> dict[str, ImportedSplit]:
-    """Call ``lhotse.recipes.prepare_<name>(corpus_dir, **recipe_args)``.
+    """Call ``lhotse.recipes.prepare_<name>`` on ``corpus_dir`` with ``recipe_args``.
+
+    ``corpus_dir`` goes to the recipe's ``corpus_dir`` parameter (or its first one, see
+    :class:`RecipeCall`); a recipe that requires ``output_dir`` gets a temporary folder,
+    and its (often lazy) manifests are read into memory before that folder is removed.
 
     Returns:
-        The recipe's splits by the recipe's own split names.
+        The recipe's splits by the recipe's own split names (:func:`recipe_splits`).
 
     Raises:
-        AsrflowError: unknown recipe, a ``recipe_args`` key the recipe does not take, or
-        a failure of the recipe (typically the corpus is not laid out as it expects).
+        AsrflowError: unknown recipe, a ``recipe_args`` key the recipe does not take or a
+        required one missing, or a failure of the recipe (typically the corpus is not laid
+        out as it expects).
     """
     function = find_recipe(name)
-    parameters = inspect.signature(function).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    unknown = sorted(key for key in recipe_args if key not in parameters and not takes_any)
-    if unknown or "corpus_dir" in recipe_args or "output_dir" in recipe_args:
-        accepted = [p for p in parameters if p not in ("corpus_dir", "output_dir")]
-        raise AsrflowError(
-            f"params.yaml: prepare.recipe_args {unknown or ['corpus_dir/output_dir']} not accepted by "
-            f"lhotse.recipes.prepare_{name}; it takes: {', '.join(accepted) or 'nothing'}"
-        )
+    call = recipe_call(name, function)
+    _check_recipe_args(call, recipe_args)
+    kwargs = dict(recipe_args)
     with tempfile.TemporaryDirectory(prefix="asrflow-recipe-") as scratch:
-        kwargs = dict(recipe_args)
-        output_dir = parameters.get("output_dir")
-        if output_dir is not None and output_dir.default is inspect.Parameter.empty:
+        if call.output_dir == "required":
             kwargs["output_dir"] = scratch
         try:
-            manifests = function(corpus_dir, **kwargs)
+            if call.corpus_parameter == "corpus_dir":
+                manifests = function(corpus_dir=corpus_dir, **kwargs)
+            else:
+                manifests = function(corpus_dir, **kwargs)
+            splits = {}
+            for part, value in recipe_splits(name, manifests).items():
+                supervisions = value.get("supervisions")
+                if supervisions is None:
+                    raise AsrflowError(
+                        f"lhotse recipe prepare_{name} gives no transcripts for split {part!r}; "
+                        "asrflow needs supervisions with text"
+                    )
+                # Read now: lazy manifests may live in the scratch folder, removed below.
+                splits[part] = ImportedSplit(value["recordings"].to_eager(), supervisions.to_eager())
+        except AsrflowError:
+            raise
         except Exception as error:  # the recipe's own checks are asserts and assorted errors
             raise AsrflowError(
                 f"lhotse recipe prepare_{name} failed on {corpus_dir}: {type(error).__name__}: "
                 f"{first_line(error)}; check that corpus_dir holds the corpus laid out as the recipe "
                 f"expects (see the docstring of lhotse.recipes.prepare_{name})"
             ) from None
-    if not isinstance(manifests, dict):
-        raise AsrflowError(f"lhotse recipe prepare_{name} returned {type(manifests).__name__}, not splits")
-    splits = {}
-    for part, value in manifests.items():
-        if not isinstance(value, dict) or value.get("recordings") is None:
-            continue
-        supervisions = value.get("supervisions")
-        if supervisions is None:
-            raise AsrflowError(f"lhotse recipe prepare_{name} gives no transcripts for split {part!r}")
-        splits[str(part)] = ImportedSplit(value["recordings"].to_eager(), supervisions.to_eager())
     return splits

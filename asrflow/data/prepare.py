@@ -61,7 +61,7 @@ from typing import Any
 from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
 from lhotse.utils import fastcopy
 
-from asrflow.data.importers import ImportedSplit, import_folder, import_kaldi, run_recipe
+from asrflow.data.importers import UNSPLIT, ImportedSplit, import_folder, import_kaldi, run_recipe
 from asrflow.data.text import TextConfig
 from asrflow.data.validation import Rejection, ValidationRules, validate_split
 from asrflow.errors import AsrflowError
@@ -87,7 +87,8 @@ class PrepareConfig:
         corpus_dir: the corpus folder (relative to the working directory, or absolute).
         recipe_args: extra keyword arguments for the Lhotse recipe.
         splits: our split -> the corpus' split name(s), or ``None`` to carve it from train.
-        dev_fraction: share of train utterances carved into an empty split, in [0, 1).
+        dev_fraction: share of train utterances carved into dev when it is empty, in [0, 1).
+        test_fraction: share of train utterances carved into test when it is empty, in [0, 1).
         min_duration_s: shorter utterances are rejected (seconds).
         max_duration_s: longer utterances are dropped or split (seconds).
         long_utterances: ``drop`` or ``split``.
@@ -101,6 +102,7 @@ class PrepareConfig:
     recipe_args: dict[str, Any] = field(default_factory=dict)
     splits: dict[str, Any] = field(default_factory=lambda: {"train": "train", "dev": None, "test": "test"})
     dev_fraction: float = 0.1
+    test_fraction: float = 0.1
     min_duration_s: float = 0.1
     max_duration_s: float = 30.0
     long_utterances: str = "drop"
@@ -128,6 +130,10 @@ class PrepareConfig:
             raise bad("corpus", "is empty; name a Lhotse recipe, or use folder or kaldi")
         if not 0.0 <= self.dev_fraction < 1.0:
             raise bad("dev_fraction", "must be in [0, 1)")
+        if not 0.0 <= self.test_fraction < 1.0:
+            raise bad("test_fraction", "must be in [0, 1)")
+        if self.dev_fraction + self.test_fraction >= 1.0:
+            raise bad("test_fraction", f"plus dev_fraction ({self.dev_fraction}) must be below 1")
         if not 0.0 <= self.max_rejected_fraction <= 1.0:
             raise bad("max_rejected_fraction", "must be in [0, 1]")
         if self.min_duration_s < 0:
@@ -279,12 +285,21 @@ def _import(config: PrepareConfig, corpus_dir: Path, sources: dict[str, list[str
     manifests = run_recipe(config.corpus, corpus_dir, dict(config.recipe_args))
     for split, names in sources.items():
         for name in names:
-            if name not in manifests:
+            if name in manifests:
+                continue
+            where = f"lhotse recipe prepare_{config.corpus} on {corpus_dir}"
+            if not manifests:
+                raise AsrflowError(f"{where} gives no recordings; check corpus_dir and prepare.recipe_args")
+            if list(manifests) == [UNSPLIT]:
                 raise AsrflowError(
-                    f"params.yaml: prepare.splits.{split} = {name!r}, but lhotse recipe "
-                    f"prepare_{config.corpus} on {corpus_dir} gives the splits "
-                    f"{', '.join(sorted(manifests)) or 'none'}; pick from those"
+                    f"params.yaml: prepare.splits.{split} = {name!r}, but {where} gives one unsplit set "
+                    f"(no split names); set prepare.splits to {{train: {UNSPLIT}, dev: null, test: null}} "
+                    "to carve dev and test from it (prepare.dev_fraction, prepare.test_fraction)"
                 )
+            raise AsrflowError(
+                f"params.yaml: prepare.splits.{split} = {name!r}, but {where} gives the splits "
+                f"{', '.join(sorted(manifests))}; pick from those (a list merges several)"
+            )
         if names:
             imported[split] = _merge([manifests[name] for name in names])
     return imported
@@ -316,6 +331,37 @@ def carve_ids(supervisions: Iterable[SupervisionSegment], fraction: float, seed:
             break
         moved.update(groups[key])
     return moved
+
+
+def carve_groups(supervisions: list[SupervisionSegment]) -> int:
+    """How many groups :func:`carve_ids` can move: recordings, or utterances when all share one."""
+    recordings = {supervision.recording_id for supervision in supervisions}
+    return len(recordings) if len(recordings) >= 2 else len(supervisions)
+
+
+def _check_carvable(train: list[SupervisionSegment], carved: list[str], config: PrepareConfig) -> None:
+    """Refuse, before anything is written, a carve that would leave a split empty.
+
+    Raises:
+        AsrflowError: a zero fraction for a split to carve, or fewer groups than carved splits + 1.
+    """
+    if not carved:
+        return
+    fractions = {"dev": config.dev_fraction, "test": config.test_fraction}
+    for split in carved:
+        if fractions[split] <= 0:
+            raise AsrflowError(
+                f"params.yaml: prepare.splits.{split} is null (carve it from train) but "
+                f"prepare.{split}_fraction is 0; set it above 0, or name the corpus' {split} split"
+            )
+    groups = carve_groups(train)
+    if groups < len(carved) + 1:
+        raise AsrflowError(
+            f"cannot carve {' and '.join(carved)} from train: train holds {len(train)} usable utterance(s) in "
+            f"{groups} recording group(s), and each carved split needs one group with one left for train "
+            f"(at least {len(carved) + 1}); add data, or name the corpus' {' and '.join(carved)} split(s) "
+            "in prepare.splits"
+        )
 
 
 def _subset(recordings: RecordingSet, supervisions: list[SupervisionSegment]) -> tuple[RecordingSet, SupervisionSet]:
@@ -421,11 +467,13 @@ def prepare_corpus(config: PrepareConfig, output_dir: Path, seed: int) -> Prepar
 
     train_recordings, train_supervisions = splits["train"]
     remaining = list(train_supervisions)
+    _check_carvable(remaining, [split for split in ("dev", "test") if not sources[split]], config)
     carved: set[str] = set()
+    fractions = {"dev": config.dev_fraction, "test": config.test_fraction}
     for offset, split in enumerate(("dev", "test")):
         if sources[split]:
             continue
-        moved = carve_ids(remaining, config.dev_fraction, seed + offset)
+        moved = carve_ids(remaining, fractions[split], seed + offset)
         splits[split] = _subset(train_recordings, [s for s in remaining if s.id in moved])
         remaining = [s for s in remaining if s.id not in moved]
         carved.add(split)

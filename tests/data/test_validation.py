@@ -246,3 +246,58 @@ def test_first_valid_copy_of_an_id_wins_and_an_invalid_copy_claims_nothing(tmp_p
     assert [(s.id, s.text) for s in test.supervisions] == [("u2", "VALID IN TEST")]
     assert [(r.id, r.reason) for r in test.rejected] == [("u1", "duplicate_id")]
     assert seen == {"u1", "u2"}
+
+
+def _rejections(out: Path) -> list[tuple[str, str]]:
+    return [(r["id"], r["reason"]) for r in read_jsonl(out / "rejected.jsonl")]
+
+
+def test_tsv_importer_keeps_the_first_valid_copy_of_an_id(tmp_path: Path) -> None:
+    """Issue 13, item 4: an invalid first line no longer takes the id with it."""
+    corpus = tmp_path / "corpus"
+    for name in ("a", "b", "c", "d", "f", "g"):
+        write_tone(corpus / f"{name}.wav", 1.0)
+    write_tone(corpus / "e.flac", 1.0)
+    (corpus / "train.tsv").write_text(
+        "a.wav\t ?!\n"             # normalises to nothing: rejected, claims nothing
+        "a.wav\thello there\n"     # kept
+        "a.wav\tthird copy\n"      # a duplicate of a kept item
+        "b.wav\tbee\n"
+        "e.wav\tmissing file\n"    # no e.wav: rejected
+        "e.flac\tthe flac one\n"   # same id e, another file: kept
+        "c.wav\tsee\nd.wav\tdee\n"
+    )
+    (corpus / "test.tsv").write_text("c.wav\tsee again\ng.wav\tgee\n")  # c: a duplicate across splits
+    (corpus / "dev.tsv").write_text("f.wav\tef\n")
+    out = tmp_path / "out"
+    prepare_corpus(config(corpus_dir=str(corpus), splits={"train": "train", "dev": "dev", "test": "test"}),
+                   out, seed=1)
+    train = {cut.id: cut for cut in CutSet.from_file(out / "train_cuts.jsonl.gz")}
+    assert train["a"].supervisions[0].text == "HELLO THERE"
+    assert train["e"].supervisions[0].text == "THE FLAC ONE"
+    assert train["e"].recording.sources[0].source.endswith("e.flac")
+    assert sorted(_rejections(out)) == sorted([
+        ("a", "empty_transcript"), ("a", "duplicate_id"), ("e", "missing_audio"), ("c", "duplicate_id"),
+    ])
+
+
+def test_kaldi_importer_keeps_the_first_valid_transcript_of_an_utterance(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    for name in ("r1", "r2", "r3", "r4"):
+        write_tone(corpus / "audio" / f"{name}.wav", 1.0)
+    for split in ("train", "dev", "test"):
+        (corpus / split).mkdir()
+    (corpus / "train" / "wav.scp").write_text("r1 audio/r1.wav\nr2 audio/r2.wav\n")
+    (corpus / "train" / "text").write_bytes(b"r1 ?!\nr1 hello there\nr1 third copy\nr2 bad \xff byte\nr2 fine\n")
+    (corpus / "test" / "wav.scp").write_text("r3 audio/r3.wav\n")
+    (corpus / "test" / "text").write_text("r3 test line\n")
+    (corpus / "dev" / "wav.scp").write_text("r4 audio/r4.wav\n")
+    (corpus / "dev" / "text").write_text("r4 dev line\n")
+    out = tmp_path / "out"
+    prepare_corpus(config(corpus="kaldi", corpus_dir=str(corpus),
+                          splits={"train": "train", "dev": "dev", "test": "test"}), out, seed=1)
+    train = {cut.id: cut.supervisions[0].text for cut in CutSet.from_file(out / "train_cuts.jsonl.gz")}
+    assert train == {"r1": "HELLO THERE", "r2": "FINE"}
+    assert sorted(_rejections(out)) == sorted([
+        ("r1", "empty_transcript"), ("r1", "duplicate_id"), ("r2", "non_utf8_text"),
+    ])

@@ -1,0 +1,379 @@
+"""A compact, id-sorted index of a cut manifest, and the epoch planner that works from it.
+
+Training on a million utterances cannot hold a million Lhotse ``Cut`` objects in the
+trainer and in every data worker (about 1.3 KB each, pickled into every spawned worker).
+:class:`CutIndex` keeps, per cut, only what planning and lookup need:
+
+* ``ids``: ``(N,)`` numpy bytes (UTF-8), sorted; byte order = code-point order, so this is
+  the order of ``sorted(cut ids)``;
+* ``durations``: ``(N,)`` float64 seconds;
+* ``offsets``: ``(N,)`` int64 byte offsets of each cut's JSON line in ``store``, an
+  uncompressed copy of the manifest's lines (in the manifest's order; the index is sorted).
+
+About ``len(id) + 16`` bytes per cut (40 MB per million cuts with 24-character ids). A
+worker reads the cuts of a batch from ``store`` by offset (one ``seek`` + ``readline`` each).
+
+:func:`plan_epoch_index` makes an epoch's batches from ``(id, duration)`` only:
+
+1. a full permutation of the id-sorted cuts drawn from ``numpy.random.default_rng([seed,
+   epoch])``: independent of the manifest's order on disk (so of ``features.num_jobs``);
+2. equal-count duration buckets (edges at the duration quantiles of the whole corpus);
+3. in each bucket, cuts in permutation order are packed greedily while ``cuts x longest
+   <= max_duration_s`` (the padded duration, Lhotse's ``TimeConstraint``); a cut longer
+   than ``max_duration_s`` is a batch of its own;
+4. the last, partial batch of each bucket is joined to its neighbours' while the result
+   still fits (a small corpus would otherwise be mostly partial batches);
+5. the batches of all buckets are put in an order drawn from the same generator.
+
+So every stretch of an epoch holds cuts from the whole corpus (global shuffle), and
+padding stays that of ``num_buckets`` buckets.
+
+The content digest (:attr:`CutIndex.digest`) hashes every cut's manifest entry, less the
+feature storage location (``storage_path``, ``storage_key``: they depend on how many
+extraction jobs wrote the features and where the folder is), in id order: the same corpus
+and features give the same digest whatever the job layout or manifest order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import orjson
+from lhotse.cut import Cut
+from lhotse.cut.set import deserialize_cut
+
+from asrflow.errors import AsrflowError
+
+#: Manifest keys left out of the content digest: where the features are stored, not what they are.
+STORAGE_KEYS = ("storage_path", "storage_key")
+#: Cuts read between two conversions to numpy arrays (and memory checks) while building.
+BUILD_CHUNK = 100_000
+#: Building stops with an error when less memory than this is left (bytes).
+MIN_FREE_BYTES = 256 * 1024 * 1024
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can still be allocated (``MemAvailable``), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(manifest: Path, cuts_read: int) -> None:
+    """Stop building before the machine runs out of memory, naming the manifest and what to do."""
+    free = available_memory()
+    if free is not None and free < MIN_FREE_BYTES:
+        raise AsrflowError(
+            f"{manifest} is too large for this machine's memory: {cuts_read} cuts indexed and only "
+            f"{free // 2**20} MB left; train on a machine with more memory, or on fewer utterances "
+            "(prepare.splits, prepare.max_duration_s)"
+        )
+
+
+_STORAGE_FIELD = re.compile(rb'"storage_(?:path|key)": ?(?:"(?:[^"\\]|\\.)*"|[-+.0-9eE]+|null)')
+
+
+def _content_digest(line: bytes) -> bytes:
+    """SHA-256 of one cut's manifest line without its feature storage location.
+
+    The line is Lhotse's JSON (one writer, one key order), so equal content gives equal
+    bytes once ``storage_path`` / ``storage_key`` are blanked (a regex: parsing and
+    re-serialising every line costs twice as much).
+    """
+    return hashlib.sha256(_STORAGE_FIELD.sub(b"", line.rstrip(b"\n"))).digest()
+
+
+class CutIndex:
+    """Id-sorted ``(id, duration, offset)`` arrays of a manifest and the line store they point into.
+
+    Build one with :meth:`build` (or :meth:`from_cuts` for cuts already in memory). It is
+    cheap to pickle (three numpy arrays and a path), so DataLoader workers get their own copy.
+    """
+
+    def __init__(self, ids: np.ndarray, durations: np.ndarray, offsets: np.ndarray, store: Path | None,
+                 digest: str, cuts: dict[str, Cut] | None = None):
+        self.ids = ids
+        self.durations = durations
+        self.offsets = offsets
+        self.store = store
+        self.digest = digest
+        self._cuts = cuts  # only for from_cuts (small, in-memory corpora)
+        self._handle = None
+        self._pid = None
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(cls, manifest: str | Path, store: str | Path) -> CutIndex:
+        """Read ``manifest`` (Lhotse ``jsonl`` or ``jsonl.gz``) once, writing its lines to ``store``.
+
+        Memory: the arrays plus 32 bytes per cut while building (the content hashes).
+
+        Raises:
+            AsrflowError: the manifest is missing, not JSON lines, or holds an id twice.
+        """
+        manifest, store = Path(manifest), Path(store)
+        if not manifest.is_file():
+            raise AsrflowError(f"{manifest} not found: run the stage that writes it first")
+        chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        ids: list[bytes] = []
+        durations: list[float] = []
+        offsets: list[int] = []
+        hashes: list[bytes] = []
+
+        def flush() -> None:
+            if ids:
+                chunks.append((np.array(ids, dtype=np.bytes_), np.array(durations, dtype=np.float64),
+                               np.array(offsets, dtype=np.int64), np.array(hashes, dtype="S32")))
+                ids.clear(), durations.clear(), offsets.clear(), hashes.clear()
+            _check_memory(manifest, sum(len(chunk[0]) for chunk in chunks))
+
+        opener = gzip.open if manifest.suffix == ".gz" else open
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_name(store.name + ".tmp")
+        position = 0
+        with opener(manifest, "rb") as source, open(tmp, "wb") as out:
+            for number, line in enumerate(source, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = orjson.loads(line)
+                    cut_id, duration = entry["id"], float(entry["duration"])
+                except (ValueError, KeyError, TypeError) as error:
+                    tmp.unlink(missing_ok=True)
+                    raise AsrflowError(
+                        f"{manifest}, line {number}: not a cut ({type(error).__name__}: {error}); "
+                        "re-run the stage that wrote it"
+                    ) from None
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                ids.append(cut_id.encode("utf-8"))
+                durations.append(duration)
+                offsets.append(position)
+                hashes.append(_content_digest(line))
+                out.write(line)
+                position += len(line)
+                if len(ids) >= BUILD_CHUNK:
+                    try:
+                        flush()
+                    except AsrflowError:
+                        out.close()
+                        tmp.unlink(missing_ok=True)
+                        raise
+        flush()
+        os.replace(tmp, store)
+        if not chunks:
+            return cls._sorted(np.array([], dtype="S1"), np.array([]), np.array([], dtype=np.int64),
+                               np.array([], dtype="S32"), store, None, str(manifest))
+        return cls._sorted(*(np.concatenate([chunk[k] for chunk in chunks]) for k in range(4)),
+                           store, None, str(manifest))
+
+    @classmethod
+    def from_cuts(cls, cuts: Iterable[Cut]) -> CutIndex:
+        """An index of cuts held in memory (small corpora and tests): lookups return these objects."""
+        held: dict[str, Cut] = {}
+        ids, durations, hashes = [], [], []
+        for cut in cuts:
+            held[cut.id] = cut
+            ids.append(cut.id.encode("utf-8"))
+            durations.append(float(cut.duration))
+            hashes.append(_content_digest(json.dumps(cut.to_dict(), ensure_ascii=False).encode()))
+        return cls._sorted(np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1"),
+                           np.array(durations, dtype=np.float64), np.zeros(len(ids), dtype=np.int64),
+                           np.array(hashes, dtype="S32"), None, held, "cuts")
+
+    @classmethod
+    def _sorted(cls, id_array: np.ndarray, durations: np.ndarray, offsets: np.ndarray, hashes: np.ndarray,
+                store: Path | None, cuts: dict[str, Cut] | None, source: str) -> CutIndex:
+        order = np.argsort(id_array, kind="stable")
+        id_array = id_array[order]
+        if len(id_array) > 1:
+            same = np.flatnonzero(id_array[1:] == id_array[:-1])
+            if len(same):
+                raise AsrflowError(
+                    f"{source}: cut id {id_array[same[0]].decode()!r} occurs more than once; "
+                    "re-run the prepare stage (it keeps the first valid copy of an id)"
+                )
+        digest = hashlib.sha256(np.ascontiguousarray(hashes[order]).tobytes())
+        return cls(
+            id_array,
+            durations[order],
+            offsets[order],
+            store,
+            digest.hexdigest()[:16],
+            cuts,
+        )
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def id_list(self, positions: Sequence[int] | np.ndarray | None = None) -> list[str]:
+        """Cut ids (``str``) at ``positions`` of the sorted index (all, in id order, when None)."""
+        chosen = self.ids if positions is None else self.ids[np.asarray(positions, dtype=np.int64)]
+        return [raw.decode("utf-8") for raw in chosen.tolist()]
+
+    def positions(self, cut_ids: Sequence[str]) -> np.ndarray:
+        """``(len(cut_ids),)`` int64 positions of ``cut_ids`` in the sorted index.
+
+        Raises:
+            KeyError: an id the index does not hold.
+        """
+        wanted = np.array([cut_id.encode("utf-8") for cut_id in cut_ids], dtype=self.ids.dtype)
+        found = np.searchsorted(self.ids, wanted)
+        found = np.minimum(found, max(len(self.ids) - 1, 0))
+        bad = np.flatnonzero(self.ids[found] != wanted) if len(self.ids) else np.arange(len(wanted))
+        if len(bad):
+            raise KeyError(cut_ids[int(bad[0])])
+        return found.astype(np.int64)
+
+    def cuts(self, cut_ids: Sequence[str]) -> list[Cut]:
+        """The Lhotse cuts of ``cut_ids``, in that order (read from the store by offset)."""
+        if self._cuts is not None:
+            return [self._cuts[cut_id] for cut_id in cut_ids]
+        return [self._read(int(offset)) for offset in self.offsets[self.positions(cut_ids)]]
+
+    def iter_cuts(self) -> Iterator[Cut]:
+        """Every cut, in id order (for one pass over the corpus: CTC filtering, statistics)."""
+        if self._cuts is not None:
+            yield from (self._cuts[cut_id] for cut_id in self.id_list())
+            return
+        for offset in self.offsets.tolist():
+            yield self._read(offset)
+
+    def iter_entries(self) -> Iterator[tuple[int, dict]]:
+        """``(position, manifest entry as a dict)`` for every cut, reading the store front to
+        back (in the store's order, not id order): one sequential pass, no ``Cut`` objects."""
+        if self._cuts is not None:
+            for position, cut_id in enumerate(self.id_list()):
+                yield position, self._cuts[cut_id].to_dict()
+            return
+        by_offset = np.argsort(self.offsets, kind="stable")
+        with open(self.store, "rb") as handle:
+            for position in by_offset.tolist():
+                handle.seek(int(self.offsets[position]))
+                yield position, orjson.loads(handle.readline())
+
+    def select(self, positions: np.ndarray) -> CutIndex:
+        """The sub-index of the cuts at ``positions`` (e.g. those CTC can align); same store."""
+        positions = np.sort(np.asarray(positions, dtype=np.int64))
+        digest = hashlib.sha256(self.digest.encode())
+        digest.update(positions.tobytes())
+        cuts = None
+        if self._cuts is not None:
+            cuts = {cut_id: self._cuts[cut_id] for cut_id in self.id_list(positions)}
+        return CutIndex(self.ids[positions], self.durations[positions], self.offsets[positions], self.store,
+                        digest.hexdigest()[:16], cuts)
+
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (what a worker's copy costs, beyond a few objects)."""
+        return int(self.ids.nbytes + self.durations.nbytes + self.offsets.nbytes)
+
+    def _read(self, offset: int) -> Cut:
+        if self._handle is None or self._pid != os.getpid():
+            self._handle = open(self.store, "rb")  # noqa: SIM115 (kept open for the process' lifetime)
+            self._pid = os.getpid()
+        self._handle.seek(offset)
+        return deserialize_cut(orjson.loads(self._handle.readline()))
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handle"] = None  # a worker opens its own
+        state["_pid"] = None
+        return state
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def epoch_permutation(num_cuts: int, seed: int, epoch: int) -> np.ndarray:
+    """``(num_cuts,)`` int64: a full permutation of positions in id order, drawn from ``(seed, epoch)``."""
+    return np.random.default_rng([seed, epoch]).permutation(num_cuts)
+
+
+def bucket_of(durations: np.ndarray, num_buckets: int) -> np.ndarray:
+    """``(N,)`` bucket number of each duration: edges at the quantiles, so buckets hold equal counts."""
+    if num_buckets <= 1 or len(durations) == 0:
+        return np.zeros(len(durations), dtype=np.int64)
+    edges = np.quantile(durations, np.linspace(0.0, 1.0, num_buckets + 1)[1:-1])
+    return np.searchsorted(edges, durations, side="right").astype(np.int64)
+
+
+def plan_positions(durations: np.ndarray, epoch: int, seed: int, max_duration_s: float,
+                   num_buckets: int) -> list[np.ndarray]:
+    """The batches of ``epoch`` as arrays of positions into the id-sorted index.
+
+    Args:
+        durations: ``(N,)`` seconds, in id order.
+        epoch, seed: what the permutation is drawn from.
+        max_duration_s: a batch's cuts x its longest cut stays at or below this (seconds).
+        num_buckets: duration buckets (capped at ``N // 2``, at least 1).
+    Returns:
+        Batches (int64 arrays), in the epoch's order; every position appears exactly once.
+    """
+    count = len(durations)
+    if count == 0:
+        return []
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(count)
+    buckets = bucket_of(durations, min(num_buckets, max(1, count // 2)))
+    order = order[np.argsort(buckets[order], kind="stable")]  # bucket by bucket, permuted inside
+    bucket_sorted = buckets[order]
+    seconds = durations[order].tolist()
+    edges = [0, *(np.flatnonzero(np.diff(bucket_sorted)) + 1).tolist(), count]
+    starts = []
+    for first, end in zip(edges[:-1], edges[1:], strict=True):  # one bucket at a time
+        starts.append(first)
+        size, longest = 0, 0.0
+        for i in range(first, end):
+            duration = seconds[i]
+            if duration > longest:
+                longest = duration
+            size += 1
+            if size > 1 and size * longest > max_duration_s:  # this cut opens the next batch
+                starts.append(i)
+                size, longest = 1, duration
+    batches = np.split(order, starts[1:])
+    batches = _merge_bucket_tails(batches, bucket_sorted[starts].tolist(), durations, max_duration_s)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _merge_bucket_tails(batches: list[np.ndarray], bucket_ids: list[int], durations: np.ndarray,
+                        max_duration_s: float) -> list[np.ndarray]:
+    """Join the last (partial) batches of neighbouring buckets while they fit in ``max_duration_s``.
+
+    Each bucket ends in one partial batch; on a small corpus they would be most batches.
+    ``batches`` are bucket by bucket, ``bucket_ids`` the bucket of each.
+    """
+    last = {bucket: i for i, bucket in enumerate(bucket_ids)}  # the last batch of each bucket
+    tails = [i for i in sorted(last.values())]
+    merged: list[np.ndarray] = []
+    current = None
+    for i in tails:
+        joined = batches[i] if current is None else np.concatenate([current, batches[i]])
+        if current is not None and len(joined) * float(durations[joined].max()) > max_duration_s:
+            merged.append(current)
+            joined = batches[i]
+        current = joined
+    if current is not None:
+        merged.append(current)
+    tail_set = set(tails)
+    return [batch for i, batch in enumerate(batches) if i not in tail_set] + merged
+
+
+def plan_epoch_index(index: CutIndex, epoch: int, seed: int, max_duration_s: float,
+                     num_buckets: int) -> list[list[str]]:
+    """:func:`plan_positions` over ``index``, as lists of cut ids (the form checkpoints digest)."""
+    ids = index.ids
+    return [[raw.decode("utf-8") for raw in ids[batch].tolist()]
+            for batch in plan_positions(index.durations, epoch, seed, max_duration_s, num_buckets)]

@@ -1,0 +1,216 @@
+"""Scale: a million training utterances (issue 13, item 5), metadata only (no audio).
+
+Generates a train cuts manifest of ``N`` synthetic cuts (LibriSpeech-style ids, speaker
+first; durations 1-20 s; a features entry and a transcript each, as the features stage
+writes them) and measures, in this one run:
+
+* ``index_build_s``: :meth:`asrflow.data.index.CutIndex.build` (one read of the manifest,
+  writing the line store); ``index_bytes``: the arrays a worker receives;
+* ``plan_s_per_million`` (figure): one epoch's plan, :func:`asrflow.data.batches.plan_epoch`
+  over the index (median of 3 epochs), per million cuts; goal <= 5 s.
+  ``baseline``: Lhotse's ``DynamicBucketingSampler`` (what plan_epoch was) over
+  ``LHOTSE_CUTS`` eager cuts, per million cuts (linear extrapolation: building it over a
+  million eager cuts needs ~1.3 GB per process); ``ratio`` = figure / baseline;
+* ``worker_rss_growth_mb_per_million`` (figure): peak RSS of a spawned process that unpickles
+  the index and builds batches of cuts from the line store, minus that of the same process
+  given a one-cut index, per million cuts; goal <= 200 MB. ``worker_baseline``: the same for
+  a dict of ``LHOTSE_CUTS`` eager Lhotse cuts (what each worker got pickled), per million;
+* ``trainer_rss_mb``: this process' peak RSS after building the index and two epoch plans,
+  and ``trainer_rss_start_mb`` before generating anything;
+* ``resume_s``: time to the first batch of :class:`asrflow.data.batches.TrainingBatches`
+  started at 10 %, 50 % and 90 % of an epoch (plan included, cache empty);
+  ``resume_90_vs_10``: their ratio (goal: flat, ~1); each is measured twice, in turn, and
+  the faster run kept.
+
+Usage: ``python -m bench.scale [--quick] [--workdir DIR] [--cuts N]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing
+import pickle
+import resource
+import statistics
+import time
+from pathlib import Path
+
+from bench.common import emit, parse_args, ratio, rounded, workdir
+
+#: Cuts in the manifest, per mode.
+CUTS = {"full": 1_000_000, "quick": 20_000}
+#: Eager Lhotse cuts for the baselines, per mode.
+LHOTSE_CUTS = {"full": 60_000, "quick": 5_000}
+MAX_DURATION_S = 120.0
+NUM_BUCKETS = 30
+SEED = 42
+
+
+def write_manifest(path: Path, count: int, seed: int = 0) -> None:
+    """A features-stage-like train manifest of ``count`` cuts, sorted by id, gzip level 1."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    durations = np.round(rng.uniform(1.0, 20.0, count), 2).tolist()
+    rows = []
+    for i in range(count):
+        speaker, chapter = i % 2311, (i // 2311) % 97
+        rows.append((f"{speaker:04d}-{chapter:06d}-{i:07d}", durations[i], i))
+    rows.sort()
+    with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as out:
+        for cut_id, duration, i in rows:
+            frames = int(round(duration * 100))
+            out.write(json.dumps({
+                "id": cut_id, "start": 0.0, "duration": duration, "channel": 0,
+                "supervisions": [{"id": cut_id, "recording_id": cut_id, "start": 0.0, "duration": duration,
+                                  "channel": 0, "text": f"WORD{i % 97} WORD{i % 89} WORD{i % 83}",
+                                  "speaker": cut_id[:4]}],
+                "features": {"type": "kaldi-fbank", "num_frames": frames, "num_features": 80,
+                             "frame_shift": 0.01, "sampling_rate": 16000, "start": 0.0, "duration": duration,
+                             "storage_type": "lilcom_chunky", "storage_path": "data/fbank/train_feats.lca",
+                             "storage_key": str(i * 5000), "channels": 0},
+                "recording": {"id": cut_id, "sources": [{"type": "file", "channels": [0],
+                                                          "source": f"corpus/{cut_id}.flac"}],
+                              "sampling_rate": 16000, "num_samples": int(duration * 16000),
+                              "duration": duration, "channel_ids": [0]},
+                "type": "MonoCut",
+            }) + "\n")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process image (MB): ``VmHWM`` (``ru_maxrss`` would carry a
+    spawned child's parent's peak over ``exec``), or ``ru_maxrss`` where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _worker(payload: bytes, batches: list[list[str]], queue) -> None:
+    """In a spawned process: unpickle what a data worker gets, build batches, report peak RSS."""
+    held = pickle.loads(payload)
+    for batch in batches:
+        cuts = held.cuts(batch) if hasattr(held, "cuts") else [held[cut_id] for cut_id in batch]
+        assert len(cuts) == len(batch)
+    queue.put(peak_rss_mb())
+
+
+def worker_peak_mb(held, batches: list[list[str]]) -> float:
+    """Peak RSS (MB) of a spawned process that receives ``held`` pickled and builds ``batches``."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_worker, args=(pickle.dumps(held), batches, queue))
+    process.start()
+    peak = queue.get(timeout=600)
+    process.join()
+    return peak
+
+
+def lhotse_plan_s(cuts) -> float:
+    """Seconds for one epoch of Lhotse's ``DynamicBucketingSampler`` over ``cuts`` (eager)."""
+    from lhotse.dataset import DynamicBucketingSampler
+
+    sampler = DynamicBucketingSampler(cuts, max_duration=MAX_DURATION_S, num_buckets=NUM_BUCKETS, shuffle=True,
+                                      drop_last=False, seed=SEED, world_size=1, rank=0)
+    sampler.set_epoch(0)
+    start = time.perf_counter()
+    sum(len(batch) for batch in sampler)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    def configure(parser):
+        parser.add_argument("--cuts", type=int, default=None, help="cuts in the manifest (default: by mode)")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
+    from lhotse import CutSet
+
+    from asrflow.data.batches import TrainingBatches, plan_epoch, steps_in_plan
+    from asrflow.data.index import CutIndex
+
+    mode = "quick" if args.quick else "full"
+    count = args.cuts or CUTS[mode]
+    rss_start = peak_rss_mb()
+    with workdir(args.workdir) as work:
+        manifest = work / f"scale-{count}.jsonl.gz"
+        if not manifest.is_file():
+            start = time.perf_counter()
+            write_manifest(manifest, count)
+            generate_s = time.perf_counter() - start
+        else:
+            generate_s = 0.0
+        start = time.perf_counter()
+        index = CutIndex.build(manifest, work / f"scale-{count}.store.jsonl")
+        build_s = time.perf_counter() - start
+
+        plan_times = []
+        for epoch in range(3):
+            start = time.perf_counter()
+            plan = plan_epoch(index, epoch, SEED, MAX_DURATION_S, NUM_BUCKETS)
+            plan_times.append(time.perf_counter() - start)
+        plan_s = statistics.median(plan_times)
+        per_million = 1_000_000 / count
+
+        # Resume: time to the first batch at 10 %, 50 % and 90 % of an epoch (fresh plan cache).
+        steps = steps_in_plan(plan, 1, 1)
+        resume = {}
+        for _ in range(2):  # each position twice, in turn; the faster run counts
+            for share in (0.1, 0.5, 0.9):
+                batches = TrainingBatches(index, SEED, MAX_DURATION_S, NUM_BUCKETS, 1, 1, 0, 0, int(share * steps), 1)
+                start = time.perf_counter()
+                next(iter(batches))
+                key = f"{int(share * 100)}%"
+                resume[key] = min(resume.get(key, float("inf")), time.perf_counter() - start)
+        trainer_rss = peak_rss_mb()
+
+        sample = plan[:200]
+        small = CutIndex.build(manifest, work / "one.store.jsonl").select([0])
+        worker_empty = worker_peak_mb(small, [])
+        worker_index = worker_peak_mb(index, sample)
+
+        # Baselines: Lhotse's sampler and a dict of eager cuts, over LHOTSE_CUTS cuts.
+        lhotse_count = min(LHOTSE_CUTS[mode], count)
+        eager = CutSet.from_cuts(cut for _, cut in zip(range(lhotse_count), CutSet.from_jsonl_lazy(manifest),
+                                                       strict=False)).to_eager()
+        lhotse_s = lhotse_plan_s(eager)
+        eager_dict = {cut.id: cut for cut in eager}
+        dict_ids = list(eager_dict)
+        worker_dict = worker_peak_mb(eager_dict, [dict_ids[i:i + 10] for i in range(0, 2000, 10)])
+
+        plan_figure = plan_s * per_million
+        plan_baseline = lhotse_s * 1_000_000 / lhotse_count
+        worker_figure = (worker_index - worker_empty) * per_million
+        worker_baseline = (worker_dict - worker_empty) * 1_000_000 / lhotse_count
+        return [emit({
+            "benchmark": "scale",
+            "mode": mode,
+            "cuts": count,
+            "generate_s": rounded(generate_s),
+            "index_build_s": rounded(build_s),
+            "index_bytes": index.nbytes(),
+            "plan_s": rounded(plan_s),
+            "plan_s_per_million": rounded(plan_figure),
+            "baseline": f"lhotse DynamicBucketingSampler over {lhotse_count} eager cuts, per million",
+            "baseline_plan_s_per_million": rounded(plan_baseline),
+            "ratio": rounded(ratio(plan_figure, plan_baseline)),
+            "plan_goal_s_per_million": 5.0,
+            "worker_rss_empty_mb": rounded(worker_empty),
+            "worker_rss_index_mb": rounded(worker_index),
+            "worker_rss_growth_mb_per_million": rounded(worker_figure),
+            "worker_baseline_eager_dict_growth_mb_per_million": rounded(worker_baseline),
+            "worker_ratio": rounded(ratio(worker_figure, worker_baseline)),
+            "worker_goal_mb_per_million": 200,
+            "trainer_rss_start_mb": rounded(rss_start),
+            "trainer_rss_mb": rounded(trainer_rss),
+            "resume_s": {key: rounded(value) for key, value in resume.items()},
+            "resume_90_vs_10": rounded(ratio(resume["90%"], resume["10%"])),
+            "batches_per_epoch": len(plan),
+        })]
+
+
+if __name__ == "__main__":
+    main()
