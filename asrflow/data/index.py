@@ -377,3 +377,16 @@ def plan_epoch_index(index: CutIndex, epoch: int, seed: int, max_duration_s: flo
     ids = index.ids
     return [[raw.decode("utf-8") for raw in ids[batch].tolist()]
             for batch in plan_positions(index.durations, epoch, seed, max_duration_s, num_buckets)]
+
+
+def data_digest(index: CutIndex, *paths: str | Path) -> str:
+    """The resume fingerprint's data digest: the index's content digest (cuts without their
+    feature storage location) and the bytes of ``paths`` (tokenizer model, ``cmvn.json``).
+
+    Unlike hashing the cuts manifest's bytes, it does not change with ``features.num_jobs``
+    (which only moves where the features are stored). 16 hex digits.
+    """
+    digest = hashlib.sha256(index.digest.encode())
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
