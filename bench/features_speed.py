@@ -10,7 +10,9 @@ are listed 4 times under new ids, so 2.2 hours are extracted in full mode) with 
 * ``all_cores`` (figure): ``num_jobs`` = the usable cores, one spawned process per core;
 * ``default``: ``num_jobs: 0``, the stage's default (one process per 10 minutes of audio in
   a split, at most one per core: spawning a process costs seconds);
-* ``one_worker_default_threads``: ``num_jobs: 1`` at the torch threads a fresh process has.
+* ``one_worker_default_threads``: ``num_jobs: 1`` at the torch threads a fresh process has
+  (the stage now extracts at one thread whatever the caller set, so this matches
+  ``one_worker``; it shows that the caller's setting no longer matters).
 
 ``speedup`` = all_cores / one_worker audio seconds per second. Wall time includes starting
 the worker processes, so the speed-up on a small corpus is below the core count.

@@ -128,7 +128,7 @@ def test_the_job_count_changes_no_manifest_order_statistic_digest_or_plan(yesno_
     from lhotse import CutSet
 
     from asrflow.data.batches import plan_digest, plan_epoch
-    from asrflow.data.index import CutIndex
+    from asrflow.data.index import CutIndex, data_digest
     from asrflow.data.manifests import cuts_path
 
     manifests = tmp_path / "manifests"
@@ -148,7 +148,7 @@ def test_the_job_count_changes_no_manifest_order_statistic_digest_or_plan(yesno_
         results[jobs] = (
             [cut.id for cut in load_cuts(out, "train")],
             (out / CMVN_FILE).read_bytes(),
-            index.digest,
+            data_digest(index, out / CMVN_FILE),
             [plan_digest(plan_epoch(index, epoch, 42, 60.0, 30)) for epoch in (0, 1)],
         )
     assert results[1] == results[2]

@@ -102,15 +102,26 @@ class CutIndex:
     """
 
     def __init__(self, ids: np.ndarray, durations: np.ndarray, offsets: np.ndarray, store: Path | None,
-                 digest: str, cuts: dict[str, Cut] | None = None):
+                 digest: str | None, cuts: dict[str, Cut] | None = None):
         self.ids = ids
         self.durations = durations
         self.offsets = offsets
         self.store = store
-        self.digest = digest
+        self._digest = digest
         self._cuts = cuts  # only for from_cuts (small, in-memory corpora)
         self._handle = None
         self._pid = None
+
+    @property
+    def digest(self) -> str:
+        """16 hex digits of the content digest (see the module docstring); for an in-memory
+        index computed on first use, so indexing a ``CutSet`` for planning costs no hashing."""
+        if self._digest is None:
+            digest = hashlib.sha256()
+            for cut_id in self.id_list():
+                digest.update(_content_digest(json.dumps(self._cuts[cut_id].to_dict(), ensure_ascii=False).encode()))
+            self._digest = digest.hexdigest()[:16]
+        return self._digest
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -182,18 +193,17 @@ class CutIndex:
     def from_cuts(cls, cuts: Iterable[Cut]) -> CutIndex:
         """An index of cuts held in memory (small corpora and tests): lookups return these objects."""
         held: dict[str, Cut] = {}
-        ids, durations, hashes = [], [], []
+        ids, durations = [], []
         for cut in cuts:
             held[cut.id] = cut
             ids.append(cut.id.encode("utf-8"))
             durations.append(float(cut.duration))
-            hashes.append(_content_digest(json.dumps(cut.to_dict(), ensure_ascii=False).encode()))
         return cls._sorted(np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1"),
                            np.array(durations, dtype=np.float64), np.zeros(len(ids), dtype=np.int64),
-                           np.array(hashes, dtype="S32"), None, held, "cuts")
+                           None, None, held, "cuts")
 
     @classmethod
-    def _sorted(cls, id_array: np.ndarray, durations: np.ndarray, offsets: np.ndarray, hashes: np.ndarray,
+    def _sorted(cls, id_array: np.ndarray, durations: np.ndarray, offsets: np.ndarray, hashes: np.ndarray | None,
                 store: Path | None, cuts: dict[str, Cut] | None, source: str) -> CutIndex:
         order = np.argsort(id_array, kind="stable")
         id_array = id_array[order]
@@ -204,13 +214,13 @@ class CutIndex:
                     f"{source}: cut id {id_array[same[0]].decode()!r} occurs more than once; "
                     "re-run the prepare stage (it keeps the first valid copy of an id)"
                 )
-        digest = hashlib.sha256(np.ascontiguousarray(hashes[order]).tobytes())
+        digest = None if hashes is None else hashlib.sha256(np.ascontiguousarray(hashes[order]).tobytes())
         return cls(
             id_array,
             durations[order],
             offsets[order],
             store,
-            digest.hexdigest()[:16],
+            None if digest is None else digest.hexdigest()[:16],
             cuts,
         )
 
@@ -377,3 +387,16 @@ def plan_epoch_index(index: CutIndex, epoch: int, seed: int, max_duration_s: flo
     ids = index.ids
     return [[raw.decode("utf-8") for raw in ids[batch].tolist()]
             for batch in plan_positions(index.durations, epoch, seed, max_duration_s, num_buckets)]
+
+
+def data_digest(index: CutIndex, *paths: str | Path) -> str:
+    """The resume fingerprint's data digest: the index's content digest (cuts without their
+    feature storage location) and the bytes of ``paths`` (tokenizer model, ``cmvn.json``).
+
+    Unlike hashing the cuts manifest's bytes, it does not change with ``features.num_jobs``
+    (which only moves where the features are stored). 16 hex digits.
+    """
+    digest = hashlib.sha256(index.digest.encode())
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
