@@ -7,6 +7,7 @@ batch plan, datasets and data loader from :meth:`TrainData.build`.
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +17,14 @@ from lhotse.dataset import GlobalMVN
 
 from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches
 from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
-from asrflow.data.filters import filter_ctc_feasible
+from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
+from asrflow.data.index import CutIndex, data_digest
 from asrflow.data.manifests import cuts_path, load_cuts
 from asrflow.data.workers import init_worker, pack_batch
 from asrflow.errors import AsrflowError
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.config import TrainConfig
 from asrflow.training.dev_loss import dev_batches
-from asrflow.training.resume import file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class TrainData:
         dev_dataset: the same without augmentation, over the dev cuts.
         dev_batches: dev cut ids packed by duration (every rank holds all of them).
         num_train, num_dev: utterances kept; removed_for_ctc: train utterances too short for their transcript.
-        digest: hash of the tokenizer, train cuts and CMVN files (part of the resume fingerprint).
+        digest: hash of the tokenizer, the train cuts' content (not where their features are stored, which
+            depends on the number of extraction jobs) and CMVN (part of the resume fingerprint).
     """
 
     tokenizer: Tokenizer
@@ -58,6 +60,8 @@ class TrainData:
     num_workers: int
     mp_start_method: str
     seed: int
+    #: The folder of the train index's line store (under $TMPDIR), removed with this object.
+    index_store: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     _open: Iterator[dict] | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -81,9 +85,11 @@ class TrainData:
         cmvn_path = Path(fbank_dir) / CMVN_FILE
         mvn = load_cmvn(cmvn_path)
         max_speed = max(SPEED_FACTORS) if config.speed_perturb else 1.0
-        train_cuts, removed = filter_ctc_feasible(
-            load_cuts(fbank_dir, "train").to_eager(), tokenizer, features.frame_shift_s, max_speed
-        )
+        # The train cuts as a compact index (ids, durations, offsets into an uncompressed copy of the
+        # manifest): no process, data workers included, holds every cut.
+        store = tempfile.TemporaryDirectory(prefix="asrflow-cut-index-")
+        full_index = CutIndex.build(cuts_path(fbank_dir, "train"), Path(store.name) / "train.jsonl")
+        train_cuts, removed = filter_ctc_feasible_index(full_index, tokenizer, features.frame_shift_s, max_speed)
         if len(train_cuts) == 0:
             raise AsrflowError("no train utterance is long enough for its transcript; check the data")
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
@@ -104,10 +110,11 @@ class TrainData:
             num_train=len(train_cuts),
             num_dev=len(dev_cuts),
             removed_for_ctc=len(removed),
-            digest=file_digest(tokenizer_path, cuts_path(fbank_dir, "train"), cmvn_path),
+            digest=data_digest(full_index, tokenizer_path, cmvn_path),
             num_workers=config.num_workers,
             mp_start_method=config.mp_start_method,
             seed=seed,
+            index_store=store,
         )
 
     def loader(self, epoch: int, step_in_epoch: int) -> torch.utils.data.DataLoader:

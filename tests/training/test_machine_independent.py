@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-import pytest
+import pytest  # noqa: F401
 import torch
 from train_entry import TrainingProcess, fresh_mlflow_store, run_training
 
@@ -46,8 +46,6 @@ def test_one_and_two_extraction_jobs_train_the_same_weights(yesno_data, two_job_
         assert torch.equal(runs["two"][key], tensor), key
 
 
-@pytest.mark.xfail(strict=True, reason="needs the trainer to take its data digest from "
-                   "asrflow.data.index.data_digest instead of the manifest's bytes (issue 13 report)")
 def test_an_unfinished_run_resumes_after_num_jobs_changed(yesno_data, two_job_data, tmp_path):
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
