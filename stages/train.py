@@ -22,6 +22,7 @@ from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
 from asrflow.training.config import TrainConfig
 from asrflow.training.launch import needs_torchrun, torchrun_command
+from asrflow.tracking import check_tracking_uri
 from asrflow.training.trainer import Trainer, TrainPaths
 
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.node_rank is not None:
         config = replace(config, node_rank=args.node_rank)
     features = build_config(FeatureConfig, params.get("features"), "features")
+    check_tracking_uri()  # an unreachable MLFLOW_TRACKING_URI stops here, before any training
     if needs_torchrun(config):
         command = torchrun_command(config, ["-m", "stages.train", *(argv if argv is not None else sys.argv[1:])])
         logger.info("launching %s", " ".join(command))
