@@ -269,6 +269,11 @@ def check_tracking_uri(tracking_uri: str | None = None) -> str:
     return uri
 
 
+def _ui_hint(uri: str) -> str:
+    """How to browse a store: `` (browse: mlflow ui --backend-store-uri ...)`` for SQLite."""
+    return f" (browse: mlflow ui --backend-store-uri {uri})" if sqlite_path(uri) is not None else ""
+
+
 def pipeline_tool() -> str:
     """Which tool ran this stage: ``snakemake`` (its rules set ``ASRFLOW_PIPELINE``), ``dvc``
     (it sets ``DVC_STAGE`` for every command), or ``direct``."""
@@ -444,7 +449,7 @@ class RunTracker:
                 )
                 if extra_tags:
                     tracker.set_tags(extra_tags)
-                log.info("continuing MLflow run %s in %s", run_id, uri)
+                log.info("continuing MLflow run %s in %s", run_id, uri, extra={"terminal": True})
                 if system_metrics and not finished:
                     tracker.start_system_metrics(system_metrics_interval_s, resume=True)
                 return tracker
@@ -468,7 +473,10 @@ class RunTracker:
             run_tags["mlflow.source.git.commit"] = commit
         run_tags.update(extra_tags)
         run = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
-        log.info("started MLflow run %s (%s) in %s", run.info.run_id, run.info.run_name, uri)
+        log.info(
+            "started MLflow run %s (%s) in %s%s", run.info.run_id, run.info.run_name, uri, _ui_hint(uri),
+            extra={"terminal": True},
+        )
         tracker = cls(
             client,
             run.info.run_id,

@@ -20,9 +20,9 @@ from asrflow.data.features import FeatureConfig
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
+from asrflow.tracking import check_tracking_uri
 from asrflow.training.config import TrainConfig
 from asrflow.training.launch import needs_torchrun, torchrun_command
-from asrflow.tracking import check_tracking_uri
 from asrflow.training.trainer import Trainer, TrainPaths
 
 

@@ -63,7 +63,11 @@ def stage_params(stage):
 
 
 def stage_shell(stage):
-    return _resolve(DVC_STAGES[stage]["cmd"]) + " > {log} 2>&1"
+    """dvc.yaml's command with its output in the rule's log. Snakemake's stderr (the
+    terminal) stays open as descriptor 3, where the stage shows its progress, warnings and
+    the log's path (asrflow/logs.py); the tags of the MLflow run say Snakemake ran it."""
+    env = f"ASRFLOW_PIPELINE=snakemake ASRFLOW_STAGE={stage} ASRFLOW_LOG_FILE={{log}} ASRFLOW_PROGRESS_FD=3"
+    return f"{env} {_resolve(DVC_STAGES[stage]['cmd'])} 3>&2 > {{log}} 2>&1"
 
 
 # A Snakemake killed with SIGKILL (OOM killer, preempted node, power cut) leaves its locks in
