@@ -83,13 +83,12 @@ def test_pyfunc_load_model_transcribes_yesno_test_files(logged, yesno_data, monk
     assert list(out.columns) == ["transcript"] and len(out) == len(files)
     assert wer(files, list(out["transcript"])) <= MAX_WER
 
-    # Waveforms (here at 8 kHz: resampled to the model's 16 kHz).
+    # A waveform at the file's own rate (yesno is 8 kHz; the model resamples to its 16 kHz).
     audio, rate = soundfile.read(files[0][0], dtype="float32")
-    half = audio[::2] if rate == 16000 else audio
-    by_wave = model.predict(pd.DataFrame({"waveform": [half.tolist()], "sample_rate": [rate // 2]}))
+    by_wave = model.predict(pd.DataFrame({"waveform": [audio.tolist()], "sample_rate": [rate]}))
     by_path = model.predict(pd.DataFrame({"path": [str(files[0][0])]}))
     assert by_path["transcript"][0] == files[0][1]
-    assert wer(files[:1], list(by_wave["transcript"])) <= 0.5
+    assert by_wave["transcript"][0] == files[0][1]
 
     registered = mlflow.pyfunc.load_model("models:/yesno-asr/1")
     assert registered.predict(pd.DataFrame({"path": [str(files[1][0])]}))["transcript"][0] == files[1][1]
