@@ -46,6 +46,8 @@ REQUIREMENTS = (
 )
 #: Seconds of audio per decoding batch.
 BATCH_SECONDS = 60.0
+#: Shorter audio cannot fill the encoder's two stride-2 convolutions.
+MIN_DURATION_S = 0.1
 
 SIGNATURE = ModelSignature(
     inputs=Schema([
@@ -104,14 +106,34 @@ class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
         with tempfile.TemporaryDirectory(prefix="asrflow-pyfunc-") as folder:
             paths = [_audio_path(row, index, Path(folder), self.bundle.features.sampling_rate)
                      for index, row in enumerate(rows)]
-            from asrflow.cli import transcribe_files
-
-            transcripts = []
-            for _, text, error in transcribe_files(self.bundle, paths, decode, BATCH_SECONDS):
-                if error is not None:
-                    raise AsrflowError(error)
-                transcripts.append(text)
+            transcripts = transcribe(self.bundle, paths, decode)
         return pd.DataFrame({"transcript": transcripts})
+
+
+def transcribe(bundle, paths: list[str], decode, batch_seconds: float = BATCH_SECONDS) -> list[str]:
+    """Transcripts of audio files, in order; :class:`AsrflowError` naming the first file that
+    cannot be read or is too short. Batches of at most ``batch_seconds``, sorted by duration."""
+    from lhotse import CutSet
+
+    from asrflow.data.manifests import pack_by_duration
+    from asrflow.inference import audio_cut, cut_features, log_probs
+
+    cuts = []
+    for index, path in enumerate(paths):
+        cut = audio_cut(path)
+        if cut.duration < MIN_DURATION_S:
+            raise AsrflowError(
+                f"{path}: too short to transcribe ({cut.duration:.3f} s of audio; at least {MIN_DURATION_S} s)"
+            )
+        cuts.append(cut.with_id(f"input-{index}"))
+    texts = [""] * len(cuts)
+    order = sorted(range(len(cuts)), key=lambda index: cuts[index].duration)
+    for batch in pack_by_duration(order, lambda index: cuts[index].duration, batch_seconds):
+        features, lengths = cut_features(bundle, CutSet.from_cuts([cuts[index] for index in batch]))  # (N, T, F)
+        scores, out_lens = log_probs(bundle, features, lengths)  # (N, T', V), (N,)
+        for index, ids in zip(batch, decode(scores, out_lens), strict=True):
+            texts[index] = " ".join(bundle.tokenizer.decode(ids).split())
+    return texts
 
 
 def _rows(model_input) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,8 +22,12 @@ from mlflow.tracking import MlflowClient
 from test_mlflow_ui import free_port, stop
 from trained_model import split_files
 
+from asrflow.bundle import load_bundle
+from asrflow.data.manifests import cuts_path
 from asrflow.errors import AsrflowError
+from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.evaluation.metrics import score_corpus
+from asrflow.mlflow_dataset import manifest_digest
 from asrflow.mlflow_model import log_bundle
 from asrflow.tracking import RunTracker
 
@@ -148,3 +153,30 @@ def test_mlflow_models_serve_answers(logged, yesno_data, tmp_path):
     finally:
         stop(server)
 
+
+
+def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, yesno_data, tmp_path):
+    """The training run (in a copy of its store) gets its model logged; evaluate then puts the
+    test metrics on that model, naming the test manifest they were measured on."""
+    shutil.copyfile(yesno_model.parent / "mlflow.db", tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = load_bundle(yesno_model).run_id
+    tracker = RunTracker.start(run_id=run_id, tracking_uri=uri)
+    info = tracker.log_model(yesno_model)
+    tracker.end()
+
+    metrics = evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", EvaluateConfig(), uri)
+
+    client = MlflowClient(tracking_uri=uri)
+    model = client.get_logged_model(info.model_id)
+    on_model = {metric.key: metric for metric in model.metrics}
+    digest = manifest_digest(cuts_path(yesno_data / "fbank", "test"))
+    assert on_model["test/wer"].value == pytest.approx(metrics["wer"])
+    assert on_model["test/wer"].dataset_name == "test" and on_model["test/wer"].dataset_digest == digest
+    run = client.get_run(run_id)
+    contexts = {
+        tag.value: item.dataset.digest for item in run.inputs.dataset_inputs for tag in item.tags
+        if tag.key == "mlflow.data.context"
+    }
+    assert contexts["test"] == digest
+    assert run.info.status == "FINISHED"
