@@ -92,7 +92,7 @@ def evaluate(model_path: Path, fbank_dir: Path, out_dir: Path, config: EvaluateC
     hyps, rtf = decode_split(bundle, cuts, config)
     score = score_corpus(refs, hyps)
     durations = {cut.id: cut.duration for cut in cuts}
-    metrics = write_report(out_dir, score, durations, rtf)
+    metrics = write_report(out_dir, score, durations, rtf, loss_csv=Path(out_dir).parent / "plots" / "train_loss.csv")
     logger.info("test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
                 100 * score.wer, 100 * score.cer, len(cuts), config.decoder)
     if bundle.run_id:
@@ -125,7 +125,7 @@ def _log_to_training_run(
             {f"test/{key}": value for key, value in metrics.items()},
             model_id=model_ids[-1] if model_ids else None, dataset=test_set,
         )
-        for name in ("metrics.json", "per_utterance.jsonl", "errors.txt", "wer_by_duration.csv"):
+        for name in ("metrics.json", "per_utterance.jsonl", "errors.txt", "wer_by_duration.csv", "metrics.html"):
             tracker.log_artifact(out_dir / name, artifact_path="eval")
         loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
         if loss_csv.is_file():

@@ -46,14 +46,30 @@ def stage_inputs(stage):
     return inputs
 
 
+# Outputs that `snakemake --report report.html` shows: caption (reST, in workflow/report/)
+# and category.
+REPORTED = {
+    "exp/eval/metrics.html": ("metrics.rst", "Evaluation"),
+    "exp/eval/wer_by_duration.svg": ("wer_by_duration.rst", "Evaluation"),
+    "exp/eval/train_loss.svg": ("train_loss.rst", "Training"),
+}
+
+
 def stage_outputs(stage):
-    """Named outputs; persisted outs (checkpoints) are left to the stage, never deleted."""
+    """Named outputs; persisted outs (checkpoints) are left to the stage, never deleted;
+    those in REPORTED are marked for Snakemake's report."""
     outputs = {}
     for out in DVC_STAGES[stage]["outs"]:
         path, options = next(iter(out.items())) if isinstance(out, dict) else (out, {})
         if options.get("persist"):
             continue
-        outputs[_name(path)] = directory(path) if not Path(path).suffix else path
+        if path in REPORTED:
+            caption, category = REPORTED[path]
+            outputs[_name(path)] = report(
+                path, caption=str(Path(workflow.basedir) / "report" / caption), category=category
+            )
+        else:
+            outputs[_name(path)] = directory(path) if not Path(path).suffix else path
     return outputs
 
 
