@@ -2,7 +2,8 @@
 
 Usage from the training loop::
 
-    tracker = RunTracker.start(experiment="asrflow", run_id=ckpt_run_id_or_None, run_name="train")
+    tracker = RunTracker.start_training(all_params, {"train": train_cuts, "dev": dev_cuts},
+                                        experiment="asrflow", run_id=ckpt_run_id_or_None)
     if ckpt_state is None:
         tracker.log_params(flatten(all_params))       # a new run only
     else:
@@ -11,6 +12,7 @@ Usage from the training loop::
     checkpoint["tracker"] = tracker.state_dict()        # plain python types
     save(checkpoint)                                    # durably written ...
     tracker.flush()                                     # ... then the buffer goes to MLflow
+    tracker.log_model("exp/model.pt", registered_model_name=None, step=step)  # the MLflow model
     tracker.end("FINISHED")
 
 Store
@@ -487,6 +489,44 @@ class RunTracker:
         )
         if system_metrics:
             tracker.start_system_metrics(system_metrics_interval_s)
+        return tracker
+
+    @classmethod
+    def start_training(
+        cls,
+        params: Mapping[str, Any],
+        manifests: Mapping[str, Any],
+        experiment: str = "asrflow",
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        *,
+        params_path: str | os.PathLike = "params.yaml",
+        system_metrics: bool = True,
+        system_metrics_interval_s: float = 10.0,
+    ) -> RunTracker:
+        """:meth:`start` for the training loop, with everything the UI shows of a training run.
+
+        A new run (``run_id`` None) is named by :func:`run_name` (against the committed
+        ``params_path``) and tagged by :func:`run_tags`; a continued run keeps its name and
+        tags. MLflow's system metrics run until :meth:`end`. ``manifests`` (context ->
+        ``<split>_cuts.jsonl.gz``, e.g. ``{"train": ..., "dev": ...}``) are logged by
+        :meth:`log_datasets` (a continued run gets nothing twice). Params are not logged here:
+        call :meth:`log_params` for a new run, :meth:`load_state_dict` for a resumed one.
+        """
+        tracker = cls.start(
+            experiment,
+            run_id,
+            run_name(params, committed_params(params_path)),
+            tracking_uri,
+            tags=run_tags(params) if run_id is None else None,
+            system_metrics=system_metrics,
+            system_metrics_interval_s=system_metrics_interval_s,
+        )
+        try:
+            tracker.log_datasets(manifests)
+        except BaseException:
+            tracker.end("FAILED")
+            raise
         return tracker
 
     @staticmethod

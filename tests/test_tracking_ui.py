@@ -242,3 +242,39 @@ def test_train_stage_stops_before_training_when_the_server_is_unreachable(tmp_pa
     assert len(errors) == 1 and server in errors[0] and "unset MLFLOW_TRACKING_URI" in errors[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "exp").exists()
+
+
+def test_start_training_does_what_the_ui_shows(uri, tmp_path, monkeypatch):
+    """The one call the training loop makes: name, tags, datasets, system metrics; a resume
+    continues the same run with nothing logged twice."""
+    monkeypatch.chdir(tmp_path)  # no git here: the name falls back to the params digest
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    monkeypatch.setenv("ASRFLOW_PIPELINE", "snakemake")
+    manifests = {"train": write_cuts(tmp_path / "train_cuts.jsonl.gz", [3.0, 4.0]),
+                 "dev": write_cuts(tmp_path / "dev_cuts.jsonl.gz", [2.0], prefix="dev")}
+    tracker = RunTracker.start_training(PARAMS, manifests, tracking_uri=uri, system_metrics_interval_s=0.2)
+    assert tracker._monitor is not None
+    tracker.end("KILLED")
+    assert tracker._monitor is None
+    resumed = RunTracker.start_training(PARAMS, manifests, run_id=tracker.run_id, tracking_uri=uri,
+                                        system_metrics=False)
+    resumed.end()
+
+    run = MlflowClient(tracking_uri=uri).get_run(tracker.run_id)
+    assert run.info.run_name == f"params-{params_digest(PARAMS)}"
+    assert run.data.tags[PIPELINE_TAG] == "snakemake"
+    assert run.data.tags[DATA_DIGEST_TAG] == combined_digest(
+        [manifest_digest(manifests["train"]), manifest_digest(manifests["dev"])]
+    )
+    assert len(run.inputs.dataset_inputs) == 2
+    assert run.info.status == "FINISHED"
+
+
+def test_start_training_with_a_missing_manifest_fails_the_run(uri, tmp_path):
+    with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz not found"):
+        RunTracker.start_training(PARAMS, {"train": tmp_path / "train_cuts.jsonl.gz"}, tracking_uri=uri,
+                                  system_metrics=False)
+    (run,) = MlflowClient(tracking_uri=uri).search_runs(
+        [MlflowClient(tracking_uri=uri).get_experiment_by_name("asrflow").experiment_id]
+    )
+    assert run.info.status == "FAILED"
