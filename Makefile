@@ -25,7 +25,7 @@ test: $(STAMP)
 	. $(BIN)/activate && ruff check . && python -m pytest -q
 
 test-fast: $(STAMP)
-	. $(BIN)/activate && python -m pytest -q -m "not pipeline"
+	. $(BIN)/activate && python -m pytest -q -m "not pipeline and not serve"
 
 bench: $(STAMP)
 	. $(BIN)/activate && python -m bench.run_all

@@ -2,7 +2,8 @@
 
 Usage from the training loop::
 
-    tracker = RunTracker.start(experiment="asrflow", run_id=ckpt_run_id_or_None, run_name="train")
+    tracker = RunTracker.start_training(all_params, {"train": train_cuts, "dev": dev_cuts},
+                                        experiment="asrflow", run_id=ckpt_run_id_or_None)
     if ckpt_state is None:
         tracker.log_params(flatten(all_params))       # a new run only
     else:
@@ -11,6 +12,7 @@ Usage from the training loop::
     checkpoint["tracker"] = tracker.state_dict()        # plain python types
     save(checkpoint)                                    # durably written ...
     tracker.flush()                                     # ... then the buffer goes to MLflow
+    tracker.log_model("exp/model.pt", registered_model_name=None, step=step)  # the MLflow model
     tracker.end("FINISHED")
 
 Store
@@ -44,6 +46,22 @@ Rollback (the same process goes back to the checkpoint of step ``s``)
     resume does: points of the abandoned steps that were already flushed stay in the store,
     and the retried steps' copies of them are dropped. Every step keeps exactly one point.
 
+Unreachable store
+    :func:`check_tracking_uri` (called by :meth:`RunTracker.start`) refuses a tracking
+    server that does not answer, naming the URI and the local fallback, before any work.
+    A server that goes away *during* a run does not stop training: :meth:`RunTracker.flush`
+    keeps the points it could not send (they are in the checkpoints too) and sends them at
+    the next flush once the server answers again.
+
+What the UI shows
+    The experiment is tagged ``mlflow.experimentKind = custom_model_development``, so MLflow
+    3's UI opens it in its model-training view. :func:`run_name` and :func:`run_tags` name a
+    run after the DVC experiment or the params that differ from the committed params.yaml,
+    and tag it with the pipeline tool and a params digest; :meth:`RunTracker.log_datasets`
+    logs the manifests as dataset inputs (and the data digest tag);
+    ``RunTracker.start(system_metrics=True)`` runs MLflow's own system-metrics monitor
+    (CPU, memory, disk, network, and GPU when ``nvidia-ml-py`` finds one).
+
 Reopening
     ``RunTracker.start(run_id=...)`` continues that run: a RUNNING/FAILED/KILLED run is
     set RUNNING again (training resumes); a FINISHED run stays FINISHED while evaluate adds
@@ -54,6 +72,7 @@ Reopening
 from __future__ import annotations
 
 import getpass
+import hashlib
 import json
 import logging
 import os
@@ -61,16 +80,24 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from asrflow.errors import AsrflowError
+from asrflow.errors import AsrflowError, first_line
 
 # Set before MLflow (and GitPython, which MLflow imports) is loaded: no warning when git is
 # missing, no telemetry attempts from a machine without network.
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# A tracking server that is down must not hold a training step for minutes (MLflow's
+# default is 7 retries with exponential backoff): a few quick retries, then the points wait
+# in the buffer for the next flush.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
@@ -96,6 +123,25 @@ ARTIFACTS_DIRNAME = "mlartifacts"
 LOGGED_THROUGH_TAG = "asrflow.logged_through_step"
 #: Run tag: the status :meth:`RunTracker.end` was given on a reopened FINISHED run.
 REOPENED_END_STATUS_TAG = "asrflow.reopened_end_status"
+#: Experiment tag MLflow 3's UI reads to pick its view, and the value of the model-training view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+#: Run tag: the tool that ran the stage: ``snakemake``, ``dvc`` or ``direct``.
+PIPELINE_TAG = "asrflow.pipeline"
+#: Run tag: digest of the run's (flattened) params.
+PARAMS_DIGEST_TAG = "asrflow.params_digest"
+#: Run tag: digest of the train and dev manifests (see :meth:`RunTracker.log_datasets`).
+DATA_DIGEST_TAG = "asrflow.data_digest"
+#: Run tag: the DVC experiment that ran the stage (``dvc exp run``).
+DVC_EXP_TAG = "asrflow.dvc_experiment"
+#: Environment variable the Snakemake rules set to ``snakemake`` (see :func:`pipeline_tool`).
+PIPELINE_ENV = "ASRFLOW_PIPELINE"
+#: Dataset input tag MLflow's UI shows as the dataset's context.
+DATASET_CONTEXT_TAG = "mlflow.data.context"
+#: Longest run name made from params differences.
+MAX_RUN_NAME_CHARS = 80
+#: Seconds to wait for a tracking server's answer in :func:`check_tracking_uri`.
+PROBE_TIMEOUT_S = 10.0
 STATE_VERSION = 1
 _END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 _TRUNCATED = "...[truncated]"
@@ -186,6 +232,131 @@ def _git_commit() -> str | None:
     return commit if result.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
+def check_tracking_uri(tracking_uri: str | None = None) -> str:
+    """Refuse a tracking store that cannot be used, before any work; returns the resolved URI.
+
+    An ``http(s)://`` server must answer (any HTTP status counts) within
+    :data:`PROBE_TIMEOUT_S`; a SQLite store's folder must be creatable. Raises
+    :class:`AsrflowError` naming the URI and how to fall back to the local store.
+    """
+    from_env = tracking_uri is None and bool(os.environ.get("MLFLOW_TRACKING_URI"))
+    uri = resolve_tracking_uri(tracking_uri or default_tracking_uri())
+    origin = " (from MLFLOW_TRACKING_URI)" if from_env else ""
+    fallback = (
+        f"start the server, or unset MLFLOW_TRACKING_URI to log to the local store {DEFAULT_TRACKING_URI} "
+        f"(browse it with `mlflow ui --backend-store-uri {DEFAULT_TRACKING_URI}`)"
+    )
+    if uri.startswith(("http://", "https://")):
+        probe = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+        try:
+            with urllib.request.urlopen(probe, timeout=PROBE_TIMEOUT_S):
+                pass
+        except urllib.error.HTTPError:
+            pass  # it answered: authentication and the like are MLflow's to report
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise AsrflowError(
+                f"MLflow tracking server {uri}{origin} cannot be reached ({reason}): {fallback}"
+            ) from None
+        return uri
+    db = sqlite_path(uri)
+    if db is not None:
+        try:
+            db.resolve().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise AsrflowError(
+                f"MLflow store {uri}{origin}: cannot create its folder ({error.strerror}); "
+                f"use a writable path, or unset MLFLOW_TRACKING_URI to use {DEFAULT_TRACKING_URI}"
+            ) from None
+    return uri
+
+
+def _ui_hint(uri: str) -> str:
+    """How to browse a store: `` (browse: mlflow ui --backend-store-uri ...)`` for SQLite."""
+    return f" (browse: mlflow ui --backend-store-uri {uri})" if sqlite_path(uri) is not None else ""
+
+
+def pipeline_tool() -> str:
+    """Which tool ran this stage: ``snakemake`` (its rules set ``ASRFLOW_PIPELINE``), ``dvc``
+    (it sets ``DVC_STAGE`` for every command), or ``direct``."""
+    if os.environ.get(PIPELINE_ENV):
+        return os.environ[PIPELINE_ENV]
+    if os.environ.get("DVC_STAGE") or os.environ.get("DVC_EXP_NAME"):
+        return "dvc"
+    return "direct"
+
+
+def params_digest(params: Mapping[str, Any]) -> str:
+    """First 8 hex characters of the SHA-256 of the flattened params (keys sorted)."""
+    from asrflow.params import flatten
+
+    flat = {key: param_value(value) for key, value in flatten(dict(params)).items()}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def committed_params(path: str | os.PathLike = "params.yaml") -> dict | None:
+    """``path`` as committed in git's HEAD (the defaults a run is compared with), or None."""
+    import yaml
+
+    try:
+        result = subprocess.run(
+            ["git", "show", f"HEAD:./{Path(path).name}"],
+            capture_output=True, text=True, timeout=10, check=False, cwd=Path(path).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    try:
+        loaded = yaml.safe_load(result.stdout)
+    except yaml.YAMLError:
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def run_name(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> str:
+    """A run name a person can tell apart from the others.
+
+    ``$DVC_EXP_NAME`` under ``dvc exp run``; else the params that differ from ``defaults``
+    (e.g. the committed params.yaml, :func:`committed_params`) as ``train.lr=0.001
+    train.epochs=60``, cut at :data:`MAX_RUN_NAME_CHARS` with ``+N more``; else
+    ``defaults-<digest>`` (nothing differs) or ``params-<digest>`` (no defaults known).
+    """
+    if os.environ.get("DVC_EXP_NAME"):
+        return os.environ["DVC_EXP_NAME"]
+    digest = params_digest(params)
+    if defaults is None:
+        return f"params-{digest}"
+    from asrflow.params import flatten
+
+    now, before = flatten(dict(params)), flatten(dict(defaults))
+    changed = [
+        f"{key}={param_value(now[key]) if key in now else '(unset)'}"
+        for key in sorted(set(now) | set(before))
+        if param_value(now.get(key)) != param_value(before.get(key)) or (key in now) != (key in before)
+    ]
+    if not changed:
+        return f"defaults-{digest}"
+    name = ""
+    for count, item in enumerate(changed):
+        rest = len(changed) - count
+        candidate = f"{name} {item}".strip()
+        if len(candidate) > MAX_RUN_NAME_CHARS and count:
+            return f"{name} +{rest} more"
+        name = candidate
+    return name
+
+
+def run_tags(params: Mapping[str, Any]) -> dict[str, str]:
+    """Tags of a new run: the pipeline tool, the params digest and, under ``dvc exp run``, the
+    experiment name. (:meth:`RunTracker.start` adds the git commit; :meth:`RunTracker.log_datasets`
+    the data digest.)"""
+    tags = {PIPELINE_TAG: pipeline_tool(), PARAMS_DIGEST_TAG: params_digest(params)}
+    if os.environ.get("DVC_EXP_NAME"):
+        tags[DVC_EXP_TAG] = os.environ["DVC_EXP_NAME"]
+    return tags
+
+
 class RunTracker:
     """One MLflow run, fed by the training loop (buffered) or by evaluate (direct).
 
@@ -220,6 +391,8 @@ class RunTracker:
         self._written_through = -1
         self._skip: set[tuple[str, int]] = set()
         self._ended = False
+        self._monitor = None  # MLflow's SystemMetricsMonitor, when started
+        self._store_down = False  # the last flush could not reach the store
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -232,6 +405,8 @@ class RunTracker:
         *,
         tags: Mapping[str, Any] | None = None,
         create_if_missing: bool = False,
+        system_metrics: bool = False,
+        system_metrics_interval_s: float = 10.0,
     ) -> RunTracker:
         """Open a new run in ``experiment``, or continue run ``run_id``.
 
@@ -244,11 +419,14 @@ class RunTracker:
             tags: extra tags for the run.
             create_if_missing: if ``run_id`` is not in the store, start a new run (tagged
                 ``asrflow.replaces_run_id``) instead of raising :class:`AsrflowError`.
+            system_metrics: sample CPU, memory, disk, network (and GPU) every
+                ``system_metrics_interval_s`` with MLflow's own monitor, as ``system/*``
+                metrics of the run, until :meth:`end`. A continued run goes on from its
+                last system-metrics step.
+
+        Raises :class:`AsrflowError` when the store cannot be reached (:func:`check_tracking_uri`).
         """
-        uri = resolve_tracking_uri(tracking_uri or default_tracking_uri())
-        db = sqlite_path(uri)
-        if db is not None:
-            db.resolve().parent.mkdir(parents=True, exist_ok=True)
+        uri = check_tracking_uri(tracking_uri)
         client = MlflowClient(tracking_uri=uri)
         extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
 
@@ -273,7 +451,9 @@ class RunTracker:
                 )
                 if extra_tags:
                     tracker.set_tags(extra_tags)
-                log.info("continuing MLflow run %s in %s", run_id, uri)
+                log.info("continuing MLflow run %s in %s", run_id, uri, extra={"terminal": True})
+                if system_metrics and not finished:
+                    tracker.start_system_metrics(system_metrics_interval_s, resume=True)
                 return tracker
             if not create_if_missing:
                 raise AsrflowError(
@@ -295,8 +475,11 @@ class RunTracker:
             run_tags["mlflow.source.git.commit"] = commit
         run_tags.update(extra_tags)
         run = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
-        log.info("started MLflow run %s (%s) in %s", run.info.run_id, run.info.run_name, uri)
-        return cls(
+        log.info(
+            "started MLflow run %s (%s) in %s%s", run.info.run_id, run.info.run_name, uri, _ui_hint(uri),
+            extra={"terminal": True},
+        )
+        tracker = cls(
             client,
             run.info.run_id,
             tracking_uri=uri,
@@ -304,6 +487,47 @@ class RunTracker:
             logged_through=-1,
             replaces_run_id=run_id,
         )
+        if system_metrics:
+            tracker.start_system_metrics(system_metrics_interval_s)
+        return tracker
+
+    @classmethod
+    def start_training(
+        cls,
+        params: Mapping[str, Any],
+        manifests: Mapping[str, Any],
+        experiment: str = "asrflow",
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        *,
+        params_path: str | os.PathLike = "params.yaml",
+        system_metrics: bool = True,
+        system_metrics_interval_s: float = 10.0,
+    ) -> RunTracker:
+        """:meth:`start` for the training loop, with everything the UI shows of a training run.
+
+        A new run (``run_id`` None) is named by :func:`run_name` (against the committed
+        ``params_path``) and tagged by :func:`run_tags`; a continued run keeps its name and
+        tags. MLflow's system metrics run until :meth:`end`. ``manifests`` (context ->
+        ``<split>_cuts.jsonl.gz``, e.g. ``{"train": ..., "dev": ...}``) are logged by
+        :meth:`log_datasets` (a continued run gets nothing twice). Params are not logged here:
+        call :meth:`log_params` for a new run, :meth:`load_state_dict` for a resumed one.
+        """
+        tracker = cls.start(
+            experiment,
+            run_id,
+            run_name(params, committed_params(params_path)),
+            tracking_uri,
+            tags=run_tags(params) if run_id is None else None,
+            system_metrics=system_metrics,
+            system_metrics_interval_s=system_metrics_interval_s,
+        )
+        try:
+            tracker.log_datasets(manifests)
+        except BaseException:
+            tracker.end("FAILED")
+            raise
+        return tracker
 
     @staticmethod
     def _get_run(client: MlflowClient, run_id: str, uri: str):
@@ -320,7 +544,9 @@ class RunTracker:
         if experiment is None:
             location = default_artifact_location(uri, name)
             try:
-                return client.create_experiment(name, artifact_location=location)
+                return client.create_experiment(
+                    name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+                )
             except MlflowException:
                 # Another process created it in the meantime.
                 experiment = client.get_experiment_by_name(name)
@@ -332,6 +558,8 @@ class RunTracker:
                 f"(`mlflow experiments restore --experiment-id {experiment.experiment_id}`) "
                 "or choose another experiment name"
             )
+        if EXPERIMENT_KIND_TAG not in experiment.tags:  # a kind the user chose stays
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
 
     @staticmethod
@@ -402,13 +630,34 @@ class RunTracker:
             self._pending.append((str(key), step, float(value), timestamp))
         self._recorded_through = max(self._recorded_through, step)
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """Write the buffered points, then advance ``asrflow.logged_through_step``.
 
         Call it right after a checkpoint holding :meth:`state_dict` is durably written,
         and at the end. A chunk that has been written leaves the buffer at once, so a flush
         that failed half-way can simply be called again.
+
+        When the store cannot be reached (a tracking server that went away), the points
+        stay in the buffer (and so in the next checkpoints), one warning says so, and the
+        next flush sends them: returns False then, True when everything was written.
         """
+        try:
+            self._flush()
+        except (MlflowException, OSError) as error:
+            if not self._store_down:
+                log.warning(
+                    "MLflow store %s cannot be reached (%s); training goes on, and the %d metric points "
+                    "kept are sent at the next flush once it is back",
+                    self.tracking_uri, first_line(error), len(self._pending),
+                )
+            self._store_down = True
+            return False
+        if self._store_down:
+            log.warning("MLflow store %s is reachable again: buffered points sent", self.tracking_uri)
+            self._store_down = False
+        return True
+
+    def _flush(self) -> None:
         while self._pending:  # in step order, so every chunk written covers the steps before it
             chunk = self._pending[: self.max_metrics_per_batch]
             self._write_metrics([Metric(key, value, ts, step) for key, step, value, ts in chunk])
@@ -440,11 +689,27 @@ class RunTracker:
         self._client.log_batch(self.run_id, tags=[RunTag(LOGGED_THROUGH_TAG, str(step))])
         self._logged_through = step
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
-        """Write metrics now, bypassing the buffer (for evaluate; not for the training loop)."""
+    def log_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int = 0,
+        *,
+        model_id: str | None = None,
+        dataset: Any | None = None,
+    ) -> None:
+        """Write metrics now, bypassing the buffer (for evaluate; not for the training loop).
+
+        ``model_id`` attaches them to a logged model (its page shows them), ``dataset`` (an
+        MLflow dataset, e.g. :class:`asrflow.mlflow_dataset.ManifestDataset`) says what they
+        were measured on.
+        """
         timestamp = _now_ms()
         points = [
-            Metric(str(key), float(value), timestamp, int(step))
+            Metric(
+                str(key), float(value), timestamp, int(step), model_id=model_id,
+                dataset_name=dataset.name if dataset is not None else None,
+                dataset_digest=dataset.digest if dataset is not None else None,
+            )
             for key, value in metrics.items()
             if value is not None
         ]
@@ -513,6 +778,84 @@ class RunTracker:
                     found.add((key, metric.step))
         return found
 
+    # ------------------------------------------------------------------ datasets, models, system metrics
+    def log_datasets(self, manifests: Mapping[str, Any]) -> dict[str, Any]:
+        """Log cut manifests as the run's dataset inputs, one per context.
+
+        Args:
+            manifests: context (``train``, ``dev``, ``test``) -> a ``<split>_cuts.jsonl.gz``
+                path or a :class:`asrflow.mlflow_dataset.ManifestDataset`.
+
+        Each gets its digest, source and profile (utterances, hours); a dataset already
+        logged with that context is not logged again (so a resumed run may call this
+        again). The train and dev digests give the run tag ``asrflow.data_digest``.
+        Returns context -> ManifestDataset.
+        """
+        from mlflow.entities import DatasetInput, InputTag
+
+        from asrflow.mlflow_dataset import ManifestDataset, combined_digest
+
+        datasets = {
+            context: item if isinstance(item, ManifestDataset) else ManifestDataset(item, name=context)
+            for context, item in manifests.items()
+        }
+        run = self._client.get_run(self.run_id)
+        logged = {
+            (item.dataset.name, item.dataset.digest, tag.value)
+            for item in (run.inputs.dataset_inputs if run.inputs else [])
+            for tag in item.tags
+            if tag.key == DATASET_CONTEXT_TAG
+        }
+        inputs = [
+            DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(DATASET_CONTEXT_TAG, context)])
+            for context, dataset in datasets.items()
+            if (dataset.name, dataset.digest, context) not in logged
+        ]
+        if inputs:
+            self._client.log_inputs(self.run_id, datasets=inputs)
+        training = [datasets[context].digest for context in ("train", "dev") if context in datasets]
+        if training:
+            self.set_tags({DATA_DIGEST_TAG: combined_digest(training)})
+        return datasets
+
+    def log_model(self, bundle_path: str | os.PathLike, **kwargs: Any) -> Any:
+        """Log a model bundle as this run's MLflow model (a ``pyfunc`` that transcribes audio).
+
+        See :func:`asrflow.mlflow_model.log_bundle` for the arguments (``name``,
+        ``registered_model_name``, ``step``); returns MLflow's ``ModelInfo`` (``model_id``,
+        ``model_uri``).
+        """
+        from asrflow.mlflow_model import log_bundle
+
+        return log_bundle(bundle_path, run_id=self.run_id, tracking_uri=self.tracking_uri, **kwargs)
+
+    def model_ids(self) -> list[str]:
+        """The ids of the MLflow models logged by this run (oldest first)."""
+        run = self._client.get_run(self.run_id)
+        outputs = run.outputs.model_outputs if run.outputs else []
+        return [output.model_id for output in outputs]
+
+    def start_system_metrics(self, interval_s: float = 10.0, resume: bool = False) -> None:
+        """Start MLflow's system-metrics monitor for this run (``system/*`` metrics every ``interval_s``).
+
+        ``resume``: continue the steps of the run's earlier system metrics. Needs psutil;
+        GPU metrics need ``nvidia-ml-py`` and an NVIDIA GPU. Stopped by :meth:`end`.
+        """
+        if self._monitor is not None:
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._monitor = SystemMetricsMonitor(
+            self.run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=self.tracking_uri
+        )
+        self._monitor.start()
+
+    def stop_system_metrics(self) -> None:
+        """Stop the system-metrics monitor, writing its last samples (nothing if none runs)."""
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+
     # ------------------------------------------------------------------ artifacts and end
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Copy a file or a whole folder into the run's artifacts (under ``artifact_path``)."""
@@ -541,7 +884,15 @@ class RunTracker:
             raise ValueError(f"status must be one of {_END_STATUSES}, got {status!r}")
         if self._ended:
             return
-        self.flush()
+        self.stop_system_metrics()
+        if not self.flush():
+            log.warning(
+                "%d metric points could not be sent to %s (those saved in a checkpoint are sent when "
+                "training resumes from it); MLflow run %s is left as it was", len(self._pending),
+                self.tracking_uri, self.run_id,
+            )
+            self._ended = True
+            return
         if self._reopened_finished:
             if status != "FINISHED":
                 self.set_tags({REOPENED_END_STATUS_TAG: status})

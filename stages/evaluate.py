@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     config = build_config(EvaluateConfig, load_params(args.params).get("evaluate"), "evaluate")
     metrics = evaluate(Path(args.model), Path(args.fbank), Path(args.out), config)
     print(f"test WER: {100 * metrics['wer']:.2f}%  CER: {100 * metrics['cer']:.2f}%")
-    logger.info("report in %s; browse runs with: mlflow ui --backend-store-uri sqlite:///mlflow.db", args.out)
+    logger.info(
+        "test WER %.2f%%, CER %.2f%%; report in %s; browse runs with: mlflow ui --backend-store-uri "
+        "sqlite:///mlflow.db", 100 * metrics["wer"], 100 * metrics["cer"], args.out, extra={"terminal": True},
+    )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
+from asrflow.tracking import check_tracking_uri
 from asrflow.training.config import TrainConfig
 from asrflow.training.launch import check_launch, needs_torchrun, torchrun_command
 from asrflow.training.paths import TrainPaths
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.node_rank is not None:
         config = replace(config, node_rank=args.node_rank)
     features = build_config(FeatureConfig, params.get("features"), "features")
+    check_tracking_uri()  # an unreachable MLFLOW_TRACKING_URI stops here, before any training
     if needs_torchrun(config):
         check_launch(config)
         command = torchrun_command(config, ["-m", "stages.train", *(argv if argv is not None else sys.argv[1:])])

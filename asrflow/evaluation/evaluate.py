@@ -11,8 +11,9 @@ from pathlib import Path
 from lhotse import CutSet
 
 from asrflow.bundle import Bundle, load_bundle
-from asrflow.data.manifests import cut_text, load_cuts, pack_by_duration
+from asrflow.data.manifests import cut_text, cuts_path, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
+from asrflow.errors import AsrflowError
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.evaluation.report import (
     WER_BY_DURATION_COLUMNS,
@@ -119,30 +120,40 @@ def evaluate(
     hyps, rtf = decode_split(bundle, cuts, config)
     score = score_corpus(refs, hyps)
     durations = {cut.id: cut.duration for cut in cuts}
-    metrics = write_report(out_dir, score, durations, rtf=rtf)
+    metrics = write_report(out_dir, score, durations, rtf=rtf, loss_csv=Path(out_dir).parent / "plots" / "train_loss.csv")
     logger.info("test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
                 100 * score.wer, 100 * score.cer, len(cuts), config.decoder)
     if bundle.run_id:
         _log_to_training_run(
             bundle.run_id, metrics, wer_rows=wer_by_duration(score, durations), out_dir=out_dir,
-            tracking_uri=tracking_uri,
+            tracking_uri=tracking_uri, test_manifest=cuts_path(fbank_dir, "test"),
         )
     return metrics
 
 
 def _log_to_training_run(
-    run_id: str, metrics: dict, *, wer_rows: list[dict[str, object]], out_dir: Path, tracking_uri: str | None
+    run_id: str, metrics: dict, *, wer_rows: list[dict[str, object]], out_dir: Path, tracking_uri: str | None,
+    test_manifest: Path,
 ) -> None:
     """Log the metrics (``test/*``), the report files, the training loss CSV, and the WER by
-    duration as an MLflow table (:data:`WER_TABLE_ARTIFACT`) and chart (:data:`WER_FIGURE_ARTIFACT`)."""
+    duration as an MLflow table (:data:`WER_TABLE_ARTIFACT`) and chart (:data:`WER_FIGURE_ARTIFACT`).
+
+    The test manifest becomes the run's ``test`` dataset input; the metrics name it and are
+    attached to the run's latest logged MLflow model, when it has one (its page shows them).
+    """
     from mlflow.tracking import MlflowClient
 
     from asrflow.tracking import RunTracker
 
     tracker = RunTracker.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
     try:
-        tracker.log_metrics({f"test/{key}": value for key, value in metrics.items()})
-        for name in ("metrics.json", "per_utterance.jsonl", "errors.txt", "wer_by_duration.csv"):
+        test_set = tracker.log_datasets({"test": test_manifest})["test"]
+        model_ids = tracker.model_ids()
+        tracker.log_metrics(
+            {f"test/{key}": value for key, value in metrics.items()},
+            model_id=model_ids[-1] if model_ids else None, dataset=test_set,
+        )
+        for name in ("metrics.json", "per_utterance.jsonl", "errors.txt", "wer_by_duration.csv", "metrics.html"):
             tracker.log_artifact(out_dir / name, artifact_path="eval")
         loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
         if loss_csv.is_file():

@@ -14,6 +14,9 @@ is complete:
   bucket's WER pools its utterances' errors and reference words; empty buckets are left out.
 - ``metrics.json``: flat numbers (``wer``, ``cer`` and their counts, rates and
   ``rtf_*``), so ``dvc metrics show`` and MLflow can take them as they are.
+
+For people (and ``snakemake --report``), :func:`write_figures` adds ``metrics.html`` (the
+WER/CER table), ``wer_by_duration.svg`` and ``train_loss.svg`` (the training loss per step).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ METRICS_FILE = "metrics.json"
 PER_UTTERANCE_FILE = "per_utterance.jsonl"
 ERRORS_FILE = "errors.txt"
 WER_BY_DURATION_FILE = "wer_by_duration.csv"
+METRICS_TABLE_FILE = "metrics.html"
+WER_BY_DURATION_FIGURE_FILE = "wer_by_duration.svg"
+TRAIN_LOSS_FIGURE_FILE = "train_loss.svg"
 #: The columns of ``wer_by_duration.csv`` (and keys of :func:`wer_by_duration`'s rows).
 WER_BY_DURATION_COLUMNS = ("duration_bucket", "wer", "num_utterances")
 
@@ -153,6 +159,7 @@ def write_report(
     *,
     rtf: dict[str, float] | None = None,
     top_n: int = TOP_ERRORS,
+    loss_csv: Path | None = None,
 ) -> dict[str, float | int]:
     """Write the report files (see the module docstring) into ``out_dir``.
 
@@ -162,6 +169,8 @@ def write_report(
         durations: audio duration in seconds per utterance id.
         rtf: optional real-time factors by name (e.g. ``{"decode": 0.02}``).
         top_n: how many word errors ``errors.txt`` lists.
+        loss_csv: the training's ``train_loss.csv``: given, the figures and the metrics
+            table of :func:`write_figures` are written too (before ``metrics.json``).
 
     Returns:
         The metrics written to ``metrics.json``.
@@ -207,5 +216,75 @@ def write_report(
         writer.writerows(wer_by_duration(score, durations))
 
     metrics = metrics_dict(score, durations, rtf)
+    if loss_csv is not None:
+        write_figures(out_dir, metrics, wer_by_duration(score, durations), loss_csv)
     write_json(out_dir / METRICS_FILE, metrics)
     return metrics
+
+
+def train_loss_figure(loss_csv: Path):
+    """A line chart of the training loss per optimizer step from ``train_loss.csv`` (``step,loss``).
+
+    A missing or empty file gives an empty chart that says so.
+    """
+    from matplotlib.figure import Figure
+
+    steps: list[int] = []
+    losses: list[float] = []
+    if Path(loss_csv).is_file():
+        with open(loss_csv, newline="") as handle:
+            for row in csv.DictReader(handle):
+                steps.append(int(row["step"]))
+                losses.append(float(row["loss"]))
+    figure = Figure(figsize=(6.0, 3.5), layout="constrained")
+    axes = figure.add_subplot()
+    if steps:
+        axes.plot(steps, losses, linewidth=1.0)
+    else:
+        axes.text(0.5, 0.5, f"no training loss in {loss_csv}", ha="center", va="center", transform=axes.transAxes)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("CTC loss (nats per token)")
+    axes.set_title("Training loss per step")
+    return figure
+
+
+def metrics_table_html(metrics: dict[str, float | int]) -> str:
+    """A small self-contained HTML page with the test WER and CER and their error counts."""
+    def pct(value: float) -> str:
+        return f"{100 * float(value):.2f} %"
+
+    char_errors = metrics["char_substitutions"] + metrics["char_deletions"] + metrics["char_insertions"]
+    rows = [
+        ("WER", pct(metrics["wer"]), f"{metrics['word_errors']} errors / {metrics['ref_words']} words "
+         f"({metrics['substitutions']} sub, {metrics['deletions']} del, {metrics['insertions']} ins)"),
+        ("CER", pct(metrics["cer"]), f"{char_errors} errors / {metrics['ref_chars']} characters"),
+        ("utterances", str(metrics["num_utterances"]), f"{float(metrics['duration_s']) / 60:.1f} minutes of audio"),
+    ]
+    body = "\n".join(f"<tr><th>{name}</th><td>{value}</td><td>{detail}</td></tr>" for name, value, detail in rows)
+    return (
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Test WER and CER</title>"
+        "<style>table{border-collapse:collapse;font-family:sans-serif}th,td{border:1px solid #ccc;"
+        "padding:4px 10px;text-align:left}</style></head><body>\n"
+        f"<table>\n<tr><th>metric</th><th>value</th><th>counts</th></tr>\n{body}\n</table>\n</body></html>\n"
+    )
+
+
+def _save_svg(figure, path: Path) -> None:
+    import matplotlib
+
+    with matplotlib.rc_context({"svg.hashsalt": "asrflow"}), atomic_path(path) as tmp:
+        figure.savefig(tmp, format="svg", metadata={"Date": None})
+
+
+def write_figures(
+    out_dir: Path, metrics: dict[str, float | int], wer_rows: list[dict[str, object]], loss_csv: Path
+) -> None:
+    """Write :data:`METRICS_TABLE_FILE`, :data:`WER_BY_DURATION_FIGURE_FILE` and
+    :data:`TRAIN_LOSS_FIGURE_FILE` into ``out_dir`` (each atomically; SVGs without a date,
+    so the same numbers give the same bytes)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out_dir / METRICS_TABLE_FILE) as tmp:
+        tmp.write_text(metrics_table_html(metrics))
+    _save_svg(wer_by_duration_figure(wer_rows), out_dir / WER_BY_DURATION_FIGURE_FILE)
+    _save_svg(train_loss_figure(loss_csv), out_dir / TRAIN_LOSS_FIGURE_FILE)

@@ -19,7 +19,7 @@ START_METHODS = ("spawn", "forkserver", "fork")
 OPERATIONAL_KEYS = frozenset(
     {
         "epochs", "checkpoint_every_steps", "keep_last", "validate_every_steps", "average_last",
-        "num_workers", "dist_timeout_s", "stall_timeout_s", "mp_start_method", "experiment",
+        "num_workers", "dist_timeout_s", "stall_timeout_s", "mp_start_method", "experiment", "register_model_name",
         "rdzv_endpoint", "node_rank", "max_consecutive_nonfinite", "max_rollbacks",
     }
 )
@@ -71,6 +71,7 @@ class TrainConfig:
     stall_timeout_s: float = 900.0
     mp_start_method: str = "spawn"
     experiment: str = "asrflow"
+    register_model_name: str | None = None
 
     def __post_init__(self) -> None:
         self._check_model()
@@ -125,6 +126,10 @@ class TrainConfig:
         check_choice(self, SECTION, "mp_start_method", START_METHODS)
         if not self.experiment.strip():
             raise param_error(SECTION, "experiment", self.experiment, "must name an MLflow experiment")
+        if self.register_model_name is not None and not self.register_model_name.strip():
+            raise param_error(
+                SECTION, "register_model_name", self.register_model_name, "must be null or a registered-model name"
+            )
 
     def model(self, input_dim: int, vocab_size: int) -> ModelConfig:
         """The model shape: ``input_dim`` fbank bins in, ``vocab_size`` classes (blank included) out."""

@@ -117,3 +117,28 @@ def test_missing_durations_and_rewrites(tmp_path):
     assert json.loads((tmp_path / METRICS_FILE).read_text())["wer"] == 0.0
     assert "none" in (tmp_path / ERRORS_FILE).read_text()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_figures_and_metrics_table_for_people(tmp_path):
+    from asrflow.evaluation.report import METRICS_TABLE_FILE, TRAIN_LOSS_FIGURE_FILE, WER_BY_DURATION_FIGURE_FILE
+
+    loss_csv = tmp_path / "train_loss.csv"
+    loss_csv.write_text("step,loss\n1,5.0\n2,3.5\n3,2.25\n")
+    out = tmp_path / "eval"
+    metrics = write_report(out, score_corpus(REFS, HYPS), DURATIONS, loss_csv=loss_csv)
+    table = (out / METRICS_TABLE_FILE).read_text()
+    assert "<th>WER</th><td>27.27 %</td>" in table and "3 errors / 11 words" in table
+    assert f"<th>CER</th><td>{100 * metrics['cer']:.2f} %</td>" in table
+    loss_svg = (out / TRAIN_LOSS_FIGURE_FILE).read_text()
+    wer_svg = (out / WER_BY_DURATION_FIGURE_FILE).read_text()
+    assert loss_svg.startswith("<?xml") and "Training loss per step" in loss_svg
+    assert "Test WER by utterance duration" in wer_svg
+    # The same numbers give the same bytes (no date, fixed ids): DVC and Snakemake agree.
+    again = tmp_path / "again"
+    write_report(again, score_corpus(REFS, HYPS), DURATIONS, loss_csv=loss_csv)
+    for name in (METRICS_TABLE_FILE, TRAIN_LOSS_FIGURE_FILE, WER_BY_DURATION_FIGURE_FILE):
+        assert (again / name).read_bytes() == (out / name).read_bytes()
+    other = tmp_path / "other"
+    loss_csv.write_text("step,loss\n1,5.0\n2,1.0\n")
+    write_report(other, score_corpus(REFS, HYPS), DURATIONS, loss_csv=loss_csv)
+    assert (other / TRAIN_LOSS_FIGURE_FILE).read_bytes() != (out / TRAIN_LOSS_FIGURE_FILE).read_bytes()

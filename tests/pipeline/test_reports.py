@@ -119,3 +119,41 @@ def test_transcribe_with_the_pipeline_model_outside_the_repo(dvc_run, tmp_path):
     assert [path for path, _ in rows] == list(refs), result.stdout
     wer = score_corpus(refs, hyps).wer
     assert wer <= MAX_TRANSCRIBE_WER, f"transcribe WER {wer:.3f}:\n{result.stdout}"
+
+
+def test_snakemake_report_has_the_wer_table_and_both_figures(snakemake_run):
+    """``snakemake --report report.html``: one self-contained file embedding the WER/CER table,
+    the training-loss curve and the WER-by-duration chart (as base64 data)."""
+    import base64
+
+    copy = snakemake_run.copy
+    report = copy / "report.html"
+    try:
+        run(copy, "snakemake", "--report", str(report), timeout=300)
+        html = report.read_text()
+        for name in ("exp/eval/metrics.html", "exp/eval/train_loss.svg", "exp/eval/wer_by_duration.svg"):
+            content = base64.b64encode((copy / name).read_bytes()).decode()
+            assert content in html, f"{name} is not embedded in the report"
+        assert "Training loss per step" in (copy / "exp/eval/train_loss.svg").read_text()
+        assert "Evaluation" in html and "Training" in html
+    finally:
+        report.unlink(missing_ok=True)
+
+
+def test_snakemake_terminal_shows_progress_and_mlflow_knows_the_run(snakemake_run):
+    """The terminal names each stage's log and the test WER; MLflow's experiment opens in the
+    model-training view and the run has the test split as a dataset input."""
+    from mlflow.tracking import MlflowClient
+
+    from asrflow.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+
+    output = snakemake_run.output
+    for stage in ("prepare", "features", "tokenizer", "train", "evaluate"):
+        assert f"[{stage}] running; full log in logs/{stage}.log" in output
+    assert "[evaluate] test WER" in output
+    client = MlflowClient(tracking_uri=f"sqlite:///{snakemake_run.copy}/mlflow.db")
+    experiment = client.get_experiment_by_name("asrflow")
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    (run_info,) = client.search_runs([experiment.experiment_id])
+    contexts = {tag.value for item in run_info.inputs.dataset_inputs for tag in item.tags}
+    assert "test" in contexts

@@ -108,9 +108,16 @@ def test_snakemake_lint_has_no_findings(snakemake_run):
 
 
 def _without_log_redirect(shell: str, stage: str) -> str:
-    suffix = re.compile(rf"\s*>\s*(\{{log\}}|logs/{stage}\.log)\s+2>&1\s*$")
+    """The dvc.yaml command inside a rule's shell: without the environment that tells the
+    stage where its log and the terminal are, and without the redirects to them."""
+    log = rf"(\{{log\}}|logs/{stage}\.log)"
+    prefix = re.compile(
+        rf"^ASRFLOW_PIPELINE=snakemake ASRFLOW_STAGE={stage} ASRFLOW_LOG_FILE={log} ASRFLOW_PROGRESS_FD=3\s+"
+    )
+    suffix = re.compile(rf"\s+3>&2\s*>\s*{log}\s+2>&1\s*$")
     assert suffix.search(shell), f"rule {stage} does not send its output to its log: {shell!r}"
-    return suffix.sub("", shell)
+    assert prefix.search(shell), f"rule {stage} does not tell the stage where its log is: {shell!r}"
+    return suffix.sub("", prefix.sub("", shell))
 
 
 def _value(params: dict, dotted_key: str):

@@ -46,14 +46,30 @@ def stage_inputs(stage):
     return inputs
 
 
+# Outputs that `snakemake --report report.html` shows: caption (reST, in workflow/report/)
+# and category.
+REPORTED = {
+    "exp/eval/metrics.html": ("metrics.rst", "Evaluation"),
+    "exp/eval/wer_by_duration.svg": ("wer_by_duration.rst", "Evaluation"),
+    "exp/eval/train_loss.svg": ("train_loss.rst", "Training"),
+}
+
+
 def stage_outputs(stage):
-    """Named outputs; persisted outs (checkpoints) are left to the stage, never deleted."""
+    """Named outputs; persisted outs (checkpoints) are left to the stage, never deleted;
+    those in REPORTED are marked for Snakemake's report."""
     outputs = {}
     for out in DVC_STAGES[stage]["outs"]:
         path, options = next(iter(out.items())) if isinstance(out, dict) else (out, {})
         if options.get("persist"):
             continue
-        outputs[_name(path)] = directory(path) if not Path(path).suffix else path
+        if path in REPORTED:
+            caption, category = REPORTED[path]
+            outputs[_name(path)] = report(
+                path, caption=str(Path(workflow.basedir) / "report" / caption), category=category
+            )
+        else:
+            outputs[_name(path)] = directory(path) if not Path(path).suffix else path
     return outputs
 
 
@@ -63,7 +79,11 @@ def stage_params(stage):
 
 
 def stage_shell(stage):
-    return _resolve(DVC_STAGES[stage]["cmd"]) + " > {log} 2>&1"
+    """dvc.yaml's command with its output in the rule's log. Snakemake's stderr (the
+    terminal) stays open as descriptor 3, where the stage shows its progress, warnings and
+    the log's path (asrflow/logs.py); the tags of the MLflow run say Snakemake ran it."""
+    env = f"ASRFLOW_PIPELINE=snakemake ASRFLOW_STAGE={stage} ASRFLOW_LOG_FILE={{log}} ASRFLOW_PROGRESS_FD=3"
+    return f"{env} {_resolve(DVC_STAGES[stage]['cmd'])} 3>&2 > {{log}} 2>&1"
 
 
 # A Snakemake killed with SIGKILL (OOM killer, preempted node, power cut) leaves its locks in

@@ -1,0 +1,182 @@
+"""The trained bundle as an MLflow model: logged to a real SQLite store, loaded with
+``mlflow.pyfunc.load_model``, it transcribes yesno's test files; ``mlflow models serve``
+answers a request (marked ``serve``: it starts a real server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+import soundfile
+from mlflow.tracking import MlflowClient
+from test_mlflow_ui import free_port, stop
+from trained_model import split_files
+
+from asrflow.bundle import load_bundle
+from asrflow.data.manifests import cuts_path
+from asrflow.errors import AsrflowError
+from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
+from asrflow.evaluation.metrics import score_corpus
+from asrflow.mlflow_dataset import manifest_digest
+from asrflow.mlflow_model import log_bundle
+from asrflow.tracking import RunTracker
+
+#: The session's trained model, ``yesno_model``: one fixture however many modules use it.
+pytest_plugins = ["trained_model"]
+
+MAX_WER = 0.05
+SERVE_TIMEOUT_S = 180
+
+
+def wer(files: list[tuple[Path, str]], transcripts: list[str]) -> float:
+    refs = {str(path): text for path, text in files}
+    hyps = {str(path): text for (path, _), text in zip(files, transcripts, strict=True)}
+    return score_corpus(refs, hyps).wer
+
+
+@pytest.fixture(scope="module")
+def logged(yesno_model, tmp_path_factory):
+    """``(tracking uri, run id, ModelInfo)`` of the bundle logged as the model of a new run."""
+    folder = tmp_path_factory.mktemp("mlflow_model")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    tracker = RunTracker.start(tracking_uri=uri, run_name="train")
+    tracker.record(5, {"train/loss": 0.5})
+    tracker.flush()
+    info = tracker.log_model(yesno_model, registered_model_name="yesno-asr", step=5)
+    tracker.end()
+    return uri, tracker.run_id, info
+
+
+def test_logged_model_is_linked_to_the_run_with_signature_and_requirements(logged):
+    uri, run_id, info = logged
+    client = MlflowClient(tracking_uri=uri)
+    model = client.get_logged_model(info.model_id)
+    assert model.source_run_id == run_id
+    assert model.name == "model"
+    assert str(model.status).endswith("READY")
+    run = client.get_run(run_id)
+    assert [output.model_id for output in run.outputs.model_outputs] == [info.model_id]
+    assert {metric.key: metric.value for metric in model.metrics} == {"train/loss": 0.5}
+    assert info.signature.inputs.input_names() == ["path", "waveform", "sample_rate"]
+    assert info.signature.outputs.input_names() == ["transcript"]
+    with mlflow.tracking._tracking_service.utils._use_tracking_uri(uri):
+        local = Path(mlflow.artifacts.download_artifacts(info.model_uri))
+    requirements = (local / "requirements.txt").read_text().split()
+    assert any(line.startswith("torch==") for line in requirements)
+    assert any(line.startswith("lhotse==") for line in requirements)
+    assert (local / "code" / "asrflow" / "bundle.py").is_file()
+    versions = client.search_model_versions("name='yesno-asr'")
+    assert [str(version.version) for version in versions] == ["1"]
+
+
+def test_pyfunc_load_model_transcribes_yesno_test_files(logged, yesno_data, monkeypatch):
+    uri, _, info = logged
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    model = mlflow.pyfunc.load_model(f"models:/{info.model_id}")
+    files = split_files(yesno_data, "test")
+    out = model.predict(pd.DataFrame({"path": [str(path) for path, _ in files]}))
+    assert list(out.columns) == ["transcript"] and len(out) == len(files)
+    assert wer(files, list(out["transcript"])) <= MAX_WER
+
+    # A waveform at the file's own rate (yesno is 8 kHz; the model resamples to its 16 kHz).
+    audio, rate = soundfile.read(files[0][0], dtype="float32")
+    by_wave = model.predict(pd.DataFrame({"waveform": [audio.tolist()], "sample_rate": [rate]}))
+    by_path = model.predict(pd.DataFrame({"path": [str(files[0][0])]}))
+    assert by_path["transcript"][0] == files[0][1]
+    assert by_wave["transcript"][0] == files[0][1]
+
+    registered = mlflow.pyfunc.load_model("models:/yesno-asr/1")
+    assert registered.predict(pd.DataFrame({"path": [str(files[1][0])]}))["transcript"][0] == files[1][1]
+
+
+def test_pyfunc_bad_input_names_the_item(logged, tmp_path, monkeypatch):
+    uri, _, info = logged
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    model = mlflow.pyfunc.load_model(f"models:/{info.model_id}")
+    with pytest.raises(AsrflowError, match=r"nothere\.wav"):
+        model.predict(pd.DataFrame({"path": [str(tmp_path / "nothere.wav")]}))
+    with pytest.raises(AsrflowError, match="input row 0"):
+        model.predict(pd.DataFrame({"sample_rate": [16000]}))
+
+
+def test_missing_bundle_is_clear_error(tmp_path):
+    with pytest.raises(AsrflowError, match="not found"):
+        log_bundle(tmp_path / "model.pt", run_id="x", tracking_uri=f"sqlite:///{tmp_path}/m.db")
+
+
+@pytest.mark.serve
+def test_mlflow_models_serve_answers(logged, yesno_data, tmp_path):
+    uri, _, info = logged
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as handle:
+        server = subprocess.Popen(
+            ["mlflow", "models", "serve", "-m", f"models:/{info.model_id}", "--env-manager", "local",
+             "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
+            env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"mlflow models serve exited with {server.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(f"{base}/ping", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow models serve not up after {SERVE_TIMEOUT_S} s:\n{log.read_text()}")
+            time.sleep(0.5)
+        files = split_files(yesno_data, "test")[:3]
+        body = json.dumps({"dataframe_records": [{"path": str(path)} for path, _ in files]}).encode()
+        request = urllib.request.Request(f"{base}/invocations", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        transcripts = [row["transcript"] for row in answer["predictions"]]
+        assert wer(files, transcripts) <= MAX_WER, answer
+    finally:
+        stop(server)
+
+
+
+def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, yesno_data, tmp_path):
+    """The training run (in a copy of its store) gets its model logged; evaluate then puts the
+    test metrics on that model, naming the test manifest they were measured on."""
+    shutil.copyfile(yesno_model.parent / "mlflow.db", tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = load_bundle(yesno_model).run_id
+    tracker = RunTracker.start(run_id=run_id, tracking_uri=uri)
+    info = tracker.log_model(yesno_model)
+    tracker.end()
+
+    metrics = evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", EvaluateConfig(), uri)
+
+    client = MlflowClient(tracking_uri=uri)
+    model = client.get_logged_model(info.model_id)
+    on_model = {metric.key: metric for metric in model.metrics}
+    digest = manifest_digest(cuts_path(yesno_data / "fbank", "test"))
+    assert on_model["test/wer"].value == pytest.approx(metrics["wer"])
+    assert on_model["test/wer"].dataset_name == "test" and on_model["test/wer"].dataset_digest == digest
+    run = client.get_run(run_id)
+    contexts = {
+        tag.value: item.dataset.digest for item in run.inputs.dataset_inputs for tag in item.tags
+        if tag.key == "mlflow.data.context"
+    }
+    assert contexts["test"] == digest
+    assert run.info.status == "FINISHED"
