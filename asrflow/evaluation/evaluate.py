@@ -13,7 +13,6 @@ from lhotse import CutSet
 from asrflow.bundle import Bundle, load_bundle
 from asrflow.data.manifests import cut_text, cuts_path, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
-from asrflow.errors import AsrflowError
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.evaluation.report import (
     WER_BY_DURATION_COLUMNS,
@@ -120,7 +119,8 @@ def evaluate(
     hyps, rtf = decode_split(bundle, cuts, config)
     score = score_corpus(refs, hyps)
     durations = {cut.id: cut.duration for cut in cuts}
-    metrics = write_report(out_dir, score, durations, rtf=rtf, loss_csv=Path(out_dir).parent / "plots" / "train_loss.csv")
+    loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
+    metrics = write_report(out_dir, score, durations, rtf=rtf, loss_csv=loss_csv)
     logger.info("test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
                 100 * score.wer, 100 * score.cer, len(cuts), config.decoder)
     if bundle.run_id:
