@@ -945,5 +945,8 @@ class NullTracker:
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         pass
 
+    def log_model(self, bundle_path: str | os.PathLike, **kwargs: Any) -> None:
+        pass
+
     def end(self, status: str = "FINISHED") -> None:
         pass

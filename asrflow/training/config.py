@@ -131,6 +131,15 @@ class TrainConfig:
                 SECTION, "register_model_name", self.register_model_name, "must be null or a registered-model name"
             )
 
+    def validation_due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` ends with a dev-loss validation (``validate_every_steps``; 0 = never)."""
+        return bool(self.validate_every_steps) and step % self.validate_every_steps == 0
+
+    def injects_nonfinite(self, step: int, rank: int) -> bool:
+        """The test hook: step ``step`` is made non-finite on ``rank`` (``inject_nonfinite_ranks`` empty: all)."""
+        ranks = self.inject_nonfinite_ranks
+        return step in self.inject_nonfinite_steps and (not ranks or rank in ranks)
+
     def model(self, input_dim: int, vocab_size: int) -> ModelConfig:
         """The model shape: ``input_dim`` fbank bins in, ``vocab_size`` classes (blank included) out."""
         shape = {field.name: getattr(self, field.name) for field in fields(ModelConfig)

@@ -59,8 +59,15 @@ def write_loss_csv(path: Path, history: LossHistory) -> None:
             writer.writerow([step, f"{loss:.6f}"])
 
 
-def log_run_artifacts(tracker, paths: TrainPaths, all_params: dict) -> None:
-    """The model bundle, the tokenizer, the loss plot and the params the run was given, as MLflow artifacts."""
+def log_final_run(
+    tracker, *, paths: TrainPaths, all_params: dict, step: int, metrics: dict[str, float],
+    register_model_name: str | None,
+) -> None:
+    """The end of a training run in MLflow: the final ``metrics`` at ``step``; the model bundle, the
+    tokenizer, the loss plot and the params the run was given as artifacts; the bundle as the run's
+    MLflow model (a ``pyfunc``), registered under ``register_model_name`` when set."""
+    tracker.record(step, metrics)
+    tracker.flush()
     tracker.log_artifact(paths.model_path, artifact_path="model")
     tracker.log_artifact(paths.lang_dir / MODEL_FILE, artifact_path="tokenizer")
     tracker.log_artifact(paths.loss_csv, artifact_path="plots")
@@ -68,3 +75,4 @@ def log_run_artifacts(tracker, paths: TrainPaths, all_params: dict) -> None:
         params_file = Path(folder) / "params.yaml"
         params_file.write_text(yaml.safe_dump(all_params, sort_keys=False))
         tracker.log_artifact(params_file, artifact_path="params")
+    tracker.log_model(paths.model_path, registered_model_name=register_model_name, step=step)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from lhotse.dataset import GlobalMVN
 
-from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches
+from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, steps_in_plan
 from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
 from asrflow.data.index import CutIndex, data_digest
@@ -60,6 +60,8 @@ class TrainData:
     num_workers: int
     mp_start_method: str
     seed: int
+    #: The manifests read, by MLflow dataset context (``train``, and ``dev`` when there is one).
+    manifests: dict[str, Path]
     #: The folder of the train index's line store (under $TMPDIR), removed with this object.
     index_store: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     _open: Iterator[dict] | None = field(default=None, init=False, repr=False)
@@ -115,7 +117,13 @@ class TrainData:
             mp_start_method=config.mp_start_method,
             seed=seed,
             index_store=store,
+            manifests={split: cuts_path(fbank_dir, split) for split in ("train", "dev")
+                       if cuts_path(fbank_dir, split).is_file()},
         )
+
+    def steps_per_epoch(self, epoch: int) -> int:
+        """Optimizer steps ``epoch`` holds on every rank."""
+        return steps_in_plan(self.batches.plan(epoch), self.batches.accum_grad, self.batches.world_size)
 
     def loader(self, epoch: int, step_in_epoch: int) -> torch.utils.data.DataLoader:
         """This rank's batches from optimizer step ``step_in_epoch`` of ``epoch`` to the end of training.

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from asrflow.bundle import save_bundle
 from asrflow.data.features import FeatureConfig, cmvn_stats, load_cmvn
 from asrflow.data.workers import unpack_batch
+from asrflow.logs import StepProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
 from asrflow.source import source_digest
@@ -39,7 +40,7 @@ from asrflow.training.config import TrainConfig
 from asrflow.training.dev_loss import dev_loss
 from asrflow.training.distributed import DistInfo, check_same_everywhere, init_distributed, shutdown_distributed
 from asrflow.training.failures import describe_failure
-from asrflow.training.final_model import final_weights, log_run_artifacts, write_loss_csv
+from asrflow.training.final_model import final_weights, log_final_run, write_loss_csv
 from asrflow.training.guards import NonFiniteGuard, RollbackNeeded
 from asrflow.training.observers import TrainObserver
 from asrflow.training.paths import TrainPaths
@@ -90,6 +91,7 @@ class Trainer:
         self.tracking_uri = tracking_uri
         self.observers = list(observers)
         self.tracker: RunTracker | NullTracker = NullTracker()
+        self.step_progress: StepProgress | None = None
         self.stop_requested = False
 
     def setup(self) -> None:
@@ -203,7 +205,7 @@ class Trainer:
             result = train_step(
                 self.ddp_model, micro_batches, step_tokens=micro_batches[0]["step_tokens"], optimizer=self.optimizer,
                 scaler=self.scaler, precision=self.precision, max_grad_norm=self.config.max_grad_norm, dist=self.dist,
-                device=self.device, inject_nonfinite=self._inject_nonfinite(step),
+                device=self.device, inject_nonfinite=self.config.injects_nonfinite(step, self.dist.rank),
                 stop_requested=functools.partial(self._stop_flag, step), seed=self.seed,
             )
             self.scheduler.step()
@@ -218,7 +220,7 @@ class Trainer:
             self._report(result)
             for observer in self.observers:
                 observer.after_step(self, result)
-            improved_loss = self._validate(watchdog) if self._validation_due(step) else None
+            improved_loss = self._validate(watchdog) if self.config.validation_due(step) else None
             in_streak = self.guard.consecutive > 0
             if self.checkpoints.due(step, improved=improved_loss is not None, stop=result.stop, in_streak=in_streak):
                 self._save(dev_loss=improved_loss)
@@ -231,26 +233,21 @@ class Trainer:
             observer.in_step(self, step)
         return self.stop_requested
 
-    def _inject_nonfinite(self, step: int) -> bool:
-        """The test hook ``train.inject_nonfinite_steps`` (on ``inject_nonfinite_ranks``, or every rank)."""
-        ranks = self.config.inject_nonfinite_ranks
-        return step in self.config.inject_nonfinite_steps and (not ranks or self.dist.rank in ranks)
-
-    def _validation_due(self, step: int) -> bool:
-        """Every ``train.validate_every_steps`` steps, when there is dev data (the same on every rank)."""
-        every = self.config.validate_every_steps
-        return bool(every) and step % every == 0 and bool(self.data.dev_batches)
-
     def _report(self, result: StepResult) -> None:
         """The step's metrics to MLflow (rank 0), the loss history, and a log line now and then."""
         metrics = step_metrics(result, lr=self.optimizer.param_groups[0]["lr"], epoch=self.position.epoch,
                                world_size=self.dist.world_size, skipped_total=self.guard.total_skipped)
         loss_scale = self.scaler.get_scale() if self.precision.uses_scaler else None
         report_step(self.tracker, self.history, step=self.progress.global_step, metrics=metrics, loss_scale=loss_scale)
+        if self.step_progress is not None:  # the terminal's progress line (rank 0)
+            self.step_progress.update(self.progress.global_step, self.position.epoch, result.loss,
+                                      metrics["train/audio_s_per_s"])
 
     def _validate(self, watchdog: StallWatchdog) -> float | None:
         """Dev loss of the current weights, logged; returned when it beats the best checkpoint's (every rank
-        gets rank 0's verdict), else None."""
+        gets rank 0's verdict), else None (also without dev data)."""
+        if not self.data.dev_batches:
+            return None
         loss = dev_loss(self.ddp_model, self.data.dev_dataset, self.data.dev_batches, precision=self.precision,
                         dist=self.dist, device=self.device, beat=watchdog.beat)
         watchdog.beat()
@@ -291,10 +288,13 @@ class Trainer:
             logger.info("resuming from %s: step %d, epoch %d, batch %d of the epoch", path,
                         self.progress.global_step, self.position.epoch, self.position.step_in_epoch)
         loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
-        if self.dist.is_main:
-            self.tracker = RunTracker.start(experiment=self.config.experiment, run_name="train",
-                                            run_id=state["tracker"].get("run_id") if state else None,
-                                            tracking_uri=self.tracking_uri)
+        if self.dist.is_main:  # names and tags the run, logs the datasets, starts MLflow's system metrics
+            self.tracker = RunTracker.start_training(
+                self.all_params, self.data.manifests, experiment=self.config.experiment,
+                run_id=state["tracker"].get("run_id") if state else None, tracking_uri=self.tracking_uri,
+            )
+            self.step_progress = StepProgress(total_steps=self.data.steps_per_epoch(0) * self.config.epochs,
+                                              start_step=self.progress.global_step)
         self.checkpoints.register(tracker=self.tracker)
         if state is None:
             logger.info("starting a fresh run")
@@ -329,11 +329,10 @@ class Trainer:
             info={**summary, "averaged": [path.name for path in recent], **choice},
         )
         write_loss_csv(self.paths.loss_csv, self.history)
-        final_metrics = {"train/final_best_dev_loss": self.checkpoints.best_dev_loss}
-        final_metrics.update({f"final/{key}": value for key, value in choice.items() if key.startswith("dev_loss")})
-        self.tracker.record(self.progress.global_step, final_metrics)
-        self.tracker.flush()
-        log_run_artifacts(self.tracker, self.paths, self.all_params)
+        log_final_run(self.tracker, paths=self.paths, all_params=self.all_params, step=self.progress.global_step,
+                      metrics={"train/final_best_dev_loss": self.checkpoints.best_dev_loss,
+                               **{f"final/{key}": value for key, value in choice.items() if key.startswith("dev_")}},
+                      register_model_name=self.config.register_model_name)
         return summary
 
     def _dev_loss_of(self, weights: dict[str, torch.Tensor]) -> float:
