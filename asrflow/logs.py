@@ -117,7 +117,7 @@ class StepProgress:
         self._last: float | None = None
         self.logger = logging.getLogger(PROGRESS_LOGGER)
 
-    def line(self, step: int, epoch: int, loss: float, audio_s_per_s: float, now: float | None = None) -> str:
+    def line(self, step: int, epoch: int, loss: float, audio_s_per_s: float, *, now: float | None = None) -> str:
         """The progress line for ``step`` (without logging it)."""
         now = time.monotonic() if now is None else now
         total = self.total_steps
@@ -128,7 +128,7 @@ class StepProgress:
             text += f", ETA {format_duration((total - step) * (now - self._started) / done)}"
         return text
 
-    def update(self, step: int, epoch: int, loss: float, audio_s_per_s: float, force: bool = False) -> bool:
+    def update(self, step: int, epoch: int, loss: float, audio_s_per_s: float, *, force: bool = False) -> bool:
         """Log the line if ``every_s`` passed since the last one (or on the first step, the last
         step, or ``force``); returns whether it did."""
         now = time.monotonic()
@@ -136,7 +136,7 @@ class StepProgress:
         if not (due or force):
             return False
         self._last = now
-        self.logger.info("%s", self.line(step, epoch, loss, audio_s_per_s, now))
+        self.logger.info("%s", self.line(step, epoch, loss, audio_s_per_s, now=now))
         return True
 
 

@@ -176,6 +176,7 @@ def _audio_path(row: dict[str, Any], index: int, folder: Path, model_rate: int) 
 
 def log_bundle(
     bundle_path: str | Path,
+    *,
     run_id: str,
     tracking_uri: str,
     name: str = MODEL_NAME,

@@ -66,7 +66,7 @@ def plan_epoch(
 ) -> list[list[str]]:
     """The global list of batches (cut ids) of ``epoch``; identical on every rank and for
     any order of ``cuts`` (see :func:`asrflow.data.index.plan_positions`)."""
-    return plan_epoch_index(as_index(cuts), epoch, seed, max_duration_s, num_buckets)
+    return plan_epoch_index(as_index(cuts), epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets)
 
 
 def plan_digest(plan: list[list[str]]) -> str:

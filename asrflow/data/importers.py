@@ -434,7 +434,7 @@ def find_recipe(name: str) -> Any:
 UNSPLIT = "all"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RecipeCall:
     """How ``lhotse.recipes.prepare_<name>`` must be called.
 
@@ -467,7 +467,8 @@ def recipe_call(name: str, function: Any = None) -> RecipeCall:
                      and p.name not in (corpus, "output_dir"))
     accepted = tuple(p.name for p in named if p.name not in (corpus, "output_dir"))
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return RecipeCall(name, corpus, output_kind, required, accepted, takes_any)
+    return RecipeCall(name=name, corpus=corpus, output_kind=output_kind, required=required, accepted=accepted,
+                      takes_any=takes_any)
 
 
 def _check_recipe_args(call: RecipeCall, recipe_args: dict[str, Any]) -> None:

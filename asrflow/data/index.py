@@ -101,7 +101,7 @@ class CutIndex:
     cheap to pickle (three numpy arrays and a path), so DataLoader workers get their own copy.
     """
 
-    def __init__(self, ids: np.ndarray, durations: np.ndarray, offsets: np.ndarray, store: Path | None,
+    def __init__(self, ids: np.ndarray, durations: np.ndarray, offsets: np.ndarray, *, store: Path | None,
                  digest: str | None, cuts: dict[str, Cut] | None = None):
         self.ids = ids
         self.durations = durations
@@ -185,9 +185,9 @@ class CutIndex:
         os.replace(tmp, store)
         if not chunks:
             return cls._sorted(np.array([], dtype="S1"), np.array([]), np.array([], dtype=np.int64),
-                               np.array([], dtype="S32"), store, None, str(manifest))
+                               np.array([], dtype="S32"), store=store, cuts=None, source=str(manifest))
         return cls._sorted(*(np.concatenate([chunk[k] for chunk in chunks]) for k in range(4)),
-                           store, None, str(manifest))
+                           store=store, cuts=None, source=str(manifest))
 
     @classmethod
     def from_cuts(cls, cuts: Iterable[Cut]) -> CutIndex:
@@ -200,11 +200,11 @@ class CutIndex:
             durations.append(float(cut.duration))
         return cls._sorted(np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1"),
                            np.array(durations, dtype=np.float64), np.zeros(len(ids), dtype=np.int64),
-                           None, None, held, "cuts")
+                           None, store=None, cuts=held, source="cuts")
 
     @classmethod
     def _sorted(cls, id_array: np.ndarray, durations: np.ndarray, offsets: np.ndarray, hashes: np.ndarray | None,
-                store: Path | None, cuts: dict[str, Cut] | None, source: str) -> CutIndex:
+                *, store: Path | None, cuts: dict[str, Cut] | None, source: str) -> CutIndex:
         order = np.argsort(id_array, kind="stable")
         id_array = id_array[order]
         if len(id_array) > 1:
@@ -219,9 +219,9 @@ class CutIndex:
             id_array,
             durations[order],
             offsets[order],
-            store,
-            None if digest is None else digest.hexdigest()[:16],
-            cuts,
+            store=store,
+            digest=None if digest is None else digest.hexdigest()[:16],
+            cuts=cuts,
         )
 
     # ------------------------------------------------------------------ access
@@ -282,8 +282,8 @@ class CutIndex:
         cuts = None
         if self._cuts is not None:
             cuts = {cut_id: self._cuts[cut_id] for cut_id in self.id_list(positions)}
-        return CutIndex(self.ids[positions], self.durations[positions], self.offsets[positions], self.store,
-                        digest.hexdigest()[:16], cuts)
+        return CutIndex(self.ids[positions], self.durations[positions], self.offsets[positions], store=self.store,
+                        digest=digest.hexdigest()[:16], cuts=cuts)
 
     def nbytes(self) -> int:
         """Bytes held by the arrays (what a worker's copy costs, beyond a few objects)."""
@@ -319,7 +319,7 @@ def bucket_of(durations: np.ndarray, num_buckets: int) -> np.ndarray:
     return np.searchsorted(edges, durations, side="right").astype(np.int64)
 
 
-def plan_positions(durations: np.ndarray, epoch: int, seed: int, max_duration_s: float,
+def plan_positions(durations: np.ndarray, epoch: int, *, seed: int, max_duration_s: float,
                    num_buckets: int) -> list[np.ndarray]:
     """The batches of ``epoch`` as arrays of positions into the id-sorted index.
 
@@ -381,12 +381,13 @@ def _merge_bucket_tails(batches: list[np.ndarray], bucket_ids: list[int], durati
     return [batch for i, batch in enumerate(batches) if i not in tail_set] + merged
 
 
-def plan_epoch_index(index: CutIndex, epoch: int, seed: int, max_duration_s: float,
+def plan_epoch_index(index: CutIndex, epoch: int, *, seed: int, max_duration_s: float,
                      num_buckets: int) -> list[list[str]]:
     """:func:`plan_positions` over ``index``, as lists of cut ids (the form checkpoints digest)."""
     ids = index.ids
     return [[raw.decode("utf-8") for raw in ids[batch].tolist()]
-            for batch in plan_positions(index.durations, epoch, seed, max_duration_s, num_buckets)]
+            for batch in plan_positions(index.durations, epoch, seed=seed, max_duration_s=max_duration_s,
+                                           num_buckets=num_buckets)]
 
 
 def data_digest(index: CutIndex, *paths: str | Path) -> str:

@@ -64,7 +64,7 @@ def test_every_stretch_of_an_epoch_sees_the_whole_corpus(big_index):
     batches are both within 10 % of the middle (a buffer-limited shuffle gives ~20 % and ~70 %)."""
     count = len(big_index)
     for epoch in (0, 1):
-        batches = plan_positions(big_index.durations, epoch, 42, 120.0, 30)
+        batches = plan_positions(big_index.durations, epoch, seed=42, max_duration_s=120.0, num_buckets=30)
         tenth = len(batches) // 10
         first, last = np.concatenate(batches[:tenth]), np.concatenate(batches[-tenth:])
         for part in (first, last):
@@ -74,7 +74,7 @@ def test_every_stretch_of_an_epoch_sees_the_whole_corpus(big_index):
 
 
 def test_plan_keeps_padding_low_and_batches_within_max_duration(big_index):
-    batches = plan_positions(big_index.durations, 0, 42, 120.0, 30)
+    batches = plan_positions(big_index.durations, 0, seed=42, max_duration_s=120.0, num_buckets=30)
     durations = big_index.durations
     real = sum(float(durations[b].sum()) for b in batches)
     padded = sum(len(b) * float(durations[b].max()) for b in batches)
