@@ -467,7 +467,7 @@ def recipe_call(name: str, function: Any = None) -> RecipeCall:
                      and p.name not in (corpus, "output_dir"))
     accepted = tuple(p.name for p in named if p.name not in (corpus, "output_dir"))
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return RecipeCall(name=name, corpus=corpus, output_kind=output_kind, required=required, accepted=accepted,
+    return RecipeCall(name=name, corpus_parameter=corpus, output_dir=output_kind, required=required, accepted=accepted,
                       takes_any=takes_any)
 
 
