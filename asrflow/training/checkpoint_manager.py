@@ -57,6 +57,12 @@ class CheckpointManager:
         #: Step of the newest checkpoint taken outside a streak of non-finite steps: the rollback target.
         self.good_step = 0
 
+    @classmethod
+    def for_run(cls, config, directory: Path, *, dist: DistInfo, facts: dict) -> CheckpointManager:
+        """The manager ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for."""
+        return cls(directory, every_steps=config.checkpoint_every_steps, keep_last=config.keep_last, dist=dist,
+                   facts=facts)
+
     def register(self, **components: Stateful) -> None:
         """Components whose states make up every checkpoint from now on."""
         self.components.update(components)

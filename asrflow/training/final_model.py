@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import csv
+import functools
 import logging
 import tempfile
 from collections.abc import Callable
@@ -11,9 +13,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from asrflow.bundle import save_bundle
+from asrflow.data.features import cmvn_stats, load_cmvn
 from asrflow.io import atomic_path
 from asrflow.tokenizer import MODEL_FILE
 from asrflow.training import checkpoint as ckpt
+from asrflow.training.distributed import DistInfo
 from asrflow.training.paths import TrainPaths
 from asrflow.training.progress import LossHistory
 
@@ -76,3 +81,31 @@ def log_final_run(
         params_file.write_text(yaml.safe_dump(all_params, sort_keys=False))
         tracker.log_artifact(params_file, artifact_path="params")
     tracker.log_model(paths.model_path, registered_model_name=register_model_name, step=step)
+
+
+def write_final_model(trainer, summary: dict) -> None:
+    """Rank 0, after the final checkpoint: the model bundle (averaged or last weights, by dev loss), the loss
+    plot, and the run's end in MLflow. Reads the finished ``trainer``'s public state only."""
+    recent = trainer.checkpoints.late_checkpoints(trainer.progress.global_step, trainer.config.average_last)
+    last = {name: tensor.detach().cpu().clone() for name, tensor in trainer.model.state_dict().items()}
+    data = trainer.data
+    weights, choice = final_weights(last, recent, functools.partial(dev_loss_of, trainer) if data.dev_batches else None)
+    save_bundle(
+        trainer.paths.model_path, model_state=weights, model_config=trainer.model_config, tokenizer=data.tokenizer,
+        features=trainer.features, cmvn=cmvn_stats(load_cmvn(data.cmvn_path)), run_id=trainer.tracker.run_id,
+        info={**summary, "averaged": [path.name for path in recent], **choice},
+    )
+    write_loss_csv(trainer.paths.loss_csv, trainer.history)
+    final = {f"final/{key}": value for key, value in choice.items() if key.startswith("dev_")}
+    log_final_run(
+        trainer.tracker, paths=trainer.paths, all_params=trainer.all_params, step=trainer.progress.global_step,
+        metrics={"train/final_best_dev_loss": trainer.checkpoints.best_dev_loss, **final},
+        register_model_name=trainer.config.register_model_name,
+    )
+
+
+def dev_loss_of(trainer, weights: dict[str, torch.Tensor]) -> float:
+    """Dev loss (nats per token) of ``weights`` in this process alone (rank 0, no collectives)."""
+    model = copy.deepcopy(trainer.model)  # a copy, not build_model: no draw from the torch RNG
+    model.load_state_dict(weights)
+    return trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=trainer.device)

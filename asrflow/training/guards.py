@@ -35,6 +35,12 @@ class NonFiniteGuard:
     rollbacks: int = 0
     recent_bad: list[list[str]] = field(default_factory=list)
 
+    @classmethod
+    def for_run(cls, config, bad_batches_path: Path, *, writes_records: bool) -> NonFiniteGuard:
+        """The guard ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for."""
+        return cls(max_consecutive=config.max_consecutive_nonfinite, max_rollbacks=config.max_rollbacks,
+                   bad_batches_path=bad_batches_path, writes_records=writes_records)
+
     def observe(self, step: int, *, finite: bool, loss: float, grad_norm: float, cut_ids: list[str]) -> bool:
         """Record one step; returns True when the step may be applied.
 

@@ -24,7 +24,8 @@ from asrflow.data.workers import init_worker, pack_batch
 from asrflow.errors import AsrflowError
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.config import TrainConfig
-from asrflow.training.dev_loss import dev_batches
+from asrflow.training.dev_loss import dev_batches, dev_loss
+from asrflow.training.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,7 @@ class TrainData:
         seed: int,
         fbank_dir: Path,
         lang_dir: Path,
-        world_size: int = 1,
-        rank: int = 0,
+        dist: DistInfo | None = None,
     ) -> TrainData:
         """Read the features and tokenizer stages' outputs and make this rank's data."""
         _check_options(config, features)
@@ -97,7 +97,7 @@ class TrainData:
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
         batches = TrainingBatches(
             train_cuts, seed, config.max_duration_s, config.num_buckets, config.accum_grad,
-            world_size, rank, 0, 0, config.epochs,
+            (dist or DistInfo()).world_size, (dist or DistInfo()).rank, 0, 0, config.epochs,
         )
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
@@ -120,6 +120,11 @@ class TrainData:
             manifests={split: cuts_path(fbank_dir, split) for split in ("train", "dev")
                        if cuts_path(fbank_dir, split).is_file()},
         )
+
+    def dev_loss(self, model: torch.nn.Module, **options) -> float:
+        """Per-token dev loss of ``model`` (see :func:`asrflow.training.dev_loss.dev_loss` for ``options``:
+        precision, dist, device, beat)."""
+        return dev_loss(model, self.dev_dataset, self.dev_batches, **options)
 
     def steps_per_epoch(self, epoch: int) -> int:
         """Optimizer steps ``epoch`` holds on every rank."""

@@ -15,7 +15,6 @@ only after the checkpoint is on disk.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import signal
@@ -26,8 +25,7 @@ from dataclasses import asdict, replace
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from asrflow.bundle import save_bundle
-from asrflow.data.features import FeatureConfig, cmvn_stats, load_cmvn
+from asrflow.data.features import FeatureConfig
 from asrflow.data.workers import unpack_batch
 from asrflow.logs import StepProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
@@ -37,10 +35,9 @@ from asrflow.tracking import NullTracker, RunTracker
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig
-from asrflow.training.dev_loss import dev_loss
 from asrflow.training.distributed import DistInfo, check_same_everywhere, init_distributed, shutdown_distributed
 from asrflow.training.failures import describe_failure
-from asrflow.training.final_model import final_weights, log_final_run, write_loss_csv
+from asrflow.training.final_model import write_final_model
 from asrflow.training.guards import NonFiniteGuard, RollbackNeeded
 from asrflow.training.observers import TrainObserver
 from asrflow.training.paths import TrainPaths
@@ -101,9 +98,9 @@ class Trainer:
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu")
         torch.set_num_threads(config.num_threads)
         seed_everything(self.seed)
+        paths = self.paths
         self.data = TrainData.build(
-            config, self.features, seed=self.seed, fbank_dir=self.paths.fbank_dir, lang_dir=self.paths.lang_dir,
-            world_size=self.dist.world_size, rank=self.dist.rank,
+            config, self.features, seed=self.seed, fbank_dir=paths.fbank_dir, lang_dir=paths.lang_dir, dist=self.dist
         )
         self.model_config = config.model(self.features.num_mel_bins, self.data.tokenizer.vocab_size)
         self.model = build_model(self.model_config).to(self.device)
@@ -111,33 +108,36 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
         self.scaler = self.precision.grad_scaler()
-        self.guard = NonFiniteGuard(
-            max_consecutive=config.max_consecutive_nonfinite, max_rollbacks=config.max_rollbacks,
-            bad_batches_path=self.paths.bad_batches, writes_records=self.dist.is_main,
-        )
+        self.guard = NonFiniteGuard.for_run(config, self.paths.bad_batches, writes_records=self.dist.is_main)
         self.progress, self.history = Progress(), LossHistory()
         self.position = PlanPosition(self.data.batches, self.dist.world_size)
         fingerprint = build_fingerprint(
-            asdict(self.model_config), asdict(self.features), data_digest=self.data.digest, seed=self.seed,
+            asdict(self.model_config),
+            asdict(self.features),
+            data_digest=self.data.digest,
+            seed=self.seed,
             config=config,
         )
         self.train_params = training_params(config, source_digest(__name__))
         check_same_everywhere(self.dist, content_digest([fingerprint, self.train_params]), "params, code or data")
-        self.checkpoints = CheckpointManager(
-            self.paths.checkpoint_dir, every_steps=config.checkpoint_every_steps, keep_last=config.keep_last,
-            dist=self.dist,
-            facts={"fingerprint": fingerprint, "train_params": self.train_params, "precision": self.precision.name},
-        )
+        facts = {"fingerprint": fingerprint, "train_params": self.train_params, "precision": self.precision.name}
+        self.checkpoints = CheckpointManager.for_run(config, paths.checkpoint_dir, dist=self.dist, facts=facts)
         self.checkpoints.register(
-            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-            rng=RandomState(), progress=self.progress, position=self.position, history=self.history,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            rng=RandomState(),
+            progress=self.progress,
+            position=self.position,
+            history=self.history,
             guard=self.guard,
         )
+        data, precision = self.data, self.precision
         logger.info(
-            "model: %d parameters; %d train / %d dev utterances (%d removed as too short for CTC); "
-            "precision %s (%s); device %s; world size %d",
-            count_parameters(self.model), self.data.num_train, self.data.num_dev, self.data.removed_for_ctc,
-            self.precision.name, self.precision.reason, self.device, self.dist.world_size,
+            f"model: {count_parameters(self.model)} parameters; {data.num_train} train / {data.num_dev} dev "
+            f"utterances ({data.removed_for_ctc} removed as too short for CTC); precision {precision.name} "
+            f"({precision.reason}); device {self.device}; world size {self.dist.world_size}"
         )
 
     def request_stop(self) -> None:
@@ -163,8 +163,8 @@ class Trainer:
                 finished = self._train_with_rollbacks(loader, watchdog)
             if not finished:
                 status = "KILLED"
-                logger.warning("stopped at step %d with a checkpoint saved; run the same command again to resume",
-                               self.progress.global_step)
+                step = self.progress.global_step
+                logger.warning(f"stopped at step {step} with a checkpoint saved; run the same command again to resume")
                 raise SystemExit(EXIT_INTERRUPTED)
             summary = self._finish()
             status = "FINISHED"
@@ -203,20 +203,30 @@ class Trainer:
             waited = time.perf_counter() - began
             step = self.progress.global_step + 1
             result = train_step(
-                self.ddp_model, micro_batches, step_tokens=micro_batches[0]["step_tokens"], optimizer=self.optimizer,
-                scaler=self.scaler, precision=self.precision, max_grad_norm=self.config.max_grad_norm, dist=self.dist,
-                device=self.device, inject_nonfinite=self.config.injects_nonfinite(step, self.dist.rank),
-                stop_requested=functools.partial(self._stop_flag, step), seed=self.seed,
+                self.ddp_model,
+                micro_batches,
+                step_tokens=micro_batches[0]["step_tokens"],
+                optimizer=self.optimizer,
+                scaler=self.scaler,
+                precision=self.precision,
+                max_grad_norm=self.config.max_grad_norm,
+                dist=self.dist,
+                device=self.device,
+                inject_nonfinite=self.config.injects_nonfinite(step, self.dist.rank),
+                stop_requested=functools.partial(self._stop_flag, step),
+                seed=self.seed,
             )
             self.scheduler.step()
             watchdog.beat()
             item = micro_batches[0]["item"]
-            result = replace(result, elapsed_s=time.perf_counter() - began, data_wait_s=waited,
-                             cut_ids=item.step_cut_ids)
+            result = replace(
+                result, elapsed_s=time.perf_counter() - began, data_wait_s=waited, cut_ids=item.step_cut_ids
+            )
             self.progress.global_step = step
             self.position.advance(item)
-            self.guard.observe(step, finite=result.finite, loss=result.loss, grad_norm=result.grad_norm,
-                               cut_ids=list(result.cut_ids))
+            self.guard.observe(
+                step, finite=result.finite, loss=result.loss, grad_norm=result.grad_norm, cut_ids=list(result.cut_ids)
+            )
             self._report(result)
             for observer in self.observers:
                 observer.after_step(self, result)
@@ -235,21 +245,22 @@ class Trainer:
 
     def _report(self, result: StepResult) -> None:
         """The step's metrics to MLflow (rank 0), the loss history, and a log line now and then."""
-        metrics = step_metrics(result, lr=self.optimizer.param_groups[0]["lr"], epoch=self.position.epoch,
-                               world_size=self.dist.world_size, skipped_total=self.guard.total_skipped)
+        lr, epoch, step = self.optimizer.param_groups[0]["lr"], self.position.epoch, self.progress.global_step
+        skipped, world_size = self.guard.total_skipped, self.dist.world_size
+        metrics = step_metrics(result, lr=lr, epoch=epoch, world_size=world_size, skipped_total=skipped)
         loss_scale = self.scaler.get_scale() if self.precision.uses_scaler else None
-        report_step(self.tracker, self.history, step=self.progress.global_step, metrics=metrics, loss_scale=loss_scale)
+        report_step(self.tracker, self.history, step=step, metrics=metrics, loss_scale=loss_scale)
         if self.step_progress is not None:  # the terminal's progress line (rank 0)
-            self.step_progress.update(self.progress.global_step, self.position.epoch, result.loss,
-                                      metrics["train/audio_s_per_s"])
+            self.step_progress.update(step, epoch, result.loss, metrics["train/audio_s_per_s"])
 
     def _validate(self, watchdog: StallWatchdog) -> float | None:
         """Dev loss of the current weights, logged; returned when it beats the best checkpoint's (every rank
         gets rank 0's verdict), else None (also without dev data)."""
         if not self.data.dev_batches:
             return None
-        loss = dev_loss(self.ddp_model, self.data.dev_dataset, self.data.dev_batches, precision=self.precision,
-                        dist=self.dist, device=self.device, beat=watchdog.beat)
+        loss = self.data.dev_loss(
+            self.ddp_model, precision=self.precision, dist=self.dist, device=self.device, beat=watchdog.beat
+        )
         watchdog.beat()
         step = self.progress.global_step
         self.progress.last_dev_loss, self.progress.last_dev_step = loss, step
@@ -259,8 +270,9 @@ class Trainer:
 
     def _save(self, dev_loss: float | None = None, complete: bool = False) -> None:
         """Checkpoint (every rank takes part), then send MLflow the points it covers."""
-        self.checkpoints.save(self.progress.global_step, dev_loss=dev_loss, in_streak=self.guard.consecutive > 0,
-                              complete=complete)
+        self.checkpoints.save(
+            self.progress.global_step, dev_loss=dev_loss, in_streak=self.guard.consecutive > 0, complete=complete
+        )
         self.tracker.flush()
 
     def _rollback(self) -> None:
@@ -274,8 +286,8 @@ class Trainer:
         self.progress.lr_scale = lr_scale
         apply_lr_scale(self.scheduler, self.config.lr * lr_scale)
         logger.warning(
-            "rollback %d of at most %d: back to %s (step %d), learning rate scaled to %.3g x train.lr",
-            self.guard.rollbacks, self.config.max_rollbacks, path, self.progress.global_step, lr_scale,
+            f"rollback {self.guard.rollbacks} of at most {self.config.max_rollbacks}: back to {path} (step "
+            f"{self.progress.global_step}), learning rate scaled to {lr_scale:.3g} x train.lr"
         )
 
     # ---------------------------------------------------------------- start and end
@@ -285,16 +297,23 @@ class Trainer:
         decision, state, path = self.checkpoints.resume(self.checkpoints.facts["fingerprint"], self.train_params)
         if state is not None:
             self.checkpoints.restore(state)  # the tracker is not registered yet: it starts below
-            logger.info("resuming from %s: step %d, epoch %d, batch %d of the epoch", path,
-                        self.progress.global_step, self.position.epoch, self.position.step_in_epoch)
+            position = self.position
+            logger.info(
+                f"resuming from {path}: step {self.progress.global_step}, epoch {position.epoch}, batch "
+                f"{position.step_in_epoch} of the epoch"
+            )
         loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
         if self.dist.is_main:  # names and tags the run, logs the datasets, starts MLflow's system metrics
             self.tracker = RunTracker.start_training(
-                self.all_params, self.data.manifests, experiment=self.config.experiment,
-                run_id=state["tracker"].get("run_id") if state else None, tracking_uri=self.tracking_uri,
+                self.all_params,
+                self.data.manifests,
+                experiment=self.config.experiment,
+                run_id=state["tracker"].get("run_id") if state else None,
+                tracking_uri=self.tracking_uri,
             )
-            self.step_progress = StepProgress(total_steps=self.data.steps_per_epoch(0) * self.config.epochs,
-                                              start_step=self.progress.global_step)
+            self.step_progress = StepProgress(
+                total_steps=self.data.steps_per_epoch(0) * self.config.epochs, start_step=self.progress.global_step
+            )
         self.checkpoints.register(tracker=self.tracker)
         if state is None:
             logger.info("starting a fresh run")
@@ -318,29 +337,9 @@ class Trainer:
             "removed_for_ctc": self.data.removed_for_ctc,
             "precision": self.precision.name,
         }
-        if not self.dist.is_main:
-            return summary
-        recent = self.checkpoints.late_checkpoints(self.progress.global_step, self.config.average_last)
-        last = {name: tensor.detach().cpu().clone() for name, tensor in self.model.state_dict().items()}
-        weights, choice = final_weights(last, recent, self._dev_loss_of if self.data.dev_batches else None)
-        save_bundle(
-            self.paths.model_path, model_state=weights, model_config=self.model_config, tokenizer=self.data.tokenizer,
-            features=self.features, cmvn=cmvn_stats(load_cmvn(self.data.cmvn_path)), run_id=self.tracker.run_id,
-            info={**summary, "averaged": [path.name for path in recent], **choice},
-        )
-        write_loss_csv(self.paths.loss_csv, self.history)
-        log_final_run(self.tracker, paths=self.paths, all_params=self.all_params, step=self.progress.global_step,
-                      metrics={"train/final_best_dev_loss": self.checkpoints.best_dev_loss,
-                               **{f"final/{key}": value for key, value in choice.items() if key.startswith("dev_")}},
-                      register_model_name=self.config.register_model_name)
+        if self.dist.is_main:
+            write_final_model(self, summary)
         return summary
-
-    def _dev_loss_of(self, weights: dict[str, torch.Tensor]) -> float:
-        """Dev loss (nats per token) of ``weights`` in this process alone (rank 0, no collectives)."""
-        model = copy.deepcopy(self.model)  # a copy, not build_model: no draw from the torch RNG
-        model.load_state_dict(weights)
-        return dev_loss(model, self.data.dev_dataset, self.data.dev_batches, precision=self.precision, dist=DistInfo(),
-                        device=self.device)
 
     def _on_signal(self, signum, _frame) -> None:
         """SIGTERM/SIGINT: finish the step in flight, save, exit 75."""
