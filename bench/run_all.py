@@ -35,6 +35,7 @@ MODULES = [
     ("features_speed", "bench.features_speed"),
     ("decode_rtf", "bench.decode_rtf"),
     ("pipeline_overhead", "bench.pipeline_overhead"),
+    ("peer_speed", "bench.peer_speed"),  # trains SpeechBrain beside asrflow, in processes of their own
 ]
 #: Benchmarks written as separate scripts: (name, module, time limit in s for full, quick).
 EXTERNAL = [("resume", "bench.resume_cost", 900, 150)]
