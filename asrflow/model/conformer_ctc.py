@@ -21,13 +21,14 @@ class ModelConfig:
     num_layers: int = 2
     conv_kernel_size: int = 15
     dropout: float = 0.1
-    #: Output channels of the two subsampling convolutions. (64, 32) costs about a tenth of
-    #: the FLOPs of (d_model, d_model), which bundles written before this field had (see
-    #: :func:`asrflow.bundle.load_bundle`); bench/RESULTS.md (peer_speed) has the figures.
-    subsampling_channels: tuple[int, int] = (64, 32)
+    #: Output channels of the two subsampling convolutions; None = (d_model, d_model), what
+    #: bundles written before this field had. Narrower is much cheaper ((64, 32) is a third
+    #: of the default model's training FLOPs) but trained yesno far worse (bench/RESULTS.md).
+    subsampling_channels: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "subsampling_channels", tuple(int(c) for c in self.subsampling_channels))
+        channels = self.subsampling_channels or (self.d_model, self.d_model)
+        object.__setattr__(self, "subsampling_channels", tuple(int(c) for c in channels))
 
 
 def subsampled_lengths(lengths: Tensor) -> Tensor:
