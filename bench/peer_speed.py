@@ -44,7 +44,7 @@ the fastest is used for the figures (record ``peer_settings`` lists every candid
 A peer that cannot be installed is reported as ``"status": "peer unavailable"`` with the
 reason, and no ratio; ``--quick`` still exits 0 then.
 
-Usage: ``python -m bench.peer_speed [--quick] [--workdir DIR] [--epochs N]``.
+Usage: ``python -m bench.peer_speed [--quick] [--workdir DIR] [--epochs N] [--corpora generated yesno]``.
 """
 
 from __future__ import annotations
@@ -318,8 +318,14 @@ def measure(corpus: str, data: Path, work: Path, quick: bool, epochs: int, max_s
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(__doc__.splitlines()[0], argv, lambda parser: parser.add_argument(
-        "--epochs", type=int, default=None, help="epochs per corpus (default: 1 generated, 30 yesno)"))
+    def configure(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--epochs", type=int, default=None,
+                            help="epochs per corpus, every step of them (default: 30 steps of generated, "
+                                 "30 epochs of yesno)")
+        parser.add_argument("--corpora", nargs="+", choices=("generated", "yesno"), default=None,
+                            help="measure only these corpora (default: both; --quick: generated)")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"
     out = []
     peer_problem = install_peer()
@@ -327,6 +333,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out.append(emit({"benchmark": "machine", **machine()}))
         settings = None
         for corpus, epochs, max_steps in PLANS[mode]:
+            if args.corpora and corpus not in args.corpora:
+                continue
             if args.epochs:
                 epochs, max_steps = args.epochs, None
             data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode], dev_utterances=40
