@@ -198,6 +198,13 @@ class ConformerCtc(nn.Module):
         CTC loss computed from them can go negative. The projection is d_model x V per
         frame, a negligible share of the model's cost.
         """
+        if torch.jit.is_scripting():  # TorchScript has no autocast to leave (and no dynamic device type)
+            return self.head(encoded.float()).log_softmax(dim=-1)
+        return self._output_outside_autocast(encoded)
+
+    @torch.jit.unused
+    def _output_outside_autocast(self, encoded: Tensor) -> Tensor:
+        """:meth:`output` with autocast switched off (eager mode and tracing)."""
         with torch.autocast(device_type=encoded.device.type, enabled=False):
             return self.head(encoded.float()).log_softmax(dim=-1)
 
