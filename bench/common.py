@@ -315,21 +315,23 @@ def generate_corpus(folder: Path, num_utterances: int, *, seed: int = 0, min_s: 
     return {"utterances": num_utterances, "audio_s": total_s}
 
 
-def generated_data(work: Path, num_utterances: int, seed: int = 0) -> Path:
+def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterances: int = 2) -> Path:
     """A generated corpus of ``num_utterances`` (1-15 s), prepared with features and tokenizer.
 
-    Cached in ``work/generated-<n>``; features use all cores (``num_jobs: 0``) above 500
+    ``dev_utterances`` of them go to dev, 2 to test. Cached in ``work/generated-<n>`` (with
+    ``-dev<k>`` unless k is 2); features use all cores (``num_jobs: 0``) above 500
     utterances, one thread per process.
     """
     from asrflow.data.prepare import PrepareConfig
 
-    root = work / f"generated-{num_utterances}"
+    root = work / (f"generated-{num_utterances}" + ("" if dev_utterances == 2 else f"-dev{dev_utterances}"))
     if _done(root):
         return root
     shutil.rmtree(root, ignore_errors=True)
     start = time.perf_counter()
     # dev and test: 2 utterances each (they only have to exist for the stages)
-    info = generate_corpus(root / "corpus", num_utterances, seed=seed, dev_fraction=0.0, test_fraction=0.0)
+    info = generate_corpus(root / "corpus", num_utterances, seed=seed, dev_fraction=dev_utterances / num_utterances,
+                           test_fraction=0.0)
     logger.info("generated %d utterances (%.0f s of audio) in %.1f s",
                 info["utterances"], info["audio_s"], time.perf_counter() - start)
     config = PrepareConfig(

@@ -66,3 +66,8 @@ def test_run_all_quick_prints_every_benchmark(tmp_path):
     assert by_name["gpu_bf16"][0]["status"].startswith(("ok", "not measured"))
     assert any(name.startswith("resume") for name in by_name), sorted(by_name)
     assert by_name["summary"][0]["goals"]
+    # The peer benchmark: measured, or the peer could not be installed (then no ratio).
+    for record in by_name["peer_speed"]:
+        assert record["status"] in ("ok", "peer unavailable"), record
+        assert _numbers(record["asrflow"]["audio_s_per_s"]) and _numbers(record["asrflow"]["start_to_first_step_s"])
+        assert ("ratio" in record) is (record["status"] == "ok"), record

@@ -142,3 +142,14 @@ def test_node_rank_from_the_command_line_is_checked_like_the_param(tmp_path, cap
     assert error_lines(capsys.readouterr().err) == [
         "error: params.yaml: train.node_rank = 2 must be below train.nnodes (2)"
     ]
+
+
+@pytest.mark.parametrize("bad", [[64], [64, 0], [64, 32, 16], [64.5, 32], [True, 32]])
+def test_subsampling_channels_must_be_two_positive_integers(bad):
+    from asrflow.params import build_config
+    from asrflow.training.config import TrainConfig
+
+    with pytest.raises(AsrflowError, match=r"train\.subsampling_channels"):
+        build_config(TrainConfig, {"subsampling_channels": bad}, "train")
+    assert build_config(TrainConfig, {"subsampling_channels": None}, "train").model(80, 13).subsampling_channels \
+        == (144, 144)

@@ -21,6 +21,14 @@ class ModelConfig:
     num_layers: int = 2
     conv_kernel_size: int = 15
     dropout: float = 0.1
+    #: Output channels of the two subsampling convolutions; None = (d_model, d_model), what
+    #: bundles written before this field had. Narrower is much cheaper ((64, 32) is a third
+    #: of the default model's training FLOPs) but trained yesno far worse (bench/RESULTS.md).
+    subsampling_channels: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        channels = self.subsampling_channels or (self.d_model, self.d_model)
+        object.__setattr__(self, "subsampling_channels", tuple(int(c) for c in channels))
 
 
 def subsampled_lengths(lengths: Tensor) -> Tensor:
@@ -29,18 +37,24 @@ def subsampled_lengths(lengths: Tensor) -> Tensor:
 
 
 class Conv2dSubsampling(nn.Module):
-    """Two 3x3 convolutions with stride 2: (N, T, F) -> (N, T', d_model), T' = ((T-1)//2-1)//2."""
+    """Two 3x3 convolutions with stride 2, then a linear projection: (N, T, F) -> (N, T', d_model).
 
-    def __init__(self, input_dim: int, d_model: int):
+    T' = ((T-1)//2-1)//2. ``channels`` are the two convolutions' output channels (default
+    ``(d_model, d_model)``). The second convolution dominates the cost: per output frame it
+    takes ``9 * c1 * c2 * F'`` multiply-adds (F' = ((F-1)//2-1)//2, 19 for 80 mel bins).
+    """
+
+    def __init__(self, input_dim: int, d_model: int, channels: tuple[int, int] | None = None):
         super().__init__()
+        first, second = channels or (d_model, d_model)
         self.conv = nn.Sequential(
-            nn.Conv2d(1, d_model, kernel_size=3, stride=2),
+            nn.Conv2d(1, first, kernel_size=3, stride=2),
             nn.ReLU(),
-            nn.Conv2d(d_model, d_model, kernel_size=3, stride=2),
+            nn.Conv2d(first, second, kernel_size=3, stride=2),
             nn.ReLU(),
         )
         freq = ((input_dim - 1) // 2 - 1) // 2
-        self.out = nn.Linear(d_model * freq, d_model)
+        self.out = nn.Linear(second * freq, d_model)
 
     def forward(self, features: Tensor) -> Tensor:
         x = self.conv(features.unsqueeze(1))  # (N, C, T', F')
@@ -139,7 +153,7 @@ class ConformerCtc(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.subsampling = Conv2dSubsampling(config.input_dim, config.d_model)
+        self.subsampling = Conv2dSubsampling(config.input_dim, config.d_model, config.subsampling_channels)
         self.dropout = nn.Dropout(config.dropout)
         self.encoder = Conformer(
             input_dim=config.d_model,
@@ -174,7 +188,25 @@ class ConformerCtc(nn.Module):
         x = x.transpose(0, 1)  # (T', N, D)
         for layer in self.encoder.conformer_layers:
             x = layer(x, padding_mask)
-        return self.head(x.transpose(0, 1)).log_softmax(dim=-1), out_lengths  # (N, T', V), (N,)
+        return self.output(x.transpose(0, 1)), out_lengths  # (N, T', V), (N,)
+
+    def output(self, encoded: Tensor) -> Tensor:
+        """CTC head: (N, T', D) encoder output -> (N, T', V) fp32 log-probabilities.
+
+        Runs in fp32 whatever autocast is active: under bf16 or fp16 the log-probabilities
+        would be rounded to 8 or 11 bits of mantissa, so they no longer normalise and the
+        CTC loss computed from them can go negative. The projection is d_model x V per
+        frame, a negligible share of the model's cost.
+        """
+        if torch.jit.is_scripting():  # TorchScript has no autocast to leave (and no dynamic device type)
+            return self.head(encoded.float()).log_softmax(dim=-1)
+        return self._output_outside_autocast(encoded)
+
+    @torch.jit.unused
+    def _output_outside_autocast(self, encoded: Tensor) -> Tensor:
+        """:meth:`output` with autocast switched off (eager mode and tracing)."""
+        with torch.autocast(device_type=encoded.device.type, enabled=False):
+            return self.head(encoded.float()).log_softmax(dim=-1)
 
 
 def count_parameters(model: nn.Module) -> int:

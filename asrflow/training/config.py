@@ -35,6 +35,7 @@ class TrainConfig:
     num_layers: int = 2
     conv_kernel_size: int = 15
     dropout: float = 0.1
+    subsampling_channels: list[int] | None = None
     max_duration_s: float = 120.0
     num_buckets: int = 30
     num_workers: int = 2
@@ -87,6 +88,12 @@ class TrainConfig:
             )
         if self.conv_kernel_size % 2 == 0:
             raise param_error(SECTION, "conv_kernel_size", self.conv_kernel_size, "must be odd (e.g. 15)")
+        channels = self.subsampling_channels
+        if channels is not None and (
+            len(channels) != 2 or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in channels)
+        ):
+            raise param_error(SECTION, "subsampling_channels", channels,
+                              "must be null (d_model each) or two positive integers, e.g. [64, 32]")
         if not 0.0 <= self.dropout < 1.0:
             raise param_error(SECTION, "dropout", self.dropout, "must be in [0, 1)")
 

@@ -58,3 +58,38 @@ def test_ctc_frame_requirements():
     assert ctc_frames_needed([1, 2, 3]) == 3
     assert ctc_frames_needed([1, 1, 2, 2, 2]) == 8
     assert output_frames(101) == 24
+
+
+def test_subsampling_channels_set_the_front_end_width():
+    small = build_model(ModelConfig(input_dim=80, vocab_size=10, d_model=48, num_heads=2, ffn_dim=96, num_layers=1,
+                                    conv_kernel_size=7, subsampling_channels=[16, 8]))
+    convs = [m for m in small.subsampling.conv if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [16, 8]
+    assert small.subsampling.out.in_features == 8 * 19  # 19 = ((80-1)//2-1)//2 frequency bins left
+    assert small.config.subsampling_channels == (16, 8)
+    log_probs, lengths = small(torch.randn(2, 100, 80), torch.tensor([100, 60]))
+    assert log_probs.shape == (2, 24, 10) and lengths.tolist() == [24, 14]
+
+
+def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_data, tmp_path):
+    """Bundles written before the field existed had d_model channels in both convolutions."""
+    from asrflow.bundle import load_bundle, save_bundle
+    from asrflow.data.features import FeatureConfig
+    from asrflow.tokenizer import MODEL_FILE, Tokenizer
+
+    tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
+    config = ModelConfig(input_dim=80, vocab_size=tokenizer.vocab_size, d_model=32, num_heads=2, ffn_dim=64,
+                         num_layers=1, conv_kernel_size=7, subsampling_channels=(32, 32))
+    torch.manual_seed(0)
+    old = build_model(config)
+    path = tmp_path / "old.pt"
+    cmvn = {"norm_means": [0.0] * 80, "norm_stds": [1.0] * 80}
+    save_bundle(path, old.state_dict(), config, tokenizer, FeatureConfig(), cmvn, None)
+    payload = torch.load(path, weights_only=True)
+    del payload["model_config"]["subsampling_channels"]  # as an older asrflow wrote it
+    torch.save(payload, path)
+    loaded = load_bundle(path)
+    assert loaded.model.config.subsampling_channels == (32, 32)
+    features = torch.randn(1, 80, 80)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(features, torch.tensor([80]))[0], old.eval()(features, torch.tensor([80]))[0])

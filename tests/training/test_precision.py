@@ -107,3 +107,57 @@ def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
         assert 0 < scale < 2.0**16  # calibrated down from the initial scale on overflowing steps
     else:
         assert last["scaler"] == {}  # bf16 has fp32's range: no loss scaling
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ctc_head_and_loss_stay_fp32_under_autocast(dtype):
+    """The head's log-softmax and the CTC loss are fp32 under bf16/fp16 autocast (issue 12, item 7).
+
+    Rounded to bf16 the log-probabilities no longer normalise, and the loss of a
+    confidently right utterance went negative. Per-utterance losses must be >= 0 and
+    within 1e-3 of fp32 on the same encoder output.
+    """
+    import torch.nn.functional as F
+
+    from asrflow.model.conformer_ctc import ModelConfig, build_model
+    from asrflow.tokenizer import BLANK_ID
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64,
+                                    num_layers=1, conv_kernel_size=7))
+    with torch.no_grad():  # a confident head: near-zero losses are the ones rounding makes negative
+        model.head.weight.mul_(40.0)
+    encoded = torch.randn(3, 50, 32)  # (N, T', D)
+    greedy = model.output(encoded).argmax(-1)  # (N, T') the path the model believes
+    targets = [torch.unique_consecutive(row)[torch.unique_consecutive(row) != BLANK_ID] for row in greedy]
+    lengths = torch.tensor([len(t) for t in targets])
+    flat = torch.cat(targets)
+    out_lens = torch.full((3,), 50)
+
+    def losses(log_probs):
+        assert log_probs.dtype == torch.float32
+        return F.ctc_loss(log_probs.transpose(0, 1), flat, out_lens, lengths, blank=BLANK_ID, reduction="none")
+
+    reference = losses(model.output(encoded))
+    with torch.autocast(device_type="cpu", dtype=dtype):
+        mixed = losses(model.output(encoded))
+        assert torch.nn.Linear(4, 4)(torch.ones(1, 4)).dtype == dtype  # autocast is really on
+    assert (mixed >= 0).all(), mixed
+    assert torch.allclose(mixed, reference, atol=1e-3, rtol=0), (mixed, reference)
+    # the rounding this guards against: bf16/fp16 log-probabilities, as before the fix
+    rounded = losses(model.output(encoded).to(dtype).float())
+    assert not torch.allclose(rounded, reference, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_model_forward_returns_fp32_log_probs_under_autocast(precision):
+    from asrflow.model.conformer_ctc import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64,
+                                    num_layers=1, conv_kernel_size=7))
+    features = torch.randn(2, 120, 80)
+    with resolve_precision(precision, "cpu", None).autocast():
+        log_probs, _ = model(features, torch.tensor([120, 90]))
+    assert log_probs.dtype == torch.float32
+    assert torch.allclose(log_probs.exp().sum(-1), torch.ones(2, log_probs.shape[1]), atol=1e-5)

@@ -1,0 +1,50 @@
+"""bench.peer_speed: a peer that cannot be installed is reported, never a ratio it did not measure.
+
+Nothing here looks at how fast anything is (the figures live in bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from bench.peer_speed import _parts
+
+
+def test_flops_are_split_by_model_part():
+    counts = {
+        "Global": {"mm": 100, "conv": 60},
+        "ConformerCtc": {"mm": 100, "conv": 60},
+        "ConformerCtc.subsampling": {"conv": 50},
+        "ConformerCtc.encoder.conformer_layers.0.self_attn": {"mm": 30},
+        "ConformerCtc.encoder.conformer_layers.0.self_attn.out_proj": {"mm": 10},  # inside self_attn: not again
+        "ConformerCtc.encoder.conformer_layers.0.conv_module": {"conv": 10},
+        "ConformerCtc.encoder.conformer_layers.0.ffn1": {"mm": 20},
+        "ConformerCtc.encoder.conformer_layers.0.ffn2": {"mm": 20},
+        "ConformerCtc.head": {"mm": 5},
+    }
+    parts = _parts(counts)
+    assert parts == {"front_end": 50, "attention": 30, "convolution": 10, "feed_forward": 40, "ctc_head": 5,
+                     "other": 25}
+
+
+@pytest.mark.pipeline
+def test_unavailable_peer_is_reported_and_quick_exits_zero(tmp_path):
+    """~1 min: asrflow's quick run still happens; the peer's line says why it is missing and has no ratio."""
+    env = {**os.environ, "GIT_PYTHON_REFRESH": "quiet", "ASRFLOW_PEER_REQUIREMENT": "speechbrain==0.0.0.dev0"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    done = subprocess.run([sys.executable, "-m", "bench.peer_speed", "--quick", "--workdir", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    peer = [r for r in records if r["benchmark"] == "peer_speed"]
+    assert peer and all(r["status"] == "peer unavailable" for r in peer), peer
+    for record in peer:
+        assert "speechbrain==0.0.0.dev0" in record["reason"]
+        assert "ratio" not in record and "speechbrain" not in record
+        assert record["asrflow"]["audio_s_per_s"] > 0
