@@ -103,6 +103,8 @@ class CutIndex:
 
     def __init__(self, ids: np.ndarray, durations: np.ndarray, offsets: np.ndarray, *, store: Path | None,
                  digest: str | None, cuts: dict[str, Cut] | None = None):
+        #: Whatever keeps ``store`` alive in this process (e.g. a ``TemporaryDirectory``); not pickled.
+        self.store_owner: object | None = None
         self.ids = ids
         self.durations = durations
         self.offsets = offsets
@@ -299,6 +301,7 @@ class CutIndex:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_handle"] = None  # a worker opens its own
+        state["store_owner"] = None  # the training process keeps the store alive
         state["_pid"] = None
         return state
 

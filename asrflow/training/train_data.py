@@ -63,8 +63,6 @@ class TrainData:
     seed: int
     #: The manifests read, by MLflow dataset context (``train``, and ``dev`` when there is one).
     manifests: dict[str, Path]
-    #: The folder of the train index's line store (under $TMPDIR), removed with this object.
-    index_store: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     _open: Iterator[dict] | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -92,6 +90,7 @@ class TrainData:
         store = tempfile.TemporaryDirectory(prefix="asrflow-cut-index-")
         full_index = CutIndex.build(cuts_path(fbank_dir, "train"), Path(store.name) / "train.jsonl")
         train_cuts, removed = filter_ctc_feasible_index(full_index, tokenizer, features.frame_shift_s, max_speed)
+        train_cuts.store_owner = store  # the folder lives as long as the index that reads it
         if len(train_cuts) == 0:
             raise AsrflowError("no train utterance is long enough for its transcript; check the data")
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
@@ -116,7 +115,6 @@ class TrainData:
             num_workers=config.num_workers,
             mp_start_method=config.mp_start_method,
             seed=seed,
-            index_store=store,
             manifests={split: cuts_path(fbank_dir, split) for split in ("train", "dev")
                        if cuts_path(fbank_dir, split).is_file()},
         )
