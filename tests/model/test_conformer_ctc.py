@@ -84,7 +84,8 @@ def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_
     old = build_model(config)
     path = tmp_path / "old.pt"
     cmvn = {"norm_means": [0.0] * 80, "norm_stds": [1.0] * 80}
-    save_bundle(path, old.state_dict(), config, tokenizer, FeatureConfig(), cmvn, None)
+    save_bundle(path, model_state=old.state_dict(), model_config=config, tokenizer=tokenizer, features=FeatureConfig(),
+                cmvn=cmvn, run_id=None)
     payload = torch.load(path, weights_only=True)
     del payload["model_config"]["subsampling_channels"]  # as an older asrflow wrote it
     torch.save(payload, path)
