@@ -22,7 +22,7 @@ run: $(STAMP)
 	@echo "Browse every run: . $(BIN)/activate && mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
 test: $(STAMP)
-	. $(BIN)/activate && ruff check . && python -m pytest -q
+	. $(BIN)/activate && ruff check . && ruff format --check . && python -m pytest -q
 
 test-fast: $(STAMP)
 	. $(BIN)/activate && python -m pytest -q -m "not pipeline and not serve"
@@ -31,7 +31,7 @@ bench: $(STAMP)
 	. $(BIN)/activate && python -m bench.run_all
 
 lint: $(STAMP)
-	. $(BIN)/activate && ruff check . && snakemake --lint
+	. $(BIN)/activate && ruff check . && ruff format --check . && snakemake --lint
 
 mlflow-ui: $(STAMP)
 	. $(BIN)/activate && mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1

@@ -85,18 +85,30 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     transcribe.add_argument("--model", required=True, type=Path, help="model bundle written by training")
-    transcribe.add_argument("--decoder", choices=DECODERS, default="greedy",
-                            help="CTC decoding: best token per frame, or prefix beam search (default: %(default)s)")
-    transcribe.add_argument("--beam-size", type=_positive_int, default=8,
-                            help="hypotheses kept by --decoder beam (default: %(default)s)")
-    transcribe.add_argument("--lm", type=Path, default=None,
-                            help="KenLM n-gram over tokens for --decoder beam (see asrflow.decoding.ctc)")
-    transcribe.add_argument("--lm-weight", type=float, default=0.5,
-                            help="weight of --lm's log10-probabilities (default: %(default)s)")
-    transcribe.add_argument("--word-score", type=float, default=0.0,
-                            help="score added per word with --lm (default: %(default)s)")
-    transcribe.add_argument("--batch-seconds", type=_positive_float, default=60.0,
-                            help="seconds of audio decoded together; a longer file goes alone (default: %(default)s)")
+    transcribe.add_argument(
+        "--decoder",
+        choices=DECODERS,
+        default="greedy",
+        help="CTC decoding: best token per frame, or prefix beam search (default: %(default)s)",
+    )
+    transcribe.add_argument(
+        "--beam-size", type=_positive_int, default=8, help="hypotheses kept by --decoder beam (default: %(default)s)"
+    )
+    transcribe.add_argument(
+        "--lm", type=Path, default=None, help="KenLM n-gram over tokens for --decoder beam (see asrflow.decoding.ctc)"
+    )
+    transcribe.add_argument(
+        "--lm-weight", type=float, default=0.5, help="weight of --lm's log10-probabilities (default: %(default)s)"
+    )
+    transcribe.add_argument(
+        "--word-score", type=float, default=0.0, help="score added per word with --lm (default: %(default)s)"
+    )
+    transcribe.add_argument(
+        "--batch-seconds",
+        type=_positive_float,
+        default=60.0,
+        help="seconds of audio decoded together; a longer file goes alone (default: %(default)s)",
+    )
     transcribe.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files to transcribe")
     transcribe.set_defaults(handler=run_transcribe)
 
@@ -137,8 +149,10 @@ def _one_line(path: str, error: Exception) -> str:
     """``error`` (possibly Lhotse's multi-line report of every backend tried) as one line naming ``path``."""
     reason = re.search(r"LibsndfileError'>: Error opening .*?: (.+)", str(error))
     if reason:
-        return (f"{path}: cannot read audio ({reason.group(1).strip().rstrip('.')}); "
-                "check the file or convert it to WAV/FLAC")
+        return (
+            f"{path}: cannot read audio ({reason.group(1).strip().rstrip('.')}); "
+            "check the file or convert it to WAV/FLAC"
+        )
     first = first_line(error)
     return first if path in first else f"{path}: {first}"
 
@@ -158,8 +172,14 @@ def _read_audio(paths: Sequence[str]) -> Iterator[tuple[str, object | None, str 
             yield path, None, _one_line(path, error)
             continue
         if cut.duration < MIN_DURATION_S:
-            yield path, None, (f"{path}: too short to transcribe ({cut.duration:.3f} s of audio; "
-                               f"at least {MIN_DURATION_S} s is needed)")
+            yield (
+                path,
+                None,
+                (
+                    f"{path}: too short to transcribe ({cut.duration:.3f} s of audio; "
+                    f"at least {MIN_DURATION_S} s is needed)"
+                ),
+            )
             continue
         # Unique ids: files with the same name in different folders stay apart.
         yield path, cut.with_id(f"input-{index}"), None
@@ -200,8 +220,13 @@ def transcribe_files(
         while next_index in done:
             yield paths[next_index], *done.pop(next_index)
             next_index += 1
-        logger.info("batch %d/%d: %d files, %.1f s of audio", number, len(batches), len(batch),
-                    sum(cut.duration for _, cut in batch))
+        logger.info(
+            "batch %d/%d: %d files, %.1f s of audio",
+            number,
+            len(batches),
+            len(batch),
+            sum(cut.duration for _, cut in batch),
+        )
         try:
             texts = run([cut for _, cut in batch])
             done.update((index, (text, None)) for (index, _), text in zip(batch, texts, strict=True))
@@ -227,8 +252,13 @@ def run_transcribe(args: argparse.Namespace) -> int:
         raise AsrflowError("--lm needs --decoder beam")
     bundle = load_bundle(args.model)
     decode = build_decoder(
-        args.decoder, tokens=bundle.tokenizer.pieces, blank=BLANK_ID, beam_size=args.beam_size,
-        lm_path=str(args.lm) if args.lm else None, lm_weight=args.lm_weight, word_score=args.word_score,
+        args.decoder,
+        tokens=bundle.tokenizer.pieces,
+        blank=BLANK_ID,
+        beam_size=args.beam_size,
+        lm_path=str(args.lm) if args.lm else None,
+        lm_weight=args.lm_weight,
+        word_score=args.word_score,
     )
     failed = 0
     for path, text, message in transcribe_files(bundle, args.audio, decode, args.batch_seconds):

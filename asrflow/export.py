@@ -90,8 +90,7 @@ def export_onnx(bundle: Bundle, out: Path) -> None:
     import onnx
 
     encoder = exportable_model(bundle.model)
-    dims = {"features": {0: "N", 1: "T"}, "lengths": {0: "N"}, "log_probs": {0: "N", 1: "T_out"},
-            "out_lens": {0: "N"}}
+    dims = {"features": {0: "N", 1: "T"}, "lengths": {0: "N"}, "log_probs": {0: "N", 1: "T_out"}, "out_lens": {0: "N"}}
     with atomic_path(out) as tmp, torch.no_grad():
         torch.onnx.export(
             encoder,

@@ -61,7 +61,9 @@ def _terminal_stream():
     except OSError:
         return None
 
+
 logger = logging.getLogger(__name__)
+
 
 def setup_logging(level: int = logging.INFO) -> None:
     """Log to stderr in one format for every stage.
@@ -140,9 +142,7 @@ class StepProgress:
         return True
 
 
-def progress(
-    items: Iterable[T], desc: str, total: int | None = None, log_every_s: float = 30.0
-) -> Iterator[T]:
+def progress(items: Iterable[T], desc: str, total: int | None = None, log_every_s: float = 30.0) -> Iterator[T]:
     """Iterate with a tqdm bar on a terminal, or a log line every ``log_every_s`` otherwise."""
     if sys.stderr.isatty():
         from tqdm import tqdm

@@ -42,7 +42,16 @@ MODEL_NAME = "model"
 BUNDLE_ARTIFACT = "bundle"
 #: Distributions the model needs at serving time, pinned to the versions that logged it.
 REQUIREMENTS = (
-    "torch", "torchaudio", "lhotse", "lilcom", "sentencepiece", "soundfile", "numpy", "pandas", "mlflow", "pyyaml",
+    "torch",
+    "torchaudio",
+    "lhotse",
+    "lilcom",
+    "sentencepiece",
+    "soundfile",
+    "numpy",
+    "pandas",
+    "mlflow",
+    "pyyaml",
 )
 #: Seconds of audio per decoding batch.
 BATCH_SECONDS = 60.0
@@ -50,11 +59,13 @@ BATCH_SECONDS = 60.0
 MIN_DURATION_S = 0.1
 
 SIGNATURE = ModelSignature(
-    inputs=Schema([
-        ColSpec(DataType.string, "path", required=False),
-        ColSpec(Array(DataType.double), "waveform", required=False),
-        ColSpec(DataType.long, "sample_rate", required=False),
-    ]),
+    inputs=Schema(
+        [
+            ColSpec(DataType.string, "path", required=False),
+            ColSpec(Array(DataType.double), "waveform", required=False),
+            ColSpec(DataType.long, "sample_rate", required=False),
+        ]
+    ),
     outputs=Schema([ColSpec(DataType.string, "transcript")]),
     params=ParamSchema([ParamSpec("decoder", DataType.string, "greedy")]),
 )
@@ -104,8 +115,10 @@ class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
         rows = _rows(model_input)
         decode = self._decoder((params or {}).get("decoder") or "greedy")
         with tempfile.TemporaryDirectory(prefix="asrflow-pyfunc-") as folder:
-            paths = [_audio_path(row, index, Path(folder), self.bundle.features.sampling_rate)
-                     for index, row in enumerate(rows)]
+            paths = [
+                _audio_path(row, index, Path(folder), self.bundle.features.sampling_rate)
+                for index, row in enumerate(rows)
+            ]
             transcripts = transcribe(self.bundle, paths, decode)
         return pd.DataFrame({"transcript": transcripts})
 

@@ -82,9 +82,7 @@ def build_config(cls: type[C], section: dict[str, Any] | None, name: str) -> C:
         )
     for key, value in section.items():
         if not _type_ok(value, hints[key]):
-            raise AsrflowError(
-                f"params.yaml: {name}.{key} = {value!r} has the wrong type; expected {hints[key]}"
-            )
+            raise AsrflowError(f"params.yaml: {name}.{key} = {value!r} has the wrong type; expected {hints[key]}")
     return cls(**section)
 
 

@@ -88,9 +88,7 @@ def train_tokenizer(texts: Iterable[str], output_dir: str | Path, config: Tokeni
     _check_characters_covered(tokenizer, lines, config)
     model_path = output_dir / MODEL_FILE
     model_path.write_bytes(model.getvalue())
-    (output_dir / TOKENS_FILE).write_text(
-        "".join(f"{piece} {index}\n" for index, piece in enumerate(tokenizer.pieces))
-    )
+    (output_dir / TOKENS_FILE).write_text("".join(f"{piece} {index}\n" for index, piece in enumerate(tokenizer.pieces)))
     return model_path
 
 

@@ -301,7 +301,11 @@ def committed_params(path: str | os.PathLike = "params.yaml") -> dict | None:
     try:
         result = subprocess.run(
             ["git", "show", f"HEAD:./{Path(path).name}"],
-            capture_output=True, text=True, timeout=10, check=False, cwd=Path(path).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+            cwd=Path(path).resolve().parent,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -476,7 +480,11 @@ class RunTracker:
         run_tags.update(extra_tags)
         run = client.create_run(experiment_id, tags=run_tags, run_name=run_name)
         log.info(
-            "started MLflow run %s (%s) in %s%s", run.info.run_id, run.info.run_name, uri, _ui_hint(uri),
+            "started MLflow run %s (%s) in %s%s",
+            run.info.run_id,
+            run.info.run_name,
+            uri,
+            _ui_hint(uri),
             extra={"terminal": True},
         )
         tracker = cls(
@@ -648,7 +656,9 @@ class RunTracker:
                 log.warning(
                     "MLflow store %s cannot be reached (%s); training goes on, and the %d metric points "
                     "kept are sent at the next flush once it is back",
-                    self.tracking_uri, first_line(error), len(self._pending),
+                    self.tracking_uri,
+                    first_line(error),
+                    len(self._pending),
                 )
             self._store_down = True
             return False
@@ -706,7 +716,11 @@ class RunTracker:
         timestamp = _now_ms()
         points = [
             Metric(
-                str(key), float(value), timestamp, int(step), model_id=model_id,
+                str(key),
+                float(value),
+                timestamp,
+                int(step),
+                model_id=model_id,
                 dataset_name=dataset.name if dataset is not None else None,
                 dataset_digest=dataset.digest if dataset is not None else None,
             )
@@ -745,9 +759,7 @@ class RunTracker:
                 f"has run {self.run_id}: start the tracker with run_id=state['run_id']"
             )
         recorded_through = int(state.get("recorded_through", -1))
-        pending = [
-            (str(key), int(step), float(value), int(ts)) for key, step, value, ts in state["pending"]
-        ]
+        pending = [(str(key), int(step), float(value), int(ts)) for key, step, value, ts in state["pending"]]
         self._recorded_through = max(self._recorded_through, recorded_through)
         through = self._logged_through
         unsure = [point for point in pending if point[1] > through]
@@ -888,8 +900,10 @@ class RunTracker:
         if not self.flush():
             log.warning(
                 "%d metric points could not be sent to %s (those saved in a checkpoint are sent when "
-                "training resumes from it); MLflow run %s is left as it was", len(self._pending),
-                self.tracking_uri, self.run_id,
+                "training resumes from it); MLflow run %s is left as it was",
+                len(self._pending),
+                self.tracking_uri,
+                self.run_id,
             )
             self._ended = True
             return

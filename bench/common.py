@@ -68,8 +68,9 @@ def rounded(value: float, digits: int = 4) -> float:
 
 
 # --------------------------------------------------------------------------- command line
-def parse_args(description: str, argv: list[str] | None = None,
-               configure: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def parse_args(
+    description: str, argv: list[str] | None = None, configure: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     """``--quick`` (small sizes, for the smoke test) and ``--workdir`` (shared data cache).
 
     ``configure`` may add a benchmark's own options to the parser.
@@ -79,12 +80,15 @@ def parse_args(description: str, argv: list[str] | None = None,
         configure(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that the benchmark runs")
     parser.add_argument(
-        "--workdir", type=Path, default=None,
+        "--workdir",
+        type=Path,
+        default=None,
         help="folder for generated data, reused across benchmarks (default: a temporary folder)",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
-                        stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s", stream=sys.stderr, force=True
+    )
     return args
 
 
@@ -280,14 +284,22 @@ def synth_utterance(rng, duration_s: float) -> tuple[object, str]:
     if not words:  # very short: one short word filling most of it
         length = int(0.8 * total)
         t = np.arange(length, dtype=np.float32) / SAMPLING_RATE
-        audio[: length] += 0.3 * np.sin(2 * np.pi * pitches["NO"] * t)
+        audio[:length] += 0.3 * np.sin(2 * np.pi * pitches["NO"] * t)
         words.append("NO")
     audio += rng.normal(0.0, 0.01, total).astype(np.float32)
     return audio, " ".join(words)
 
 
-def generate_corpus(folder: Path, num_utterances: int, *, seed: int = 0, min_s: float = 1.0,
-                    max_s: float = 15.0, dev_fraction: float = 0.02, test_fraction: float = 0.02) -> dict:
+def generate_corpus(
+    folder: Path,
+    num_utterances: int,
+    *,
+    seed: int = 0,
+    min_s: float = 1.0,
+    max_s: float = 15.0,
+    dev_fraction: float = 0.02,
+    test_fraction: float = 0.02,
+) -> dict:
     """Write a ``corpus: folder`` corpus (16 kHz WAVs + train/dev/test TSVs) into ``folder``.
 
     Returns ``{"utterances": n, "audio_s": total seconds}``. Deterministic for ``seed``.
@@ -330,12 +342,18 @@ def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterance
     shutil.rmtree(root, ignore_errors=True)
     start = time.perf_counter()
     # dev and test: 2 utterances each (they only have to exist for the stages)
-    info = generate_corpus(root / "corpus", num_utterances, seed=seed, dev_fraction=dev_utterances / num_utterances,
-                           test_fraction=0.0)
-    logger.info("generated %d utterances (%.0f s of audio) in %.1f s",
-                info["utterances"], info["audio_s"], time.perf_counter() - start)
+    info = generate_corpus(
+        root / "corpus", num_utterances, seed=seed, dev_fraction=dev_utterances / num_utterances, test_fraction=0.0
+    )
+    logger.info(
+        "generated %d utterances (%.0f s of audio) in %.1f s",
+        info["utterances"],
+        info["audio_s"],
+        time.perf_counter() - start,
+    )
     config = PrepareConfig(
-        corpus="folder", corpus_dir=str(root / "corpus"),
+        corpus="folder",
+        corpus_dir=str(root / "corpus"),
         splits={"train": "train", "dev": "dev", "test": "test"},
     )
     with one_thread_per_process():  # small corpora: one process (spawning workers costs more)
@@ -348,8 +366,22 @@ def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterance
 #: What :func:`copy_repo` leaves out: as ``tests/conftest.py:copy_repo`` (environments,
 #: outputs, caches, tool state), so a copy runs the pipeline from scratch.
 COPY_IGNORE = (
-    ".venv", ".git", "__pycache__", ".snakemake", "exp", "logs", "mlflow.db", "mlartifacts", "mlruns",
-    "manifests", "fbank", "lang", ".pytest_cache", ".ruff_cache", "*.egg-info", ".dvc",
+    ".venv",
+    ".git",
+    "__pycache__",
+    ".snakemake",
+    "exp",
+    "logs",
+    "mlflow.db",
+    "mlartifacts",
+    "mlruns",
+    "manifests",
+    "fbank",
+    "lang",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.egg-info",
+    ".dvc",
 )
 
 

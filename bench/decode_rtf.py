@@ -48,8 +48,11 @@ def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
         return copy, "exp/model.pt"
     except AsrflowError:
         pass
-    return (untrained(data, work), "untrained (no exp/model.pt)") if quick else (
-        trained(data, work), f"trained here: {FALLBACK_EPOCHS} epochs on yesno (no exp/model.pt)")
+    return (
+        (untrained(data, work), "untrained (no exp/model.pt)")
+        if quick
+        else (trained(data, work), f"trained here: {FALLBACK_EPOCHS} epochs on yesno (no exp/model.pt)")
+    )
 
 
 def untrained(data: Path, work: Path) -> Path:
@@ -71,8 +74,15 @@ def untrained(data: Path, work: Path) -> Path:
     torch.manual_seed(0)
     cmvn = cmvn_stats(load_cmvn(data / "fbank" / CMVN_FILE))
     path = work / "decode-model-untrained.pt"
-    save_bundle(path, model_state=build_model(config).state_dict(), model_config=config, tokenizer=tokenizer,
-                features=features, cmvn=cmvn, run_id=None)
+    save_bundle(
+        path,
+        model_state=build_model(config).state_dict(),
+        model_config=config,
+        tokenizer=tokenizer,
+        features=features,
+        cmvn=cmvn,
+        run_id=None,
+    )
     return path
 
 
@@ -85,14 +95,25 @@ def trained(data: Path, work: Path) -> Path:
     from asrflow.training.trainer import Trainer
 
     params = repo_params()
-    train = replace(build_config(TrainConfig, params.get("train"), "train"), epochs=FALLBACK_EPOCHS,
-                    num_workers=0, warmup_steps=5, average_last=1)
+    train = replace(
+        build_config(TrainConfig, params.get("train"), "train"),
+        epochs=FALLBACK_EPOCHS,
+        num_workers=0,
+        warmup_steps=5,
+        average_last=1,
+    )
     features = build_config(FeatureConfig, params.get("features"), "features")
     exp = work / "decode-exp"
     shutil.rmtree(exp, ignore_errors=True)
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    Trainer(train, features, seed=int(params.get("seed", 0)), all_params=params, paths=paths,
-            tracking_uri=f"sqlite:///{work / 'bench-mlflow.db'}").run()
+    Trainer(
+        train,
+        features,
+        seed=int(params.get("seed", 0)),
+        all_params=params,
+        paths=paths,
+        tracking_uri=f"sqlite:///{work / 'bench-mlflow.db'}",
+    ).run()
     return paths.model_path
 
 
@@ -140,26 +161,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rtfs["encoder"].append(encoder_seconds(bundle, cuts, config.max_batch_duration_s) / audio)
         score = score_corpus({cut.id: cut_text(cut) for cut in cuts}, hyps[config.decoder])
         rtf_greedy, rtf_beam, rtf_encoder = (statistics.median(rtfs[kind]) for kind in ("greedy", "beam", "encoder"))
-        return [emit({
-            "benchmark": "decode_rtf",
-            "mode": mode,
-            "model": source,
-            "parameters": sum(p.numel() for p in bundle.model.parameters()),
-            "utterances": len(cuts),
-            "audio_s": rounded(audio),
-            "decoder_in_params": config.decoder,
-            "beam_size": config.beam_size,
-            "beam_lm": config.lm_path,
-            "torch_threads": torch.get_num_threads(),
-            "rtf_greedy": rounded(rtf_greedy),
-            "rtf_beam": rounded(rtf_beam),
-            "rtf_encoder": rounded(rtf_encoder),
-            "greedy_vs_encoder": rounded(ratio(rtf_greedy, rtf_encoder)),
-            "beam_vs_encoder": rounded(ratio(rtf_beam, rtf_encoder)),
-            "beam_vs_greedy": rounded(ratio(rtf_beam, rtf_greedy)),
-            "repeats": REPEATS[mode],
-            "wer": rounded(score.wer),
-        })]
+        return [
+            emit(
+                {
+                    "benchmark": "decode_rtf",
+                    "mode": mode,
+                    "model": source,
+                    "parameters": sum(p.numel() for p in bundle.model.parameters()),
+                    "utterances": len(cuts),
+                    "audio_s": rounded(audio),
+                    "decoder_in_params": config.decoder,
+                    "beam_size": config.beam_size,
+                    "beam_lm": config.lm_path,
+                    "torch_threads": torch.get_num_threads(),
+                    "rtf_greedy": rounded(rtf_greedy),
+                    "rtf_beam": rounded(rtf_beam),
+                    "rtf_encoder": rounded(rtf_encoder),
+                    "greedy_vs_encoder": rounded(ratio(rtf_greedy, rtf_encoder)),
+                    "beam_vs_encoder": rounded(ratio(rtf_beam, rtf_encoder)),
+                    "beam_vs_greedy": rounded(ratio(rtf_beam, rtf_greedy)),
+                    "repeats": REPEATS[mode],
+                    "wer": rounded(score.wer),
+                }
+            )
+        ]
 
 
 if __name__ == "__main__":

@@ -74,9 +74,13 @@ def input_rates(work: Path, utterances: int, config) -> dict:
         if rate != 16000:
             corpus_at_rate(root / "corpus-16000", root / f"corpus-{rate}", rate)
         summary = prepare_corpus(
-            PrepareConfig(corpus="folder", corpus_dir=str(root / f"corpus-{rate}"),
-                          splits={"train": "train", "dev": "dev", "test": "test"}),
-            root / f"manifests-{rate}", seed=42,
+            PrepareConfig(
+                corpus="folder",
+                corpus_dir=str(root / f"corpus-{rate}"),
+                splits={"train": "train", "dev": "dev", "test": "test"},
+            ),
+            root / f"manifests-{rate}",
+            seed=42,
         )
         audio = summary.total_hours * 3600
     seconds = {rate: float("inf") for rate in INPUT_RATES}
@@ -134,9 +138,11 @@ def manifests(work: Path, utterances: int, train_repeats: int) -> tuple[Path, fl
     shutil.rmtree(root, ignore_errors=True)
     generate_corpus(root / "corpus", utterances, seed=1)
     prepare_corpus(
-        PrepareConfig(corpus="folder", corpus_dir=str(root / "corpus"),
-                      splits={"train": "train", "dev": "dev", "test": "test"}),
-        root / "manifests", seed=42,
+        PrepareConfig(
+            corpus="folder", corpus_dir=str(root / "corpus"), splits={"train": "train", "dev": "dev", "test": "test"}
+        ),
+        root / "manifests",
+        seed=42,
     )
     train = load_cuts(root / "manifests", "train").to_eager()
     CutSet.from_cuts(cut.with_id(f"{cut.id}-r{r}") for r in range(train_repeats) for cut in train).to_file(
@@ -158,8 +164,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with workdir(args.workdir) as work:
         root, audio = manifests(work, UTTERANCES[mode], TRAIN_REPEATS[mode])
         cores = usable_cores()
-        variants = [("one_worker", 1, 1), ("all_cores", cores, 1), ("default", 0, 1),
-                    ("one_worker_default_threads", 1, None)]
+        variants = [
+            ("one_worker", 1, 1),
+            ("all_cores", cores, 1),
+            ("default", 0, 1),
+            ("one_worker_default_threads", 1, None),
+        ]
         rates, seconds = {}, {}
         default_threads = torch.get_num_threads()
         for name, num_jobs, thread_count in variants:
@@ -173,22 +183,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
             shutil.rmtree(out, ignore_errors=True)
         speedup = ratio(rates["all_cores"], rates["one_worker"])
         by_rate = input_rates(work, UTTERANCES[mode], config)
-        return [emit({
-            "benchmark": "features_speed",
-            "mode": mode,
-            "utterances": UTTERANCES[mode],
-            "audio_s": rounded(audio),
-            "cores": cores,
-            "torch_threads_default": default_threads,
-            "audio_s_per_s": {name: rounded(rate) for name, rate in rates.items()},
-            "wall_s": {name: rounded(s) for name, s in seconds.items()},
-            "baseline": "one_worker",
-            "speedup": rounded(speedup),
-            "default_vs_one_worker": rounded(ratio(rates["default"], rates["one_worker"])),
-            "one_thread_vs_default_threads": rounded(ratio(rates["one_worker"], rates["one_worker_default_threads"])),
-            "input_rates": by_rate,
-            "settings": {"sampling_rate": config.sampling_rate, "num_mel_bins": config.num_mel_bins},
-        })]
+        return [
+            emit(
+                {
+                    "benchmark": "features_speed",
+                    "mode": mode,
+                    "utterances": UTTERANCES[mode],
+                    "audio_s": rounded(audio),
+                    "cores": cores,
+                    "torch_threads_default": default_threads,
+                    "audio_s_per_s": {name: rounded(rate) for name, rate in rates.items()},
+                    "wall_s": {name: rounded(s) for name, s in seconds.items()},
+                    "baseline": "one_worker",
+                    "speedup": rounded(speedup),
+                    "default_vs_one_worker": rounded(ratio(rates["default"], rates["one_worker"])),
+                    "one_thread_vs_default_threads": rounded(
+                        ratio(rates["one_worker"], rates["one_worker_default_threads"])
+                    ),
+                    "input_rates": by_rate,
+                    "settings": {"sampling_rate": config.sampling_rate, "num_mel_bins": config.num_mel_bins},
+                }
+            )
+        ]
 
 
 if __name__ == "__main__":

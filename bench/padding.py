@@ -44,14 +44,17 @@ def frames_of(cuts) -> dict[str, int]:
     return {cut.id: cut.num_frames for cut in cuts}
 
 
-def planned(cuts, frames: dict[str, int], seed: int, max_duration_s: float,
-            num_buckets: int) -> tuple[float, int, float]:
+def planned(
+    cuts, frames: dict[str, int], seed: int, max_duration_s: float, num_buckets: int
+) -> tuple[float, int, float]:
     """Padding of asrflow's plan over ``EPOCHS`` epochs."""
     from asrflow.data.batches import plan_epoch
 
-    batches = [[frames[cut_id] for cut_id in batch]
-               for epoch in range(EPOCHS)
-               for batch in plan_epoch(cuts, epoch, seed, max_duration_s, num_buckets)]
+    batches = [
+        [frames[cut_id] for cut_id in batch]
+        for epoch in range(EPOCHS)
+        for batch in plan_epoch(cuts, epoch, seed, max_duration_s, num_buckets)
+    ]
     return padding_of(batches)
 
 
@@ -85,8 +88,11 @@ def measure(corpus: str, data, params: dict) -> dict:
         "benchmark": "padding",
         "corpus": corpus,
         "utterances": len(cuts),
-        "duration_s_min_median_max": [rounded(durations[0]), rounded(durations[len(durations) // 2]),
-                                      rounded(durations[-1])],
+        "duration_s_min_median_max": [
+            rounded(durations[0]),
+            rounded(durations[len(durations) // 2]),
+            rounded(durations[-1]),
+        ],
         "max_duration_s": max_duration,
         "num_buckets": num_buckets,
         "epochs": EPOCHS,
@@ -99,9 +105,7 @@ def measure(corpus: str, data, params: dict) -> dict:
         "mean_batch_audio_s_random": rounded(fill_random * frame_s),
         "goal": "padding_ratio <= 0.05",
         "meets_goal": figure <= 0.05,
-        "by_num_buckets": {
-            str(n): rounded(planned(cuts, frames, seed, max_duration, n)[0]) for n in OTHER_NUM_BUCKETS
-        },
+        "by_num_buckets": {str(n): rounded(planned(cuts, frames, seed, max_duration, n)[0]) for n in OTHER_NUM_BUCKETS},
     }
 
 

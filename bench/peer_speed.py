@@ -78,8 +78,13 @@ from bench.common import (
 #: The peer, pinned, and what ``pip install --target`` puts into PEER_DIR (no torch: the venv's).
 PEER_VERSION = "1.1.2"
 #: ``ASRFLOW_PEER_REQUIREMENT`` replaces the pinned requirement (the tests name one that cannot install).
-PEER_PACKAGES = (os.environ.get("ASRFLOW_PEER_REQUIREMENT", f"speechbrain=={PEER_VERSION}"), "hyperpyyaml",
-                 "ruamel.yaml", "joblib", "huggingface_hub")
+PEER_PACKAGES = (
+    os.environ.get("ASRFLOW_PEER_REQUIREMENT", f"speechbrain=={PEER_VERSION}"),
+    "hyperpyyaml",
+    "ruamel.yaml",
+    "joblib",
+    "huggingface_hub",
+)
 PEER_DIR = REPO / "bench" / ".peer" / PEER_PACKAGES[0].replace("==", "-")
 
 #: Utterances of the generated corpus (2 % of them dev), per mode.
@@ -105,12 +110,17 @@ def install_peer() -> str | None:
         shutil.rmtree(PEER_DIR, ignore_errors=True)
         done = subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(PEER_DIR), *PEER_PACKAGES],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         if done.returncode != 0:
             return f"pip install {' '.join(PEER_PACKAGES)} failed: {done.stderr.strip().splitlines()[-1:]}"
-    check = subprocess.run([sys.executable, "-c", "import speechbrain; print(speechbrain.__version__)"],
-                           env=peer_env(), capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-c", "import speechbrain; print(speechbrain.__version__)"],
+        env=peer_env(),
+        capture_output=True,
+        text=True,
+    )
     if check.returncode != 0 or check.stdout.strip() != PEER_VERSION:
         return f"speechbrain {PEER_VERSION} does not import: {(check.stderr.strip().splitlines() or ['?'])[-1]}"
     marker.write_text(PEER_VERSION)
@@ -131,8 +141,16 @@ def configs(quick: bool, epochs: int):
     params = repo_params()
     train = build_config(TrainConfig, params.get("train"), "train")
     features = build_config(FeatureConfig, params.get("features"), "features")
-    train = replace(train, epochs=epochs, nproc_per_node=1, nnodes=1, precision="fp32", validate_every_steps=0,
-                    average_last=1, **(TINY_MODEL if quick else {}))
+    train = replace(
+        train,
+        epochs=epochs,
+        nproc_per_node=1,
+        nnodes=1,
+        precision="fp32",
+        validate_every_steps=0,
+        average_last=1,
+        **(TINY_MODEL if quick else {}),
+    )
     return params, train, features
 
 
@@ -149,8 +167,9 @@ def dump_batches(data: Path, out: Path, config, features, *, seed: int, max_step
     from asrflow.training.train_data import TrainData
 
     out.mkdir(parents=True, exist_ok=True)
-    train_data = TrainData.build(replace(config, accum_grad=1), features, seed=seed, fbank_dir=data / "fbank",
-                                 lang_dir=data / "lang")
+    train_data = TrainData.build(
+        replace(config, accum_grad=1), features, seed=seed, fbank_dir=data / "fbank", lang_dir=data / "lang"
+    )
     keys = ("features", "feature_lens", "targets", "target_lens", "durations", "step_tokens")
     steps = 0
     for item in train_data.batches:
@@ -192,8 +211,19 @@ def run_side(side: str, options: dict, log: Path) -> dict:
     env = peer_env() if side == "speechbrain" else {**os.environ}
     env.update({"PYTHONUNBUFFERED": "1", "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_DISABLE_TELEMETRY": "true"})
     launched = time.time()
-    command = [sys.executable, "-m", "bench.peer_speed", "--side", side, "--report", str(report),
-               "--launched", repr(launched), "--options", json.dumps(options)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.peer_speed",
+        "--side",
+        side,
+        "--report",
+        str(report),
+        "--launched",
+        repr(launched),
+        "--options",
+        json.dumps(options),
+    ]
     peak = [0]
     done = threading.Event()
     with log.open("w") as handle:
@@ -236,37 +266,87 @@ def summary(result: dict) -> dict:
     }
 
 
-def sweep(data: Path, batches: Path, work: Path, config, *, seed: int, vocab_size: int,
-          peer: bool) -> tuple[dict, dict]:
+def sweep(
+    data: Path, batches: Path, work: Path, config, *, seed: int, vocab_size: int, peer: bool
+) -> tuple[dict, dict]:
     """Run a few steps at each candidate setting; the fastest asrflow and SpeechBrain settings, and every figure."""
     figures: dict[str, list] = {"asrflow": [], "speechbrain": []}
     for threads, workers in ASRFLOW_CANDIDATES:
-        options = side_options("asrflow", data, batches, work / f"sweep-{threads}-{workers}", config=config, seed=seed,
-                               vocab_size=vocab_size, threads=threads, workers=workers, max_steps=SWEEP_STEPS)
+        options = side_options(
+            "asrflow",
+            data,
+            batches,
+            work / f"sweep-{threads}-{workers}",
+            config=config,
+            seed=seed,
+            vocab_size=vocab_size,
+            threads=threads,
+            workers=workers,
+            max_steps=SWEEP_STEPS,
+        )
         rate = summary(run_side("asrflow", options, work / f"sweep-asrflow-{threads}-{workers}.log"))["audio_s_per_s"]
         figures["asrflow"].append({"num_threads": threads, "num_workers": workers, "audio_s_per_s": rate})
     for threads in PEER_CANDIDATES if peer else []:
-        options = side_options("speechbrain", data, batches, work / f"sweep-sb-{threads}", config=config, seed=seed,
-                               vocab_size=vocab_size, threads=threads, workers=0, max_steps=SWEEP_STEPS)
+        options = side_options(
+            "speechbrain",
+            data,
+            batches,
+            work / f"sweep-sb-{threads}",
+            config=config,
+            seed=seed,
+            vocab_size=vocab_size,
+            threads=threads,
+            workers=0,
+            max_steps=SWEEP_STEPS,
+        )
         rate = summary(run_side("speechbrain", options, work / f"sweep-sb-{threads}.log"))["audio_s_per_s"]
         figures["speechbrain"].append({"num_threads": threads, "num_workers": 0, "audio_s_per_s": rate})
     best = {side: max(rows, key=lambda r: r["audio_s_per_s"] or 0) for side, rows in figures.items() if rows}
     return best, figures
 
 
-def side_options(side: str, data: Path, batches: Path, exp: Path, *, config, seed: int, vocab_size: int,
-                 threads: int, workers: int, max_steps: int | None, dev: bool = False) -> dict:
+def side_options(
+    side: str,
+    data: Path,
+    batches: Path,
+    exp: Path,
+    *,
+    config,
+    seed: int,
+    vocab_size: int,
+    threads: int,
+    workers: int,
+    max_steps: int | None,
+    dev: bool = False,
+) -> dict:
     """What one training process needs (JSON); ``dev``: compute the dev loss at the end."""
     from dataclasses import asdict
 
     shutil.rmtree(exp, ignore_errors=True)
-    return {"data": str(data), "batches": str(batches), "exp": str(exp), "seed": seed, "vocab_size": vocab_size,
-            "config": {**asdict(replace(config, num_threads=threads, num_workers=workers))},
-            "max_steps": max_steps, "side": side, "dev": dev}
+    return {
+        "data": str(data),
+        "batches": str(batches),
+        "exp": str(exp),
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "config": {**asdict(replace(config, num_threads=threads, num_workers=workers))},
+        "max_steps": max_steps,
+        "side": side,
+        "dev": dev,
+    }
 
 
-def measure(corpus: str, data: Path, work: Path, *, quick: bool, epochs: int, max_steps: int | None,
-            peer_problem: str | None, settings: dict | None) -> tuple[dict, dict | None]:
+def measure(
+    corpus: str,
+    data: Path,
+    work: Path,
+    *,
+    quick: bool,
+    epochs: int,
+    max_steps: int | None,
+    peer_problem: str | None,
+    settings: dict | None,
+) -> tuple[dict, dict | None]:
     """One corpus: the record to print, and the settings chosen (from the sweep, when one ran)."""
     params, config, features = configs(quick, epochs)
     seed = int(params.get("seed", 0))
@@ -278,21 +358,39 @@ def measure(corpus: str, data: Path, work: Path, *, quick: bool, epochs: int, ma
     info = json.loads((batches / ".done").read_text())
     sweep_figures = None
     if settings is None and not quick:
-        settings, sweep_figures = sweep(data, batches, work, config, seed=seed, vocab_size=info["vocab_size"],
-                                            peer=peer_problem is None)
+        settings, sweep_figures = sweep(
+            data, batches, work, config, seed=seed, vocab_size=info["vocab_size"], peer=peer_problem is None
+        )
     if settings is None:  # --quick: the shipped settings, and the peer at 2 threads
-        settings = {"asrflow": {"num_threads": config.num_threads, "num_workers": config.num_workers},
-                    "speechbrain": {"num_threads": 2, "num_workers": 0}}
-    record: dict = {"benchmark": "peer_speed", "corpus": corpus, "epochs": epochs, "steps_per_run": info["steps"],
-                    "max_steps": max_steps}
+        settings = {
+            "asrflow": {"num_threads": config.num_threads, "num_workers": config.num_workers},
+            "speechbrain": {"num_threads": 2, "num_workers": 0},
+        }
+    record: dict = {
+        "benchmark": "peer_speed",
+        "corpus": corpus,
+        "epochs": epochs,
+        "steps_per_run": info["steps"],
+        "max_steps": max_steps,
+    }
     sides = {}
     for side in SIDES:
         if side == "speechbrain" and peer_problem is not None:
             continue
         chosen = settings[side]
-        options = side_options(side, data, batches, work / f"peer-{side}-{corpus}", config=config, seed=seed,
-                               vocab_size=info["vocab_size"], threads=chosen["num_threads"],
-                               workers=chosen["num_workers"], max_steps=max_steps, dev=True)
+        options = side_options(
+            side,
+            data,
+            batches,
+            work / f"peer-{side}-{corpus}",
+            config=config,
+            seed=seed,
+            vocab_size=info["vocab_size"],
+            threads=chosen["num_threads"],
+            workers=chosen["num_workers"],
+            max_steps=max_steps,
+            dev=True,
+        )
         sides[side] = summary(run_side(side, options, work / f"peer-{side}-{corpus}.log"))
     record["asrflow"] = sides["asrflow"]
     if peer_problem is not None:
@@ -300,15 +398,20 @@ def measure(corpus: str, data: Path, work: Path, *, quick: bool, epochs: int, ma
         return record, settings
     record["speechbrain"] = sides["speechbrain"]
     a, s = sides["asrflow"], sides["speechbrain"]
-    record.update({
-        "ratio": rounded(ratio(a["audio_s_per_s"], s["audio_s_per_s"])),
-        "params_ratio": rounded(ratio(a["params"], s["params"])),
-        "dev_loss_no_worse": a["dev_loss"] <= s["dev_loss"],
-        "goal": "ratio >= 1.5 on the generated corpus, dev loss no worse, params within 10 %",
-        "meets_goal": (ratio(a["audio_s_per_s"], s["audio_s_per_s"]) >= 1.5 and a["dev_loss"] <= s["dev_loss"]
-                       and abs(ratio(a["params"], s["params"]) - 1) <= 0.1),
-        "peer": f"speechbrain {PEER_VERSION}",
-    })
+    record.update(
+        {
+            "ratio": rounded(ratio(a["audio_s_per_s"], s["audio_s_per_s"])),
+            "params_ratio": rounded(ratio(a["params"], s["params"])),
+            "dev_loss_no_worse": a["dev_loss"] <= s["dev_loss"],
+            "goal": "ratio >= 1.5 on the generated corpus, dev loss no worse, params within 10 %",
+            "meets_goal": (
+                ratio(a["audio_s_per_s"], s["audio_s_per_s"]) >= 1.5
+                and a["dev_loss"] <= s["dev_loss"]
+                and abs(ratio(a["params"], s["params"]) - 1) <= 0.1
+            ),
+            "peer": f"speechbrain {PEER_VERSION}",
+        }
+    )
     if sweep_figures is not None:
         record["settings_sweep"] = sweep_figures
     return record, settings
@@ -316,11 +419,19 @@ def measure(corpus: str, data: Path, work: Path, *, quick: bool, epochs: int, ma
 
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--epochs", type=int, default=None,
-                            help="epochs per corpus, every step of them (default: 30 steps of generated, "
-                                 "30 epochs of yesno)")
-        parser.add_argument("--corpora", nargs="+", choices=("generated", "yesno"), default=None,
-                            help="measure only these corpora (default: both; --quick: generated)")
+        parser.add_argument(
+            "--epochs",
+            type=int,
+            default=None,
+            help="epochs per corpus, every step of them (default: 30 steps of generated, 30 epochs of yesno)",
+        )
+        parser.add_argument(
+            "--corpora",
+            nargs="+",
+            choices=("generated", "yesno"),
+            default=None,
+            help="measure only these corpora (default: both; --quick: generated)",
+        )
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"
@@ -334,11 +445,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             if args.epochs:
                 epochs, max_steps = args.epochs, None
-            data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode], dev_utterances=40
-                                                                               if not args.quick else 4)
+            data = (
+                yesno_data(work)
+                if corpus == "yesno"
+                else generated_data(work, GENERATED[mode], dev_utterances=40 if not args.quick else 4)
+            )
             try:
-                record, settings = measure(corpus, data, work, quick=args.quick, epochs=epochs, max_steps=max_steps,
-                                           peer_problem=peer_problem, settings=settings)
+                record, settings = measure(
+                    corpus,
+                    data,
+                    work,
+                    quick=args.quick,
+                    epochs=epochs,
+                    max_steps=max_steps,
+                    peer_problem=peer_problem,
+                    settings=settings,
+                )
             except RuntimeError as error:
                 record = {"benchmark": "peer_speed", "corpus": corpus, "status": "failed", "reason": str(error)}
             out.append(emit({**record, "mode": mode}))
@@ -404,8 +526,15 @@ def child_asrflow(options: dict, launched: float) -> dict:
                 trainer.request_stop()
 
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    trainer = Trainer(config, features, seed=options["seed"], all_params=params, paths=paths,
-                      tracking_uri=f"sqlite:///{exp / 'mlflow.db'}", observers=[Timing()])
+    trainer = Trainer(
+        config,
+        features,
+        seed=options["seed"],
+        all_params=params,
+        paths=paths,
+        tracking_uri=f"sqlite:///{exp / 'mlflow.db'}",
+        observers=[Timing()],
+    )
     try:
         trainer.run()
     except SystemExit as stop:
@@ -423,9 +552,15 @@ def child_asrflow(options: dict, launched: float) -> dict:
         ctc_loss_sum(log_probs, out_lens, batch).backward()
 
     flops, parts = _flops(forward_backward, float(batch["durations"].sum()))
-    return {"steps": steps, "launched": launched, "dev_loss": loss, "flops_per_audio_s": flops,
-            "flops_by_part": parts, "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "settings": {"num_threads": config.num_threads, "num_workers": config.num_workers, "precision": "fp32"}}
+    return {
+        "steps": steps,
+        "launched": launched,
+        "dev_loss": loss,
+        "flops_per_audio_s": flops,
+        "flops_by_part": parts,
+        "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "settings": {"num_threads": config.num_threads, "num_workers": config.num_workers, "precision": "fp32"},
+    }
 
 
 def _speechbrain_model(config: dict, input_dim: int, vocab_size: int):
@@ -434,15 +569,33 @@ def _speechbrain_model(config: dict, input_dim: int, vocab_size: int):
     from speechbrain.lobes.models.convolution import ConvolutionFrontEnd
     from speechbrain.lobes.models.transformer.TransformerASR import TransformerASR
 
-    cnn = ConvolutionFrontEnd(input_shape=(8, 10, input_dim), num_blocks=2, num_layers_per_block=1,
-                              out_channels=(64, 32), kernel_sizes=(3, 3), strides=(2, 2), residuals=(False, False))
+    cnn = ConvolutionFrontEnd(
+        input_shape=(8, 10, input_dim),
+        num_blocks=2,
+        num_layers_per_block=1,
+        out_channels=(64, 32),
+        kernel_sizes=(3, 3),
+        strides=(2, 2),
+        residuals=(False, False),
+    )
     freq = cnn(torch.zeros(1, 16, input_dim)).shape[-2:]  # (F', C)
     transformer = TransformerASR(
-        input_size=freq[0] * freq[1], tgt_vocab=vocab_size, d_model=config["d_model"], nhead=config["num_heads"],
-        num_encoder_layers=config["num_layers"], num_decoder_layers=0, d_ffn=config["ffn_dim"],
-        dropout=config["dropout"], activation=torch.nn.GELU, encoder_module="conformer",
-        attention_type="regularMHA", normalize_before=True, causal=False, kernel_size=config["conv_kernel_size"],
+        input_size=freq[0] * freq[1],
+        tgt_vocab=vocab_size,
+        d_model=config["d_model"],
+        nhead=config["num_heads"],
+        num_encoder_layers=config["num_layers"],
+        num_decoder_layers=0,
+        d_ffn=config["ffn_dim"],
+        dropout=config["dropout"],
+        activation=torch.nn.GELU,
+        encoder_module="conformer",
+        attention_type="regularMHA",
+        normalize_before=True,
+        causal=False,
+        kernel_size=config["conv_kernel_size"],
     )
+
     class SpeechBrainCtc(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -475,12 +628,20 @@ def child_speechbrain(options: dict, launched: float) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
     warmup = config["warmup_steps"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min((step + 1) / warmup, (warmup / (step + 1)) ** 0.5) if warmup else 1.0)
+        optimizer, lambda step: min((step + 1) / warmup, (warmup / (step + 1)) ** 0.5) if warmup else 1.0
+    )
 
     def loss_sum(batch):
         log_probs, out_lens = model(batch["features"], batch["feature_lens"])
-        return F.ctc_loss(log_probs.transpose(0, 1), batch["targets"], out_lens, batch["target_lens"], blank=0,
-                          reduction="sum", zero_infinity=True)
+        return F.ctc_loss(
+            log_probs.transpose(0, 1),
+            batch["targets"],
+            out_lens,
+            batch["target_lens"],
+            blank=0,
+            reduction="sum",
+            zero_infinity=True,
+        )
 
     steps: list[dict] = []
     total = len(list(folder.glob("step-*.pt")))
@@ -506,9 +667,15 @@ def child_speechbrain(options: dict, launched: float) -> dict:
         loss = total_loss / max(tokens, 1.0)
         model.train()
     flops, parts = _flops(lambda: loss_sum(first).backward(), float(first["durations"].sum()))
-    return {"steps": steps, "launched": launched, "dev_loss": loss, "flops_per_audio_s": flops,
-            "flops_by_part": parts, "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "settings": {"num_threads": config["num_threads"], "num_workers": 0, "precision": "fp32"}}
+    return {
+        "steps": steps,
+        "launched": launched,
+        "dev_loss": loss,
+        "flops_per_audio_s": flops,
+        "flops_by_part": parts,
+        "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "settings": {"num_threads": config["num_threads"], "num_workers": 0, "precision": "fp32"},
+    }
 
 
 def child(argv: list[str]) -> None:

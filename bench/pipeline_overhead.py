@@ -33,8 +33,19 @@ REPEATS = {"full": 3, "quick": 2}
 #: params.yaml changes that make the copy's pipeline quick to build.
 TINY = {
     "features": {"num_jobs": 1},
-    "train": {"epochs": 1, "d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "conv_kernel_size": 7,
-              "num_workers": 0, "max_duration_s": 60.0, "warmup_steps": 2, "average_last": 1, "num_threads": 1},
+    "train": {
+        "epochs": 1,
+        "d_model": 32,
+        "num_heads": 2,
+        "ffn_dim": 64,
+        "num_layers": 1,
+        "conv_kernel_size": 7,
+        "num_workers": 0,
+        "max_duration_s": 60.0,
+        "warmup_steps": 2,
+        "average_last": 1,
+        "num_threads": 1,
+    },
 }
 
 
@@ -82,10 +93,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run([dvc, "init", "--no-scm", "-q"], repo, env)
         commit_s, _ = run([dvc, "commit", "-f", "-q"], repo, env)
         commands = {
-            "snakemake": ([snakemake, "--cores", "all"], [snakemake, "--version"],
-                          lambda out: "Nothing to be done" in out),
-            "dvc": ([dvc, "repro"], [dvc, "--version"],
-                    lambda out: "up to date" in out and "Running stage" not in out),
+            "snakemake": (
+                [snakemake, "--cores", "all"],
+                [snakemake, "--version"],
+                lambda out: "Nothing to be done" in out,
+            ),
+            "dvc": ([dvc, "repro"], [dvc, "--version"], lambda out: "up to date" in out and "Running stage" not in out),
         }
         records = []
         for name, (noop, version, nothing_done) in commands.items():
@@ -96,21 +109,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 idle = idle and nothing_done(output)
                 startup_times.append(run(version, repo, env)[0])
             noop_s, startup_s = statistics.median(noop_times), statistics.median(startup_times)
-            records.append(emit({
-                "benchmark": "pipeline_overhead",
-                "status": "ok" if idle else "failed: the no-op run did work",
-                "mode": mode,
-                "tool": name,
-                "command": " ".join([Path(noop[0]).name, *noop[1:]]),
-                "noop_s": rounded(noop_s),
-                "noop_s_all": [rounded(t) for t in noop_times],
-                "startup_s": rounded(startup_s),
-                "ratio": rounded(ratio(noop_s, startup_s)),
-                "snakemake_build_s": rounded(build_s),
-                "dvc_commit_s": rounded(commit_s),
-                "repeats": repeats,
-                "nothing_to_do": idle,
-            }))
+            records.append(
+                emit(
+                    {
+                        "benchmark": "pipeline_overhead",
+                        "status": "ok" if idle else "failed: the no-op run did work",
+                        "mode": mode,
+                        "tool": name,
+                        "command": " ".join([Path(noop[0]).name, *noop[1:]]),
+                        "noop_s": rounded(noop_s),
+                        "noop_s_all": [rounded(t) for t in noop_times],
+                        "startup_s": rounded(startup_s),
+                        "ratio": rounded(ratio(noop_s, startup_s)),
+                        "snakemake_build_s": rounded(build_s),
+                        "dvc_commit_s": rounded(commit_s),
+                        "repeats": repeats,
+                        "nothing_to_do": idle,
+                    }
+                )
+            )
         shutil.rmtree(repo, ignore_errors=True)
         return records
 

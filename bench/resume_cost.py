@@ -90,8 +90,7 @@ def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count
     torch.set_num_threads(1)
     try:
         config = TrainConfig(max_duration_s=max_duration_s, num_buckets=num_buckets, epochs=1)
-        train_data = TrainData.build(config, FeatureConfig(), seed=42, fbank_dir=data / "fbank",
-                                     lang_dir=data / "lang")
+        train_data = TrainData.build(config, FeatureConfig(), seed=42, fbank_dir=data / "fbank", lang_dir=data / "lang")
         dataset, items = train_data.dataset, iter(train_data.batches)
         dataset[next(items)]  # warm-up
         batch = list(itertools.islice(items, count))
@@ -208,12 +207,14 @@ def main(argv: list[str] | None = None) -> dict:
                     # The first fresh run trains on past the last position: its checkpoints are resumed.
                     uri = fresh_mlflow_store(target)
                     stop = max(positions.values()) + 1 if round_index == 0 else 1
-                    timing = time_first_step(data, target / "exp", overrides=run_config, uri=uri, first_step=1, log=log,
-                                             stop_after=stop)
+                    timing = time_first_step(
+                        data, target / "exp", overrides=run_config, uri=uri, first_step=1, log=log, stop_after=stop
+                    )
                 else:
                     uri = clone_run(trained, target, positions[name])
-                    timing = time_first_step(data, target / "exp", overrides=run_config, uri=uri,
-                                             first_step=positions[name] + 1, log=log)
+                    timing = time_first_step(
+                        data, target / "exp", overrides=run_config, uri=uri, first_step=positions[name] + 1, log=log
+                    )
                 runs[name].append(timing)
             _phase(f"round {round_index + 1}", began)
     finally:

@@ -88,8 +88,9 @@ def run_external(name: str, module: str, args: list[str], limit_s: float) -> lis
     done = None
     for attempt in dict.fromkeys(tuple(a) for a in attempts):
         try:
-            done = subprocess.run([sys.executable, "-m", module, *attempt], cwd=REPO, capture_output=True,
-                                  text=True, timeout=limit_s)
+            done = subprocess.run(
+                [sys.executable, "-m", module, *attempt], cwd=REPO, capture_output=True, text=True, timeout=limit_s
+            )
         except subprocess.TimeoutExpired:
             return [emit({"benchmark": name, "status": f"failed: no result within {limit_s:.0f} s"})]
         if not (done.returncode == 2 and "unrecognized arguments" in done.stderr):
@@ -108,15 +109,23 @@ def gpu_bf16() -> list[dict]:
 
     if not torch.cuda.is_available():
         return [emit({"benchmark": "gpu_bf16", "status": "not measured: no GPU lent to this task"})]
-    return [emit({"benchmark": "gpu_bf16", "status": f"not measured: {torch.cuda.get_device_name(0)} present, "
-                                                   "but the bf16 benchmark is not written yet"})]
+    return [
+        emit(
+            {
+                "benchmark": "gpu_bf16",
+                "status": f"not measured: {torch.cuda.get_device_name(0)} present, "
+                "but the bf16 benchmark is not written yet",
+            }
+        )
+    ]
 
 
 def summary(records: list[dict]) -> dict:
     """Every goal and whether it was met, and every record that was not measured."""
     goals = [
         {key: record[key] for key in ("benchmark", "corpus", "goal", "meets_goal") if key in record}
-        for record in records if "goal" in record
+        for record in records
+        if "goal" in record
     ]
     problems = [{"benchmark": r["benchmark"], "status": r["status"]} for r in records if r.get("status") != "ok"]
     return {"benchmark": "summary", "goals": goals, "not_ok": problems}
@@ -125,8 +134,12 @@ def summary(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that every benchmark runs")
-    parser.add_argument("--output", type=Path, default=None,
-                        help=f"results file (default: {DEFAULT_OUTPUT.relative_to(REPO)}; none with --quick)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"results file (default: {DEFAULT_OUTPUT.relative_to(REPO)}; none with --quick)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="shared data folder (default: temporary)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

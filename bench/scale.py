@@ -61,21 +61,50 @@ def write_manifest(path: Path, count: int, seed: int = 0) -> None:
     with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as out:
         for cut_id, duration, i in rows:
             frames = int(round(duration * 100))
-            out.write(json.dumps({
-                "id": cut_id, "start": 0.0, "duration": duration, "channel": 0,
-                "supervisions": [{"id": cut_id, "recording_id": cut_id, "start": 0.0, "duration": duration,
-                                  "channel": 0, "text": f"WORD{i % 97} WORD{i % 89} WORD{i % 83}",
-                                  "speaker": cut_id[:4]}],
-                "features": {"type": "kaldi-fbank", "num_frames": frames, "num_features": 80,
-                             "frame_shift": 0.01, "sampling_rate": 16000, "start": 0.0, "duration": duration,
-                             "storage_type": "lilcom_chunky", "storage_path": "data/fbank/train_feats.lca",
-                             "storage_key": str(i * 5000), "channels": 0},
-                "recording": {"id": cut_id, "sources": [{"type": "file", "channels": [0],
-                                                          "source": f"corpus/{cut_id}.flac"}],
-                              "sampling_rate": 16000, "num_samples": int(duration * 16000),
-                              "duration": duration, "channel_ids": [0]},
-                "type": "MonoCut",
-            }) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "id": cut_id,
+                        "start": 0.0,
+                        "duration": duration,
+                        "channel": 0,
+                        "supervisions": [
+                            {
+                                "id": cut_id,
+                                "recording_id": cut_id,
+                                "start": 0.0,
+                                "duration": duration,
+                                "channel": 0,
+                                "text": f"WORD{i % 97} WORD{i % 89} WORD{i % 83}",
+                                "speaker": cut_id[:4],
+                            }
+                        ],
+                        "features": {
+                            "type": "kaldi-fbank",
+                            "num_frames": frames,
+                            "num_features": 80,
+                            "frame_shift": 0.01,
+                            "sampling_rate": 16000,
+                            "start": 0.0,
+                            "duration": duration,
+                            "storage_type": "lilcom_chunky",
+                            "storage_path": "data/fbank/train_feats.lca",
+                            "storage_key": str(i * 5000),
+                            "channels": 0,
+                        },
+                        "recording": {
+                            "id": cut_id,
+                            "sources": [{"type": "file", "channels": [0], "source": f"corpus/{cut_id}.flac"}],
+                            "sampling_rate": 16000,
+                            "num_samples": int(duration * 16000),
+                            "duration": duration,
+                            "channel_ids": [0],
+                        },
+                        "type": "MonoCut",
+                    }
+                )
+                + "\n"
+            )
 
 
 def peak_rss_mb() -> float:
@@ -114,8 +143,16 @@ def lhotse_plan_s(cuts) -> float:
     """Seconds for one epoch of Lhotse's ``DynamicBucketingSampler`` over ``cuts`` (eager)."""
     from lhotse.dataset import DynamicBucketingSampler
 
-    sampler = DynamicBucketingSampler(cuts, max_duration=MAX_DURATION_S, num_buckets=NUM_BUCKETS, shuffle=True,
-                                      drop_last=False, seed=SEED, world_size=1, rank=0)
+    sampler = DynamicBucketingSampler(
+        cuts,
+        max_duration=MAX_DURATION_S,
+        num_buckets=NUM_BUCKETS,
+        shuffle=True,
+        drop_last=False,
+        seed=SEED,
+        world_size=1,
+        rank=0,
+    )
     sampler.set_epoch(0)
     start = time.perf_counter()
     sum(len(batch) for batch in sampler)
@@ -174,42 +211,47 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         # Baselines: Lhotse's sampler and a dict of eager cuts, over LHOTSE_CUTS cuts.
         lhotse_count = min(LHOTSE_CUTS[mode], count)
-        eager = CutSet.from_cuts(cut for _, cut in zip(range(lhotse_count), CutSet.from_jsonl_lazy(manifest),
-                                                       strict=False)).to_eager()
+        eager = CutSet.from_cuts(
+            cut for _, cut in zip(range(lhotse_count), CutSet.from_jsonl_lazy(manifest), strict=False)
+        ).to_eager()
         lhotse_s = lhotse_plan_s(eager)
         eager_dict = {cut.id: cut for cut in eager}
         dict_ids = list(eager_dict)
-        worker_dict = worker_peak_mb(eager_dict, [dict_ids[i:i + 10] for i in range(0, 2000, 10)])
+        worker_dict = worker_peak_mb(eager_dict, [dict_ids[i : i + 10] for i in range(0, 2000, 10)])
 
         plan_figure = plan_s * per_million
         plan_baseline = lhotse_s * 1_000_000 / lhotse_count
         worker_figure = (worker_index - worker_empty) * per_million
         worker_baseline = (worker_dict - worker_empty) * 1_000_000 / lhotse_count
-        return [emit({
-            "benchmark": "scale",
-            "mode": mode,
-            "cuts": count,
-            "generate_s": rounded(generate_s),
-            "index_build_s": rounded(build_s),
-            "index_bytes": index.nbytes(),
-            "plan_s": rounded(plan_s),
-            "plan_s_per_million": rounded(plan_figure),
-            "baseline": f"lhotse DynamicBucketingSampler over {lhotse_count} eager cuts, per million",
-            "baseline_plan_s_per_million": rounded(plan_baseline),
-            "ratio": rounded(ratio(plan_figure, plan_baseline)),
-            "plan_goal_s_per_million": 5.0,
-            "worker_rss_empty_mb": rounded(worker_empty),
-            "worker_rss_index_mb": rounded(worker_index),
-            "worker_rss_growth_mb_per_million": rounded(worker_figure),
-            "worker_baseline_eager_dict_growth_mb_per_million": rounded(worker_baseline),
-            "worker_ratio": rounded(ratio(worker_figure, worker_baseline)),
-            "worker_goal_mb_per_million": 200,
-            "trainer_rss_start_mb": rounded(rss_start),
-            "trainer_rss_mb": rounded(trainer_rss),
-            "resume_s": {key: rounded(value) for key, value in resume.items()},
-            "resume_90_vs_10": rounded(ratio(resume["90%"], resume["10%"])),
-            "batches_per_epoch": len(plan),
-        })]
+        return [
+            emit(
+                {
+                    "benchmark": "scale",
+                    "mode": mode,
+                    "cuts": count,
+                    "generate_s": rounded(generate_s),
+                    "index_build_s": rounded(build_s),
+                    "index_bytes": index.nbytes(),
+                    "plan_s": rounded(plan_s),
+                    "plan_s_per_million": rounded(plan_figure),
+                    "baseline": f"lhotse DynamicBucketingSampler over {lhotse_count} eager cuts, per million",
+                    "baseline_plan_s_per_million": rounded(plan_baseline),
+                    "ratio": rounded(ratio(plan_figure, plan_baseline)),
+                    "plan_goal_s_per_million": 5.0,
+                    "worker_rss_empty_mb": rounded(worker_empty),
+                    "worker_rss_index_mb": rounded(worker_index),
+                    "worker_rss_growth_mb_per_million": rounded(worker_figure),
+                    "worker_baseline_eager_dict_growth_mb_per_million": rounded(worker_baseline),
+                    "worker_ratio": rounded(ratio(worker_figure, worker_baseline)),
+                    "worker_goal_mb_per_million": 200,
+                    "trainer_rss_start_mb": rounded(rss_start),
+                    "trainer_rss_mb": rounded(trainer_rss),
+                    "resume_s": {key: rounded(value) for key, value in resume.items()},
+                    "resume_90_vs_10": rounded(ratio(resume["90%"], resume["10%"])),
+                    "batches_per_epoch": len(plan),
+                }
+            )
+        ]
 
 
 if __name__ == "__main__":

@@ -115,11 +115,18 @@ def build(config, features, seed: int, vocab_size: int):
     from asrflow.training.rng import seed_everything
 
     seed_everything(seed)
-    model = build_model(ModelConfig(
-        input_dim=features.num_mel_bins, vocab_size=vocab_size, d_model=config.d_model,
-        num_heads=config.num_heads, ffn_dim=config.ffn_dim, num_layers=config.num_layers,
-        conv_kernel_size=config.conv_kernel_size, dropout=config.dropout,
-    ))
+    model = build_model(
+        ModelConfig(
+            input_dim=features.num_mel_bins,
+            vocab_size=vocab_size,
+            d_model=config.d_model,
+            num_heads=config.num_heads,
+            ffn_dim=config.ffn_dim,
+            num_layers=config.num_layers,
+            conv_kernel_size=config.conv_kernel_size,
+            dropout=config.dropout,
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     model.train()
     return model, optimizer
@@ -153,8 +160,18 @@ def model_flops(model, batch: dict) -> float:
     return float(counter.get_total_flops())
 
 
-def run_paired(data: Path, exp: Path, tracking_uri: str, params: dict, config, features, seed: int,
-               max_steps: int, budget_s: float, one_thread_check: bool) -> tuple[list[dict], float]:
+def run_paired(
+    data: Path,
+    exp: Path,
+    tracking_uri: str,
+    params: dict,
+    config,
+    features,
+    seed: int,
+    max_steps: int,
+    budget_s: float,
+    one_thread_check: bool,
+) -> tuple[list[dict], float]:
     """The Trainer, with a bare step after each of its steps; per-step records, and FLOPs/audio s."""
     import torch
 
@@ -186,10 +203,19 @@ def run_paired(data: Path, exp: Path, tracking_uri: str, params: dict, config, f
                 torch.set_num_threads(config.num_threads)
             if not started:
                 started.append(time.perf_counter())
-            records.append({"t": now, "audio_s": result.audio_seconds, "waited": result.data_wait_s,
-                            "elapsed": result.elapsed_s, "padding": result.padding_ratio, "bare_s": bare_s,
-                            "single_s": single_s, "same_batch": ids == list(result.cut_ids),
-                            "hook_s": time.perf_counter() - now})
+            records.append(
+                {
+                    "t": now,
+                    "audio_s": result.audio_seconds,
+                    "waited": result.data_wait_s,
+                    "elapsed": result.elapsed_s,
+                    "padding": result.padding_ratio,
+                    "bare_s": bare_s,
+                    "single_s": single_s,
+                    "same_batch": ids == list(result.cut_ids),
+                    "hook_s": time.perf_counter() - now,
+                }
+            )
             steps = trainer.progress.global_step
             spent = time.perf_counter() - started[0]
             if steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s):
@@ -197,8 +223,15 @@ def run_paired(data: Path, exp: Path, tracking_uri: str, params: dict, config, f
 
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
     try:
-        Trainer(config, features, seed=seed, all_params=params, paths=paths, tracking_uri=tracking_uri,
-                observers=[PairedSteps()]).run()
+        Trainer(
+            config,
+            features,
+            seed=seed,
+            all_params=params,
+            paths=paths,
+            tracking_uri=tracking_uri,
+            observers=[PairedSteps()],
+        ).run()
     except SystemExit as stop:
         if stop.code != EXIT_INTERRUPTED:
             raise
@@ -206,8 +239,16 @@ def run_paired(data: Path, exp: Path, tracking_uri: str, params: dict, config, f
     return records, flops_per_audio_s
 
 
-def measure(corpus: str, data: Path, work: Path, quick: bool, max_steps: int, budget_s: float,
-            peak: float, num_threads: int | None = None) -> list[dict]:
+def measure(
+    corpus: str,
+    data: Path,
+    work: Path,
+    quick: bool,
+    max_steps: int,
+    budget_s: float,
+    peak: float,
+    num_threads: int | None = None,
+) -> list[dict]:
     """One corpus: returns the records to print."""
     import torch
 
@@ -217,7 +258,15 @@ def measure(corpus: str, data: Path, work: Path, quick: bool, max_steps: int, bu
     exp = work / f"train-throughput-{corpus}"
     shutil.rmtree(exp, ignore_errors=True)
     records, flops_per_audio_s = run_paired(
-        data, exp, f"sqlite:///{work / 'bench-mlflow.db'}", params, config, features, seed, max_steps, budget_s,
+        data,
+        exp,
+        f"sqlite:///{work / 'bench-mlflow.db'}",
+        params,
+        config,
+        features,
+        seed,
+        max_steps,
+        budget_s,
         one_thread_check=not quick,
     )
     timed = records[1:]
@@ -229,29 +278,53 @@ def measure(corpus: str, data: Path, work: Path, quick: bool, max_steps: int, bu
     bare_rate = audio / sum(r["bare_s"] for r in timed)
     step_time = sum(r["elapsed"] for r in timed)
     wait = sum(r["waited"] for r in timed) / step_time
-    settings = {k: getattr(config, k) for k in ("d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size",
-                                              "max_duration_s", "num_buckets", "accum_grad", "num_threads",
-                                              "num_workers", "precision")}
-    common = {"corpus": corpus, "steps": len(records), "timed_steps": len(timed),
-              "same_batches": all(r["same_batch"] for r in records), "audio_s_timed": rounded(audio)}
+    settings = {
+        k: getattr(config, k)
+        for k in (
+            "d_model",
+            "num_heads",
+            "ffn_dim",
+            "num_layers",
+            "conv_kernel_size",
+            "max_duration_s",
+            "num_buckets",
+            "accum_grad",
+            "num_threads",
+            "num_workers",
+            "precision",
+        )
+    }
+    common = {
+        "corpus": corpus,
+        "steps": len(records),
+        "timed_steps": len(timed),
+        "same_batches": all(r["same_batch"] for r in records),
+        "audio_s_timed": rounded(audio),
+    }
     return [
         {
-            "benchmark": "train_throughput", **common,
+            "benchmark": "train_throughput",
+            **common,
             "loop_audio_s_per_s": rounded(loop_rate),
             "loop_metric_audio_s_per_s": rounded(audio / step_time),
             "bare_audio_s_per_s": rounded(bare_rate),
             "ratio": rounded(ratio(loop_rate, bare_rate)),
             "goal": "ratio >= 0.9",
             "meets_goal": ratio(loop_rate, bare_rate) >= 0.9,
-            "per_step_ratio_min_max": [rounded(min(r["audio_s"] / r["elapsed"] / (r["audio_s"] / r["bare_s"])
-                                                   for r in timed)),
-                                       rounded(max(r["audio_s"] / r["elapsed"] / (r["audio_s"] / r["bare_s"])
-                                                   for r in timed))],
-            **({} if quick else {
-                "bare_1_thread_audio_s_per_s": rounded(audio / sum(r["single_s"] for r in timed)),
-                "bare_1_thread_speedup": rounded(ratio(sum(r["bare_s"] for r in timed),
-                                                       sum(r["single_s"] for r in timed))),
-            }),
+            "per_step_ratio_min_max": [
+                rounded(min(r["audio_s"] / r["elapsed"] / (r["audio_s"] / r["bare_s"]) for r in timed)),
+                rounded(max(r["audio_s"] / r["elapsed"] / (r["audio_s"] / r["bare_s"]) for r in timed)),
+            ],
+            **(
+                {}
+                if quick
+                else {
+                    "bare_1_thread_audio_s_per_s": rounded(audio / sum(r["single_s"] for r in timed)),
+                    "bare_1_thread_speedup": rounded(
+                        ratio(sum(r["bare_s"] for r in timed), sum(r["single_s"] for r in timed))
+                    ),
+                }
+            ),
             "flops_per_audio_s": rounded(flops_per_audio_s),
             "matmul_flops": rounded(peak),
             "achieved_flops_loop": rounded(flops_per_audio_s * loop_rate),
@@ -262,7 +335,8 @@ def measure(corpus: str, data: Path, work: Path, quick: bool, max_steps: int, bu
             "settings": settings,
         },
         {
-            "benchmark": "data_wait", **common,
+            "benchmark": "data_wait",
+            **common,
             "data_wait_fraction": rounded(wait),
             "baseline": 0.0,
             "per_step_max": rounded(max(r["waited"] / r["elapsed"] for r in timed)),
@@ -275,16 +349,33 @@ def measure(corpus: str, data: Path, work: Path, quick: bool, max_steps: int, bu
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(__doc__.splitlines()[0], argv, lambda parser: parser.add_argument(
-        "--num-threads", type=int, default=None,
-        help="override train.num_threads for the loop and the bare step (default: params.yaml's)"))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        argv,
+        lambda parser: parser.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="override train.num_threads for the loop and the bare step (default: params.yaml's)",
+        ),
+    )
     mode = "quick" if args.quick else "full"
     out = []
     with workdir(args.workdir) as work:
         threads = configs(args.quick, args.num_threads)[1].num_threads
         peak = matmul_flops(threads=threads)
-        out.append(emit({"benchmark": "matmul_fp32", "size": 2048, "threads": threads, "flops": rounded(peak),
-                         "flops_1_thread": rounded(matmul_flops(threads=1)), "machine": machine()}))
+        out.append(
+            emit(
+                {
+                    "benchmark": "matmul_fp32",
+                    "size": 2048,
+                    "threads": threads,
+                    "flops": rounded(peak),
+                    "flops_1_thread": rounded(matmul_flops(threads=1)),
+                    "machine": machine(),
+                }
+            )
+        )
         for corpus, max_steps, budget_s in PLANS[mode]:
             data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
             for record in measure(corpus, data, work, args.quick, max_steps, budget_s, peak, args.num_threads):

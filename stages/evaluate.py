@@ -35,7 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"test WER: {100 * metrics['wer']:.2f}%  CER: {100 * metrics['cer']:.2f}%")
     logger.info(
         "test WER %.2f%%, CER %.2f%%; report in %s; browse runs with: mlflow ui --backend-store-uri "
-        "sqlite:///mlflow.db", 100 * metrics["wer"], 100 * metrics["cer"], args.out, extra={"terminal": True},
+        "sqlite:///mlflow.db",
+        100 * metrics["wer"],
+        100 * metrics["cer"],
+        args.out,
+        extra={"terminal": True},
     )
 
 

@@ -33,11 +33,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ),
     )
     parser.add_argument(
-        "--params", type=Path, default=Path("params.yaml"),
+        "--params",
+        type=Path,
+        default=Path("params.yaml"),
         help="params file; uses its top-level `seed` and its `prepare:` section (default: %(default)s)",
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("data/manifests"),
+        "--out",
+        type=Path,
+        default=Path("data/manifests"),
         help="output folder, replaced whole on success (default: %(default)s)",
     )
     return parser.parse_args(argv)

@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lang", default="data/lang", help="tokenizer stage output (default: %(default)s)")
     parser.add_argument("--exp", default="exp", help="experiment folder (default: %(default)s)")
     parser.add_argument(
-        "--node-rank", type=int, default=None,
+        "--node-rank",
+        type=int,
+        default=None,
         help="this machine's rank in a multi-node run (overrides train.node_rank; 0 .. train.nnodes-1)",
     )
     args = parser.parse_args(argv)

@@ -75,9 +75,22 @@ def tiny_train_config(**overrides):
     from asrflow.training.config import TrainConfig
 
     tiny = TrainConfig(
-        d_model=32, num_heads=2, ffn_dim=64, num_layers=1, conv_kernel_size=7, dropout=0.1,
-        max_duration_s=30.0, num_buckets=10, num_workers=0, epochs=2, warmup_steps=5, num_threads=1,
-        checkpoint_every_steps=4, validate_every_steps=4, keep_last=20, average_last=1,
+        d_model=32,
+        num_heads=2,
+        ffn_dim=64,
+        num_layers=1,
+        conv_kernel_size=7,
+        dropout=0.1,
+        max_duration_s=30.0,
+        num_buckets=10,
+        num_workers=0,
+        epochs=2,
+        warmup_steps=5,
+        num_threads=1,
+        checkpoint_every_steps=4,
+        validate_every_steps=4,
+        keep_last=20,
+        average_last=1,
     )
     return replace(tiny, **overrides)
 
@@ -92,8 +105,22 @@ def train_paths(data: Path, exp: Path):
 def copy_repo(destination: Path) -> Path:
     """A copy of the repository's tracked-looking files (no .venv, outputs or caches) for tool runs."""
     ignore = shutil.ignore_patterns(
-        ".venv", ".git", "__pycache__", ".snakemake", "exp", "logs", "mlflow.db", "mlartifacts", "mlruns",
-        "manifests", "fbank", "lang", ".pytest_cache", ".ruff_cache", "*.egg-info", ".dvc",
+        ".venv",
+        ".git",
+        "__pycache__",
+        ".snakemake",
+        "exp",
+        "logs",
+        "mlflow.db",
+        "mlartifacts",
+        "mlruns",
+        "manifests",
+        "fbank",
+        "lang",
+        ".pytest_cache",
+        ".ruff_cache",
+        "*.egg-info",
+        ".dvc",
     )
     shutil.copytree(REPO, destination, ignore=ignore)
     return destination

@@ -19,13 +19,25 @@ from conftest import REPO
 FIGURES = {
     "machine": ["cpu_count", "usable_cores"],
     "matmul_fp32": ["flops"],
-    "train_throughput": ["loop_audio_s_per_s", "bare_audio_s_per_s", "ratio", "flops_per_audio_s", "matmul_flops",
-                         "mfu_loop", "mfu_bare"],
+    "train_throughput": [
+        "loop_audio_s_per_s",
+        "bare_audio_s_per_s",
+        "ratio",
+        "flops_per_audio_s",
+        "matmul_flops",
+        "mfu_loop",
+        "mfu_bare",
+    ],
     "data_wait": ["data_wait_fraction"],
     "padding": ["padding_ratio", "baseline_random_padding_ratio", "ratio"],
     "features_speed": ["audio_s_per_s", "speedup", "input_rates"],
-    "scale": ["plan_s_per_million", "baseline_plan_s_per_million", "worker_rss_growth_mb_per_million",
-              "resume_s", "resume_90_vs_10"],
+    "scale": [
+        "plan_s_per_million",
+        "baseline_plan_s_per_million",
+        "worker_rss_growth_mb_per_million",
+        "resume_s",
+        "resume_90_vs_10",
+    ],
     "pipeline_overhead": ["noop_s", "startup_s", "ratio"],
     "decode_rtf": ["rtf_greedy", "rtf_beam", "rtf_encoder"],
 }
@@ -46,7 +58,10 @@ def test_run_all_quick_prints_every_benchmark(tmp_path):
     env.pop("MLFLOW_TRACKING_URI", None)
     done = subprocess.run(
         [sys.executable, "-m", "bench.run_all", "--quick", "--output", str(output), "--workdir", str(tmp_path / "w")],
-        cwd=REPO, env=env, capture_output=True, text=True,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -96,7 +96,9 @@ def test_torchscript_export_matches_the_bundle(bundle, batches, yesno_model, tmp
 def test_export_rejects_unknown_formats_and_missing_models(yesno_model, tmp_path, capsys):
     with pytest.raises(AsrflowError, match="not supported"):
         export_model(yesno_model, "tflite", tmp_path / "x")
-    assert main(["export", "--model", str(tmp_path / "nope.pt"), "--format", "onnx", "--out",
-                 str(tmp_path / "x.onnx")]) == 2
+    assert (
+        main(["export", "--model", str(tmp_path / "nope.pt"), "--format", "onnx", "--out", str(tmp_path / "x.onnx")])
+        == 2
+    )
     assert "nope.pt" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()

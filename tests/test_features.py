@@ -104,8 +104,14 @@ def test_a_cut_whose_audio_vanished_is_dropped_and_named(tmp_path, caplog):
     assert sorted(cut.recording_id for cut in load_cuts(tmp_path / "fbank", "train")) == ["a", "c"]
     assert "train: 1 cut(s) dropped because their audio could not be read: b" in caplog.text
     assert sorted(p.name for p in (tmp_path / "fbank").iterdir()) == [
-        "cmvn.json", "config.json", "dev_cuts.jsonl.gz", "dev_feats.lca", "test_cuts.jsonl.gz", "test_feats.lca",
-        "train_cuts.jsonl.gz", "train_feats.lca",
+        "cmvn.json",
+        "config.json",
+        "dev_cuts.jsonl.gz",
+        "dev_feats.lca",
+        "test_cuts.jsonl.gz",
+        "test_feats.lca",
+        "train_cuts.jsonl.gz",
+        "train_feats.lca",
     ]  # no staging files left
 
 

@@ -28,9 +28,7 @@ with atomic_path(sys.argv[1]) as tmp:
 
 def start_writer(final: Path) -> subprocess.Popen:
     """A real process inside ``atomic_path(final)``, returned once its temporary folder is written."""
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(final)], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(final)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert writer.stdout.readline().strip() == "writing"
     return writer
 

@@ -35,8 +35,14 @@ def _module_path(path: Path) -> str:
 def _offends(path: Path) -> bool:
     """Whether a ``logging.getLogger(...)`` call in ``path`` names something other than the module."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "getLogger"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "logging" and node.args):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "getLogger"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "logging"
+            and node.args
+        ):
             continue
         [name] = node.args
         if isinstance(name, ast.Name) and name.id == "__name__":

@@ -123,9 +123,25 @@ def test_mlflow_models_serve_answers(logged, yesno_data, tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as handle:
         server = subprocess.Popen(
-            ["mlflow", "models", "serve", "-m", f"models:/{info.model_id}", "--env-manager", "local",
-             "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
-            env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                "mlflow",
+                "models",
+                "serve",
+                "-m",
+                f"models:/{info.model_id}",
+                "--env-manager",
+                "local",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-w",
+                "1",
+            ],
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         base = f"http://127.0.0.1:{port}"
@@ -144,15 +160,13 @@ def test_mlflow_models_serve_answers(logged, yesno_data, tmp_path):
             time.sleep(0.5)
         files = split_files(yesno_data, "test")[:3]
         body = json.dumps({"dataframe_records": [{"path": str(path)} for path, _ in files]}).encode()
-        request = urllib.request.Request(f"{base}/invocations", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(f"{base}/invocations", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
         transcripts = [row["transcript"] for row in answer["predictions"]]
         assert wer(files, transcripts) <= MAX_WER, answer
     finally:
         stop(server)
-
 
 
 def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, yesno_data, tmp_path):
@@ -175,7 +189,9 @@ def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, ye
     assert on_model["test/wer"].dataset_name == "test" and on_model["test/wer"].dataset_digest == digest
     run = client.get_run(run_id)
     contexts = {
-        tag.value: item.dataset.digest for item in run.inputs.dataset_inputs for tag in item.tags
+        tag.value: item.dataset.digest
+        for item in run.inputs.dataset_inputs
+        for tag in item.tags
         if tag.key == "mlflow.data.context"
     }
     assert contexts["test"] == digest

@@ -91,8 +91,7 @@ def test_mlflow_ui_shows_run_metrics_and_artifacts(tmp_path, monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     with log.open("wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1"],
+            [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
             cwd=tmp_path,
             env=env,
             stdout=out,

@@ -34,8 +34,14 @@ def stage_args(stage: str, params: Path, tmp_path: Path) -> list[str]:
         "features": ["--manifests", str(tmp_path / "manifests"), "--out", str(tmp_path / "fbank")],
         "tokenizer": ["--manifests", str(tmp_path / "manifests"), "--out", str(tmp_path / "lang")],
         "train": ["--fbank", str(tmp_path / "fbank"), "--lang", str(tmp_path / "lang"), "--exp", str(tmp_path / "exp")],
-        "evaluate": ["--model", str(tmp_path / "exp" / "model.pt"), "--fbank", str(tmp_path / "fbank"),
-                     "--out", str(tmp_path / "eval")],
+        "evaluate": [
+            "--model",
+            str(tmp_path / "exp" / "model.pt"),
+            "--fbank",
+            str(tmp_path / "fbank"),
+            "--out",
+            str(tmp_path / "eval"),
+        ],
     }
     return ["--params", str(params), *outputs[stage]]
 
@@ -96,7 +102,10 @@ def test_bad_param_from_the_command_line_has_no_traceback(tmp_path):
     params = write_params(tmp_path, "features.num_mel_bins", 0)
     result = subprocess.run(
         [sys.executable, "-m", "stages.features", *stage_args("features", params, tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == EXIT_USER_ERROR
     assert "Traceback" not in result.stderr
@@ -124,8 +133,12 @@ def test_shipped_params_pass_every_check():
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     PrepareConfig.from_section(params["prepare"])
-    configs = ((FeatureConfig, "features"), (TokenizerConfig, "tokenizer"), (TrainConfig, "train"),
-               (EvaluateConfig, "evaluate"))
+    configs = (
+        (FeatureConfig, "features"),
+        (TokenizerConfig, "tokenizer"),
+        (TrainConfig, "train"),
+        (EvaluateConfig, "evaluate"),
+    )
     for cls, name in configs:
         build_config(cls, params[name], name)
     assert read_seed(params) == params["seed"]
@@ -151,5 +164,7 @@ def test_subsampling_channels_must_be_two_positive_integers(bad):
 
     with pytest.raises(AsrflowError, match=r"train\.subsampling_channels"):
         build_config(TrainConfig, {"subsampling_channels": bad}, "train")
-    assert build_config(TrainConfig, {"subsampling_channels": None}, "train").model(80, 13).subsampling_channels \
-        == (144, 144)
+    assert build_config(TrainConfig, {"subsampling_channels": None}, "train").model(80, 13).subsampling_channels == (
+        144,
+        144,
+    )

@@ -29,8 +29,14 @@ def test_flops_are_split_by_model_part():
         "ConformerCtc.head": {"mm": 5},
     }
     parts = _parts(counts)
-    assert parts == {"front_end": 50, "attention": 30, "convolution": 10, "feed_forward": 40, "ctc_head": 5,
-                     "other": 25}
+    assert parts == {
+        "front_end": 50,
+        "attention": 30,
+        "convolution": 10,
+        "feed_forward": 40,
+        "ctc_head": 5,
+        "other": 25,
+    }
 
 
 @pytest.mark.pipeline
@@ -38,8 +44,13 @@ def test_unavailable_peer_is_reported_and_quick_exits_zero(tmp_path):
     """~1 min: asrflow's quick run still happens; the peer's line says why it is missing and has no ratio."""
     env = {**os.environ, "GIT_PYTHON_REFRESH": "quiet", "ASRFLOW_PEER_REQUIREMENT": "speechbrain==0.0.0.dev0"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run([sys.executable, "-m", "bench.peer_speed", "--quick", "--workdir", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.peer_speed", "--quick", "--workdir", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     peer = [r for r in records if r["benchmark"] == "peer_speed"]

@@ -60,11 +60,20 @@ def test_descriptor_3_gets_progress_and_the_log_file_everything(tmp_path):
     """The redirections of the Snakemake rules (workflow/rules/common.smk), run by bash."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ASRFLOW_PROGRESS_FD": "3", "ASRFLOW_STAGE": "train",
-           "ASRFLOW_LOG_FILE": "logs/train.log"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "ASRFLOW_PROGRESS_FD": "3",
+        "ASRFLOW_STAGE": "train",
+        "ASRFLOW_LOG_FILE": "logs/train.log",
+    }
     result = subprocess.run(
         ["bash", "-c", f"{sys.executable} {script} 3>&2 > {tmp_path / 'train.log'} 2>&1"],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     terminal = result.stderr.splitlines()
     log = (tmp_path / "train.log").read_text()
@@ -86,7 +95,11 @@ def test_descriptor_of_another_file_is_not_written(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "ASRFLOW_PROGRESS_FD": "3", "ASRFLOW_PROGRESS_FD_ID": "1:1"}
     result = subprocess.run(
         ["bash", "-c", f"{sys.executable} {script} 3>{tmp_path / 'other'}"],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert (tmp_path / "other").read_text() == ""
     assert "detail only for the log file" in result.stderr
@@ -98,7 +111,11 @@ def test_snakemake_shows_where_the_log_is(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{copy}/mlflow.db"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     result = subprocess.run(
-        ["snakemake", "--cores", "1", "data/manifests"], cwd=copy, env=env, capture_output=True, text=True,
+        ["snakemake", "--cores", "1", "data/manifests"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     output = result.stdout + result.stderr

@@ -46,12 +46,14 @@ def test_the_committed_dvc_lock_matches_the_committed_code():
     """dvc.lock records which code made the results: after editing a stage's code, run
     ``dvc repro`` and commit dvc.lock with the change."""
     env = {**os.environ, "GIT_PYTHON_REFRESH": "quiet"}
-    status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=REPO, env=env,
-                            capture_output=True, text=True, check=True)
+    status = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "--json"], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
     stale = {
         f"{stage}: {path}"
         for stage, changes in json.loads(status.stdout or "{}").items()
-        for change in changes if isinstance(change, dict)
+        for change in changes
+        if isinstance(change, dict)
         for path, state in change.get("changed deps", {}).items()
         if state == "modified" and _tracked_by_git(path)
     }

@@ -364,9 +364,7 @@ def test_flushed_past_checkpoint_then_killed(uri, client):
     resumed.end()
 
     assert_history(client, checkpoint["run_id"], 20)
-    assert [(m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "valid/wer")] == [
-        (15, 40.0)
-    ]
+    assert [(m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "valid/wer")] == [(15, 40.0)]
 
 
 @pytest.mark.parametrize("flushed_past_checkpoint", [False, True])
@@ -561,9 +559,14 @@ def test_missing_run_is_clear_error_or_replaced(uri, client):
         RunTracker.start(tracking_uri=uri, run_id=ghost)
     tracker = RunTracker.start(tracking_uri=uri, run_id=ghost, create_if_missing=True)
     assert tracker.run_id != ghost
-    tracker.load_state_dict({"version": 1, "run_id": ghost, "recorded_through": 1,
-                             "pending": [["train/loss", 1, 10.0, 1_700_000_000_000],
-                                         ["train/lr", 1, 1e-3, 1_700_000_000_000]]})
+    tracker.load_state_dict(
+        {
+            "version": 1,
+            "run_id": ghost,
+            "recorded_through": 1,
+            "pending": [["train/loss", 1, 10.0, 1_700_000_000_000], ["train/lr", 1, 1e-3, 1_700_000_000_000]],
+        }
+    )
     tracker.end()
     assert client.get_run(tracker.run_id).data.tags["asrflow.replaces_run_id"] == ghost
     assert_history(client, tracker.run_id, 1)

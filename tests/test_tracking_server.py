@@ -22,9 +22,25 @@ def start_server(folder: Path, port: int, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     with log.open("ab") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"],
-            cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{folder / 'mlflow.db'}",
+            ],
+            cwd=folder,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     wait_healthy(f"http://127.0.0.1:{port}", server, log)
     return server

@@ -64,12 +64,16 @@ def write_cuts(path: Path, durations: list[float], prefix: str = "utt") -> Path:
     for index, duration in enumerate(durations):
         uid = f"{prefix}{index}"
         recording = Recording(
-            id=uid, sources=[AudioSource(type="file", channels=[0], source=f"/audio/{uid}.wav")],
-            sampling_rate=16000, num_samples=int(duration * 16000), duration=duration,
+            id=uid,
+            sources=[AudioSource(type="file", channels=[0], source=f"/audio/{uid}.wav")],
+            sampling_rate=16000,
+            num_samples=int(duration * 16000),
+            duration=duration,
         )
         supervision = SupervisionSegment(id=uid, recording_id=uid, start=0, duration=duration, text="YES NO")
-        cuts.append(MonoCut(id=uid, start=0, duration=duration, channel=0, recording=recording,
-                            supervisions=[supervision]))
+        cuts.append(
+            MonoCut(id=uid, start=0, duration=duration, channel=0, recording=recording, supervisions=[supervision])
+        )
     CutSet.from_cuts(cuts).to_file(path)
     return path
 
@@ -204,9 +208,10 @@ def test_system_metrics_by_mlflow_monitor(uri):
     tracker = RunTracker.start(tracking_uri=uri, system_metrics=True, system_metrics_interval_s=0.2)
     client = MlflowClient(tracking_uri=uri)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and "system/cpu_utilization_percentage" not in client.get_run(
-        tracker.run_id
-    ).data.metrics:
+    while (
+        time.monotonic() < deadline
+        and "system/cpu_utilization_percentage" not in client.get_run(tracker.run_id).data.metrics
+    ):
         time.sleep(0.2)
     tracker.end()
     metrics = client.get_run(tracker.run_id).data.metrics
@@ -235,7 +240,11 @@ def test_train_stage_stops_before_training_when_the_server_is_unreachable(tmp_pa
     env = {"PATH": "/usr/bin:/bin", "MLFLOW_TRACKING_URI": server, "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "-m", "stages.train", "--params", "params.yaml", "--exp", "exp"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -250,14 +259,17 @@ def test_start_training_does_what_the_ui_shows(uri, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no git here: the name falls back to the params digest
     monkeypatch.delenv("DVC_EXP_NAME", raising=False)
     monkeypatch.setenv("ASRFLOW_PIPELINE", "snakemake")
-    manifests = {"train": write_cuts(tmp_path / "train_cuts.jsonl.gz", [3.0, 4.0]),
-                 "dev": write_cuts(tmp_path / "dev_cuts.jsonl.gz", [2.0], prefix="dev")}
+    manifests = {
+        "train": write_cuts(tmp_path / "train_cuts.jsonl.gz", [3.0, 4.0]),
+        "dev": write_cuts(tmp_path / "dev_cuts.jsonl.gz", [2.0], prefix="dev"),
+    }
     tracker = RunTracker.start_training(PARAMS, manifests, tracking_uri=uri, system_metrics_interval_s=0.2)
     assert tracker._monitor is not None
     tracker.end("KILLED")
     assert tracker._monitor is None
-    resumed = RunTracker.start_training(PARAMS, manifests, run_id=tracker.run_id, tracking_uri=uri,
-                                        system_metrics=False)
+    resumed = RunTracker.start_training(
+        PARAMS, manifests, run_id=tracker.run_id, tracking_uri=uri, system_metrics=False
+    )
     resumed.end()
 
     run = MlflowClient(tracking_uri=uri).get_run(tracker.run_id)
@@ -272,8 +284,9 @@ def test_start_training_does_what_the_ui_shows(uri, tmp_path, monkeypatch):
 
 def test_start_training_with_a_missing_manifest_fails_the_run(uri, tmp_path):
     with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz not found"):
-        RunTracker.start_training(PARAMS, {"train": tmp_path / "train_cuts.jsonl.gz"}, tracking_uri=uri,
-                                  system_metrics=False)
+        RunTracker.start_training(
+            PARAMS, {"train": tmp_path / "train_cuts.jsonl.gz"}, tracking_uri=uri, system_metrics=False
+        )
     (run,) = MlflowClient(tracking_uri=uri).search_runs(
         [MlflowClient(tracking_uri=uri).get_experiment_by_name("asrflow").experiment_id]
     )

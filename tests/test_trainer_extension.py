@@ -32,8 +32,12 @@ def private_trainer_uses(source: str) -> list[str]:
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             if "trainer" in _owner_name(node.value).lower():
                 found.append(f"{node.lineno}: {_owner_name(node.value)}.{node.attr}")
-        elif (isinstance(node, ast.Call) and _owner_name(node.func) == "setattr" and node.args
-              and "trainer" in _owner_name(node.args[0]).lower()):
+        elif (
+            isinstance(node, ast.Call)
+            and _owner_name(node.func) == "setattr"
+            and node.args
+            and "trainer" in _owner_name(node.args[0]).lower()
+        ):
             found.append(f"{node.lineno}: setattr on {_owner_name(node.args[0])}")
     return found
 

@@ -98,8 +98,11 @@ def _write_variants(source: Path, folder: Path) -> list[str]:
     signal = torch.from_numpy(audio)
     folder.mkdir(exist_ok=True)
     names = []
-    for suffix, sampling_rate, subtype in (("16k.flac", 16000, "PCM_16"), ("22k.wav", 22050, "PCM_24"),
-                                           ("44k.wav", 44100, "PCM_16")):
+    for suffix, sampling_rate, subtype in (
+        ("16k.flac", 16000, "PCM_16"),
+        ("22k.wav", 22050, "PCM_24"),
+        ("44k.wav", 44100, "PCM_16"),
+    ):
         name = folder / f"{source.stem}_{suffix}"
         sf.write(name, AF.resample(signal, rate, sampling_rate).numpy(), sampling_rate, subtype=subtype)
         names.append(str(name))
@@ -151,7 +154,10 @@ def test_bad_files_are_named_and_the_good_one_is_still_transcribed(workdir, refs
     paths = [missing, good, corrupt, empty, no_samples]
     result = subprocess.run(
         [*command, "transcribe", "--model", str(workdir / "model.pt"), *map(str, paths)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr

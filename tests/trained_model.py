@@ -19,8 +19,15 @@ import pytest
 #: 60 s batches (the cost of a step here is mostly fixed overhead, so few large batches are
 #: cheapest): about 13 CPU-seconds on one thread.
 TRAIN_OVERRIDES = dict(
-    dropout=0.0, spec_augment=False, lr=0.01, warmup_steps=10, epochs=60, max_duration_s=60.0, num_threads=1,
-    checkpoint_every_steps=1000, validate_every_steps=1000,
+    dropout=0.0,
+    spec_augment=False,
+    lr=0.01,
+    warmup_steps=10,
+    epochs=60,
+    max_duration_s=60.0,
+    num_threads=1,
+    checkpoint_every_steps=1000,
+    validate_every_steps=1000,
 )
 #: A model this small trained on 27 utterances either learns yesno (0% WER on held-out
 #: utterances) or memorises its train split (30-80% WER), depending on the seed (3 of 4

@@ -219,9 +219,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
             return -1
         own = set(item.cut_ids)
         others = [cut_id for cut_id in item.step_cut_ids if cut_id not in own]
-        return int(target_lens.sum()) + sum(
-            len(self.tokenizer.encode(cut_text(cut))) for cut in self.cuts.cuts(others)
-        )
+        return int(target_lens.sum()) + sum(len(self.tokenizer.encode(cut_text(cut))) for cut in self.cuts.cuts(others))
 
     def _waveform_augment(self, cut, rng: random.Random):
         """Speed perturbation and noise mixing (on-the-fly features only), drawn from ``rng``."""
@@ -262,9 +260,19 @@ class TrainingBatches:
     epoch's plan is made when the loader first reaches it.
     """
 
-    def __init__(self, cuts: CutSet | CutIndex, seed: int, max_duration_s: float, num_buckets: int,
-                 accum_grad: int, world_size: int, rank: int,
-                 start_epoch: int, start_step: int, num_epochs: int):
+    def __init__(
+        self,
+        cuts: CutSet | CutIndex,
+        seed: int,
+        max_duration_s: float,
+        num_buckets: int,
+        accum_grad: int,
+        world_size: int,
+        rank: int,
+        start_epoch: int,
+        start_step: int,
+        num_epochs: int,
+    ):
         self.cuts = as_index(cuts)
         self.seed = seed
         self.max_duration_s = max_duration_s
@@ -303,5 +311,10 @@ class TrainingBatches:
         if dropped and self.rank == 0:
             logger.info(
                 "epoch %d: %d of %d planned batches dropped (they cannot fill a whole step of "
-                "accum_grad %d x %d processes)", epoch, dropped, len(plan), self.accum_grad, self.world_size,
+                "accum_grad %d x %d processes)",
+                epoch,
+                dropped,
+                len(plan),
+                self.accum_grad,
+                self.world_size,
             )

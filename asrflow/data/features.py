@@ -105,9 +105,7 @@ def cmvn_from_dict(stats: dict[str, list[float]]) -> GlobalMVN:
     return mvn
 
 
-def compute_features(
-    manifests_dir: str | Path, output_dir: str | Path, config: FeatureConfig
-) -> dict[str, int]:
+def compute_features(manifests_dir: str | Path, output_dir: str | Path, config: FeatureConfig) -> dict[str, int]:
     """Compute fbank for train/dev/test cuts of ``manifests_dir`` into ``output_dir``.
 
     Writes ``{split}_cuts.jsonl.gz`` (cuts pointing at ``output_dir/{split}_feats``),
@@ -154,15 +152,19 @@ class ExtractionWorkers:
             self._executor.shutdown()
 
 
-def _split_features(manifests_dir: str | Path, split: str, tmp_dir: Path, final_dir: Path,
-                    config: FeatureConfig, workers: ExtractionWorkers) -> int:
+def _split_features(
+    manifests_dir: str | Path,
+    split: str,
+    tmp_dir: Path,
+    final_dir: Path,
+    config: FeatureConfig,
+    workers: ExtractionWorkers,
+) -> int:
     """Features (or, ``on_the_fly``, only the mono, resampled cuts) of one split into ``tmp_dir``.
 
     Returns the number of cuts read (cuts whose audio cannot be read are dropped and logged).
     """
-    cuts = load_cuts(manifests_dir, split).map(
-        functools.partial(to_mono_at_rate, sampling_rate=config.sampling_rate)
-    )
+    cuts = load_cuts(manifests_dir, split).map(functools.partial(to_mono_at_rate, sampling_rate=config.sampling_rate))
     count = _count_sorted(cuts, manifests_dir, split)
     if count == 0:
         logger.warning("split %s is empty", split)
@@ -221,7 +223,12 @@ def one_torch_thread() -> Iterator[None]:
 
 
 def _extract(
-    cuts: CutSet, count: int, config: FeatureConfig, storage_path: Path, staging: Path, split: str,
+    cuts: CutSet,
+    count: int,
+    config: FeatureConfig,
+    storage_path: Path,
+    staging: Path,
+    split: str,
     workers: ExtractionWorkers,
 ) -> CutSet:
     """Fbank of ``cuts`` into Lhotse storage at ``storage_path``; the cuts with features, lazily.
@@ -256,7 +263,9 @@ def _extract(
     if lost:
         logger.warning(
             "%s: %d cut(s) dropped because their audio could not be read: %s",
-            split, len(lost), ", ".join(sorted(lost)[:10]),
+            split,
+            len(lost),
+            ", ".join(sorted(lost)[:10]),
         )
     return CutSet(LazyMergeById([CutSet.from_jsonl_lazy(part).data for part in parts]))
 

@@ -51,7 +51,10 @@ def filter_ctc_feasible(
     if removed:
         logger.warning(
             "removed %d of %d utterances too short for their transcript after subsampling by 4 "
-            "(or with an empty one): %s", len(removed), len(removed) + len(kept), ", ".join(removed[:10]),
+            "(or with an empty one): %s",
+            len(removed),
+            len(removed) + len(kept),
+            ", ".join(removed[:10]),
         )
     return CutSet.from_cuts(kept), removed
 
@@ -82,6 +85,9 @@ def filter_ctc_feasible_index(
     if removed:
         logger.warning(
             "removed %d of %d utterances too short for their transcript after subsampling by 4 "
-            "(or with an empty one): %s", len(removed), len(index), ", ".join(removed[:10]),
+            "(or with an empty one): %s",
+            len(removed),
+            len(index),
+            ", ".join(removed[:10]),
         )
     return index.select(np.flatnonzero(keep)), removed

@@ -187,7 +187,10 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         if len(fields) not in (2, 3) or not fields[0].strip():
             rejected.append(
                 Rejection(
-                    split, item_id, raw_path or None, MALFORMED_LINE,
+                    split,
+                    item_id,
+                    raw_path or None,
+                    MALFORMED_LINE,
                     f"line {line.number} of {tsv} has {len(fields)} tab-separated field(s); "
                     "expected path<TAB>transcript[<TAB>speaker]",
                 )
@@ -220,14 +223,17 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         recordings.append(result)
         supervisions.append(
             SupervisionSegment(
-                id=item_id, recording_id=rec_id, start=0.0, duration=result.duration,
-                channel=0, text=text, speaker=speaker,
+                id=item_id,
+                recording_id=rec_id,
+                start=0.0,
+                duration=result.duration,
+                channel=0,
+                text=text,
+                speaker=speaker,
             )
         )
     recordings = list({recording.id: recording for recording in recordings}.values())
-    return ImportedSplit(
-        RecordingSet.from_recordings(recordings), SupervisionSet.from_segments(supervisions), rejected
-    )
+    return ImportedSplit(RecordingSet.from_recordings(recordings), SupervisionSet.from_segments(supervisions), rejected)
 
 
 def _folder_id(root: Path, raw_path: str) -> str | None:
@@ -256,8 +262,9 @@ def _kaldi_table(
         fields = line.text.split(maxsplit=1) if min_fields <= 2 else line.text.split()
         if len(fields) < min_fields:
             rejected.append(
-                Rejection(split, key, None, MALFORMED_LINE,
-                          f"line {line.number} of {file} needs {min_fields} fields ({kind})")
+                Rejection(
+                    split, key, None, MALFORMED_LINE, f"line {line.number} of {file} needs {min_fields} fields ({kind})"
+                )
             )
             continue
         rows.append((line, fields))
@@ -295,9 +302,15 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
     for line, (rec_id, rest) in rows:
         rest = rest.strip()
         if rec_id in wav:
-            rejected.append(Rejection(split, rec_id, rest, DUPLICATE_ID,
-                                      f"wav.scp line {line.number} repeats recording id {rec_id!r}; "
-                                      "the first is kept"))
+            rejected.append(
+                Rejection(
+                    split,
+                    rec_id,
+                    rest,
+                    DUPLICATE_ID,
+                    f"wav.scp line {line.number} repeats recording id {rec_id!r}; the first is kept",
+                )
+            )
             continue
         if "|" in rest or _ARCHIVE_OFFSET.search(rest):
             wav[rec_id] = ItemRejected(
@@ -325,17 +338,34 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
             try:
                 start, end = float(fields[2]), float(fields[3])
             except ValueError:
-                rejected.append(Rejection(split, utt_id, None, MALFORMED_LINE,
-                                          f"segments line {line.number}: start/end are not numbers"))
+                rejected.append(
+                    Rejection(
+                        split, utt_id, None, MALFORMED_LINE, f"segments line {line.number}: start/end are not numbers"
+                    )
+                )
                 continue
             if utt_id in segments:
-                rejected.append(Rejection(split, utt_id, None, DUPLICATE_ID,
-                                          f"segments line {line.number} repeats {utt_id!r}; the first is kept"))
+                rejected.append(
+                    Rejection(
+                        split,
+                        utt_id,
+                        None,
+                        DUPLICATE_ID,
+                        f"segments line {line.number} repeats {utt_id!r}; the first is kept",
+                    )
+                )
                 continue
             segments[utt_id] = (rec_id, start, end)
             if utt_id not in text and utt_id not in unreadable_text:
-                rejected.append(Rejection(split, utt_id, None, MISSING_TRANSCRIPT,
-                                          f"segments lists {utt_id!r} but text has no line for it"))
+                rejected.append(
+                    Rejection(
+                        split,
+                        utt_id,
+                        None,
+                        MISSING_TRANSCRIPT,
+                        f"segments lists {utt_id!r} but text has no line for it",
+                    )
+                )
         # Utterances whose segments line could not be read are already rejected.
         for rejection in rejected[before:]:
             if rejection.reason in (MALFORMED_LINE, NON_UTF8):
@@ -359,8 +389,11 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
             rec_id, start, end = segments[utt_id]
             utterances.append((utt_id, rec_id, start, None if end < 0 else end))
         else:
-            rejected.append(Rejection(split, utt_id, None, MISSING_RECORDING,
-                                      f"text lists {utt_id!r} but segments has no line for it"))
+            rejected.append(
+                Rejection(
+                    split, utt_id, None, MISSING_RECORDING, f"text lists {utt_id!r} but segments has no line for it"
+                )
+            )
 
     needed = sorted({rec_id for _, rec_id, _, _ in utterances if isinstance(wav.get(rec_id), str)})
     probed = dict(zip(needed, _probe(root, [(rec_id, wav[rec_id]) for rec_id in needed], split), strict=True))
@@ -371,8 +404,15 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         raw = entry if isinstance(entry, str) else None
         status = probed.get(rec_id, entry)
         if status is None:
-            rejected.append(Rejection(split, utt_id, None, MISSING_RECORDING,
-                                      f"recording {rec_id!r} of utterance {utt_id!r} is not in wav.scp"))
+            rejected.append(
+                Rejection(
+                    split,
+                    utt_id,
+                    None,
+                    MISSING_RECORDING,
+                    f"recording {rec_id!r} of utterance {utt_id!r} is not in wav.scp",
+                )
+            )
             continue
         if isinstance(status, ItemRejected):
             rejected.append(Rejection(split, utt_id, raw, status.reason, status.detail))
@@ -381,8 +421,13 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         duration = (status.duration if end is None else end) - start
         supervisions.extend(
             SupervisionSegment(
-                id=utt_id, recording_id=rec_id, start=start, duration=round(duration, 6),
-                channel=0, text=transcript, speaker=speakers.get(utt_id),
+                id=utt_id,
+                recording_id=rec_id,
+                start=start,
+                duration=round(duration, 6),
+                channel=0,
+                text=transcript,
+                speaker=speakers.get(utt_id),
             )
             for transcript in text[utt_id]
         )
@@ -400,7 +445,7 @@ def recipe_names() -> list[str]:
     """Names ``X`` of the recipes ``lhotse.recipes.prepare_X`` that Lhotse exposes."""
     import lhotse.recipes
 
-    return sorted(name[len("prepare_"):] for name in dir(lhotse.recipes) if name.startswith("prepare_"))
+    return sorted(name[len("prepare_") :] for name in dir(lhotse.recipes) if name.startswith("prepare_"))
 
 
 def find_recipe(name: str) -> Any:
@@ -463,12 +508,19 @@ def recipe_call(name: str, function: Any = None) -> RecipeCall:
     corpus = "corpus_dir" if "corpus_dir" in parameters else (named[0].name if named else "")
     output = parameters.get("output_dir")
     output_kind = "none" if output is None else "required" if output.default is inspect.Parameter.empty else "optional"
-    required = tuple(p.name for p in named if p.default is inspect.Parameter.empty
-                     and p.name not in (corpus, "output_dir"))
+    required = tuple(
+        p.name for p in named if p.default is inspect.Parameter.empty and p.name not in (corpus, "output_dir")
+    )
     accepted = tuple(p.name for p in named if p.name not in (corpus, "output_dir"))
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return RecipeCall(name=name, corpus_parameter=corpus, output_dir=output_kind, required=required, accepted=accepted,
-                      takes_any=takes_any)
+    return RecipeCall(
+        name=name,
+        corpus_parameter=corpus,
+        output_dir=output_kind,
+        required=required,
+        accepted=accepted,
+        takes_any=takes_any,
+    )
 
 
 def _check_recipe_args(call: RecipeCall, recipe_args: dict[str, Any]) -> None:

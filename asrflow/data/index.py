@@ -101,8 +101,16 @@ class CutIndex:
     cheap to pickle (three numpy arrays and a path), so DataLoader workers get their own copy.
     """
 
-    def __init__(self, ids: np.ndarray, durations: np.ndarray, offsets: np.ndarray, *, store: Path | None,
-                 digest: str | None, cuts: dict[str, Cut] | None = None):
+    def __init__(
+        self,
+        ids: np.ndarray,
+        durations: np.ndarray,
+        offsets: np.ndarray,
+        *,
+        store: Path | None,
+        digest: str | None,
+        cuts: dict[str, Cut] | None = None,
+    ):
         #: Whatever keeps ``store`` alive in this process (e.g. a ``TemporaryDirectory``); not pickled.
         self.store_owner: object | None = None
         self.ids = ids
@@ -146,8 +154,14 @@ class CutIndex:
 
         def flush() -> None:
             if ids:
-                chunks.append((np.array(ids, dtype=np.bytes_), np.array(durations, dtype=np.float64),
-                               np.array(offsets, dtype=np.int64), np.array(hashes, dtype="S32")))
+                chunks.append(
+                    (
+                        np.array(ids, dtype=np.bytes_),
+                        np.array(durations, dtype=np.float64),
+                        np.array(offsets, dtype=np.int64),
+                        np.array(hashes, dtype="S32"),
+                    )
+                )
                 ids.clear(), durations.clear(), offsets.clear(), hashes.clear()
             _check_memory(manifest, sum(len(chunk[0]) for chunk in chunks))
 
@@ -186,10 +200,21 @@ class CutIndex:
         flush()
         os.replace(tmp, store)
         if not chunks:
-            return cls._sorted(np.array([], dtype="S1"), np.array([]), np.array([], dtype=np.int64),
-                               np.array([], dtype="S32"), store=store, cuts=None, source=str(manifest))
-        return cls._sorted(*(np.concatenate([chunk[k] for chunk in chunks]) for k in range(4)),
-                           store=store, cuts=None, source=str(manifest))
+            return cls._sorted(
+                np.array([], dtype="S1"),
+                np.array([]),
+                np.array([], dtype=np.int64),
+                np.array([], dtype="S32"),
+                store=store,
+                cuts=None,
+                source=str(manifest),
+            )
+        return cls._sorted(
+            *(np.concatenate([chunk[k] for chunk in chunks]) for k in range(4)),
+            store=store,
+            cuts=None,
+            source=str(manifest),
+        )
 
     @classmethod
     def from_cuts(cls, cuts: Iterable[Cut]) -> CutIndex:
@@ -200,13 +225,28 @@ class CutIndex:
             held[cut.id] = cut
             ids.append(cut.id.encode("utf-8"))
             durations.append(float(cut.duration))
-        return cls._sorted(np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1"),
-                           np.array(durations, dtype=np.float64), np.zeros(len(ids), dtype=np.int64),
-                           None, store=None, cuts=held, source="cuts")
+        return cls._sorted(
+            np.array(ids, dtype=np.bytes_) if ids else np.array([], dtype="S1"),
+            np.array(durations, dtype=np.float64),
+            np.zeros(len(ids), dtype=np.int64),
+            None,
+            store=None,
+            cuts=held,
+            source="cuts",
+        )
 
     @classmethod
-    def _sorted(cls, id_array: np.ndarray, durations: np.ndarray, offsets: np.ndarray, hashes: np.ndarray | None,
-                *, store: Path | None, cuts: dict[str, Cut] | None, source: str) -> CutIndex:
+    def _sorted(
+        cls,
+        id_array: np.ndarray,
+        durations: np.ndarray,
+        offsets: np.ndarray,
+        hashes: np.ndarray | None,
+        *,
+        store: Path | None,
+        cuts: dict[str, Cut] | None,
+        source: str,
+    ) -> CutIndex:
         order = np.argsort(id_array, kind="stable")
         id_array = id_array[order]
         if len(id_array) > 1:
@@ -284,8 +324,14 @@ class CutIndex:
         cuts = None
         if self._cuts is not None:
             cuts = {cut_id: self._cuts[cut_id] for cut_id in self.id_list(positions)}
-        return CutIndex(self.ids[positions], self.durations[positions], self.offsets[positions], store=self.store,
-                        digest=digest.hexdigest()[:16], cuts=cuts)
+        return CutIndex(
+            self.ids[positions],
+            self.durations[positions],
+            self.offsets[positions],
+            store=self.store,
+            digest=digest.hexdigest()[:16],
+            cuts=cuts,
+        )
 
     def nbytes(self) -> int:
         """Bytes held by the arrays (what a worker's copy costs, beyond a few objects)."""
@@ -322,8 +368,9 @@ def bucket_of(durations: np.ndarray, num_buckets: int) -> np.ndarray:
     return np.searchsorted(edges, durations, side="right").astype(np.int64)
 
 
-def plan_positions(durations: np.ndarray, epoch: int, *, seed: int, max_duration_s: float,
-                   num_buckets: int) -> list[np.ndarray]:
+def plan_positions(
+    durations: np.ndarray, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int
+) -> list[np.ndarray]:
     """The batches of ``epoch`` as arrays of positions into the id-sorted index.
 
     Args:
@@ -361,8 +408,9 @@ def plan_positions(durations: np.ndarray, epoch: int, *, seed: int, max_duration
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def _merge_bucket_tails(batches: list[np.ndarray], bucket_ids: list[int], durations: np.ndarray,
-                        max_duration_s: float) -> list[np.ndarray]:
+def _merge_bucket_tails(
+    batches: list[np.ndarray], bucket_ids: list[int], durations: np.ndarray, max_duration_s: float
+) -> list[np.ndarray]:
     """Join the last (partial) batches of neighbouring buckets while they fit in ``max_duration_s``.
 
     Each bucket ends in one partial batch; on a small corpus they would be most batches.
@@ -384,13 +432,17 @@ def _merge_bucket_tails(batches: list[np.ndarray], bucket_ids: list[int], durati
     return [batch for i, batch in enumerate(batches) if i not in tail_set] + merged
 
 
-def plan_epoch_index(index: CutIndex, epoch: int, *, seed: int, max_duration_s: float,
-                     num_buckets: int) -> list[list[str]]:
+def plan_epoch_index(
+    index: CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int
+) -> list[list[str]]:
     """:func:`plan_positions` over ``index``, as lists of cut ids (the form checkpoints digest)."""
     ids = index.ids
-    return [[raw.decode("utf-8") for raw in ids[batch].tolist()]
-            for batch in plan_positions(index.durations, epoch, seed=seed, max_duration_s=max_duration_s,
-                                           num_buckets=num_buckets)]
+    return [
+        [raw.decode("utf-8") for raw in ids[batch].tolist()]
+        for batch in plan_positions(
+            index.durations, epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets
+        )
+    ]
 
 
 def data_digest(index: CutIndex, *paths: str | Path) -> str:

@@ -53,16 +53,12 @@ def load_noise_cuts(path: str | Path, sampling_rate: int) -> CutSet:
 
 def _cuts_of(recordings: RecordingSet) -> CutSet:
     """One cut per recording, named like it."""
-    return CutSet.from_cuts(
-        cut.with_id(cut.recording_id) for cut in CutSet.from_manifests(recordings=recordings)
-    )
+    return CutSet.from_cuts(cut.with_id(cut.recording_id) for cut in CutSet.from_manifests(recordings=recordings))
 
 
 def _recordings_in(folder: Path) -> RecordingSet:
     """One recording per audio file under ``folder``, sorted by id."""
-    files = sorted(
-        file for file in folder.rglob("*") if file.suffix.lower() in AUDIO_SUFFIXES and file.is_file()
-    )
+    files = sorted(file for file in folder.rglob("*") if file.suffix.lower() in AUDIO_SUFFIXES and file.is_file())
     return RecordingSet.from_recordings(_read_recording(file, file.relative_to(folder).as_posix()) for file in files)
 
 
@@ -91,13 +87,10 @@ def _cuts_in_manifest(path: Path) -> CutSet:
     if isinstance(manifest, RecordingSet):
         return _cuts_of(manifest)
     if not isinstance(manifest, CutSet):
-        raise AsrflowError(
-            f"{PARAM} {path} holds a {type(manifest).__name__}; give a recordings or cuts manifest"
-        )
+        raise AsrflowError(f"{PARAM} {path} holds a {type(manifest).__name__}; give a recordings or cuts manifest")
     silent = [cut.id for cut in manifest if not cut.has_recording]
     if silent:
         raise AsrflowError(
-            f"{PARAM} {path}: cut(s) {', '.join(silent[:5])} have no audio (features only); "
-            "give cuts with recordings"
+            f"{PARAM} {path}: cut(s) {', '.join(silent[:5])} have no audio (features only); give cuts with recordings"
         )
     return manifest

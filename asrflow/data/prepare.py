@@ -142,8 +142,10 @@ class PrepareConfig:
             raise bad("max_duration_s", f"must be greater than min_duration_s = {self.min_duration_s}")
         if self.long_utterances not in LONG_UTTERANCE_MODES:
             raise bad("long_utterances", f"must be one of {', '.join(LONG_UTTERANCE_MODES)}")
-        if isinstance(self.channel, str) and self.channel != "mix" or (
-            isinstance(self.channel, int) and self.channel < 0
+        if (
+            isinstance(self.channel, str)
+            and self.channel != "mix"
+            or (isinstance(self.channel, int) and self.channel < 0)
         ):
             raise bad("channel", "must be 'mix' or a channel index >= 0")
         self.split_sources()  # checks prepare.splits
@@ -158,8 +160,7 @@ class PrepareConfig:
         unknown = sorted(set(self.splits) - set(SPLITS))
         if unknown:
             raise AsrflowError(
-                f"params.yaml: prepare.splits has unknown key(s) {', '.join(unknown)}; "
-                f"use {', '.join(SPLITS)}"
+                f"params.yaml: prepare.splits has unknown key(s) {', '.join(unknown)}; use {', '.join(SPLITS)}"
             )
         sources: dict[str, list[str]] = {}
         owner: dict[str, str] = {}
@@ -170,8 +171,7 @@ class PrepareConfig:
                 names = []
             if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
                 raise AsrflowError(
-                    f"params.yaml: prepare.splits.{split} = {value!r} must be a split name, a list of "
-                    "names, or null"
+                    f"params.yaml: prepare.splits.{split} = {value!r} must be a split name, a list of names, or null"
                 )
             for name in names:
                 if name in owner:
@@ -408,11 +408,20 @@ def _log_summary(summary: PrepareSummary, rejected: list[Rejection]) -> None:
         carved = " (carved from train)" if split.carved_from_train else ""
         logger.info(
             "prepare: %-5s %6d utterances, %6d recordings, %8.3f h, rates %s Hz, %d rejected%s",
-            name, split.utterances, split.recordings, split.hours, split.sampling_rates, split.rejected, carved,
+            name,
+            split.utterances,
+            split.recordings,
+            split.hours,
+            split.sampling_rates,
+            split.rejected,
+            carved,
         )
     logger.info(
         "prepare: %.3f h in all; rejected %d of %d items (%.1f%%)%s",
-        summary.total_hours, summary.rejected_total, summary.items_total, 100 * summary.rejected_fraction,
+        summary.total_hours,
+        summary.rejected_total,
+        summary.items_total,
+        100 * summary.rejected_fraction,
         "".join(f", {reason}: {count}" for reason, count in Counter(summary.rejected_by_reason).most_common()),
     )
     for rejection in rejected[:10]:
@@ -531,9 +540,7 @@ def prepare_corpus(config: PrepareConfig, output_dir: Path, seed: int) -> Prepar
         tmp.mkdir()
         for split in SPLITS:
             recordings, supervisions = splits[split]
-            recordings = RecordingSet.from_recordings(
-                _portable(r, cwd) for r in sorted(recordings, key=lambda r: r.id)
-            )
+            recordings = RecordingSet.from_recordings(_portable(r, cwd) for r in sorted(recordings, key=lambda r: r.id))
             cuts = CutSet.from_manifests(recordings=recordings, supervisions=supervisions)
             cuts = cuts.trim_to_supervisions(keep_overlapping=False)
             _write_jsonl_gz(tmp / f"{split}_recordings.jsonl.gz", recordings)

@@ -74,10 +74,7 @@ def _strip_punctuation(text: str) -> str:
     last = len(text) - 1
     for index, char in enumerate(text):
         if not unicodedata.category(char).startswith("P") or (
-            char == "'"
-            and 0 < index < last
-            and _is_word_char(text[index - 1])
-            and _is_word_char(text[index + 1])
+            char == "'" and 0 < index < last and _is_word_char(text[index - 1]) and _is_word_char(text[index + 1])
         ):
             out.append(char)
         else:

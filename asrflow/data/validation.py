@@ -362,8 +362,9 @@ def split_by_alignment(supervision: SupervisionSegment, max_duration_s: float) -
     ]
 
 
-def _choose_channel(recording: Recording, supervision: SupervisionSegment, rules: ValidationRules,
-                    per_channel: bool) -> int | list[int]:
+def _choose_channel(
+    recording: Recording, supervision: SupervisionSegment, rules: ValidationRules, per_channel: bool
+) -> int | list[int]:
     channel_ids = list(recording.channel_ids)
     if len(channel_ids) == 1:
         return channel_ids[0]
@@ -391,8 +392,11 @@ def _check_supervision(
 ) -> list[SupervisionSegment]:
     """Checks of one supervision against its (good) recording; returns the kept piece(s)."""
     start, end = supervision.start, supervision.end
-    if start < 0 or supervision.duration <= 0 or start >= recording.duration or (
-        end > recording.duration + SEGMENT_END_TOLERANCE_S
+    if (
+        start < 0
+        or supervision.duration <= 0
+        or start >= recording.duration
+        or (end > recording.duration + SEGMENT_END_TOLERANCE_S)
     ):
         raise ItemRejected(
             BAD_SEGMENT,
@@ -423,9 +427,7 @@ def _check_supervision(
 
 def _finish_piece(piece: SupervisionSegment, rules: ValidationRules) -> SupervisionSegment:
     if piece.duration < rules.min_duration_s:
-        raise ItemRejected(
-            TOO_SHORT, f"lasts {piece.duration:.3f} s < min_duration_s = {rules.min_duration_s} s"
-        )
+        raise ItemRejected(TOO_SHORT, f"lasts {piece.duration:.3f} s < min_duration_s = {rules.min_duration_s} s")
     text = normalize_text(piece.text or "", rules.text)
     if not text:
         raise ItemRejected(
@@ -513,15 +515,11 @@ def validate_split(
                     DUPLICATE_ID, f"id {supervision.id!r} was already used by a kept item; the first is kept"
                 )
             if recording is None:
-                raise ItemRejected(
-                    MISSING_RECORDING, f"recording {supervision.recording_id!r} is not in the corpus"
-                )
+                raise ItemRejected(MISSING_RECORDING, f"recording {supervision.recording_id!r} is not in the corpus")
             status = checked[recording.id]
             if isinstance(status, ItemRejected):
                 raise status
-            pieces = _check_supervision(
-                supervision, recording, rules, len(channels_named[recording.id]) > 1
-            )
+            pieces = _check_supervision(supervision, recording, rules, len(channels_named[recording.id]) > 1)
         except ItemRejected as error:
             reject(supervision.id, recording, error)
             continue

@@ -68,7 +68,9 @@ class EvaluateConfig:
         check_at_least(self, SECTION, 0, "lm_weight")
         if self.lm_path and self.decoder != "beam":
             raise param_error(
-                SECTION, "lm_path", self.lm_path,
+                SECTION,
+                "lm_path",
+                self.lm_path,
                 f"needs evaluate.decoder: beam (evaluate.decoder = {self.decoder!r} uses no language model); "
                 "set decoder: beam, or lm_path: null",
             )
@@ -88,8 +90,13 @@ def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[
         encoder seconds per audio second) and ``rtf["total"]`` (that plus the decoder's seconds).
     """
     decode = build_decoder(
-        config.decoder, tokens=bundle.tokenizer.pieces, blank=BLANK_ID, beam_size=config.beam_size,
-        lm_path=config.lm_path, lm_weight=config.lm_weight, word_score=config.word_score,
+        config.decoder,
+        tokens=bundle.tokenizer.pieces,
+        blank=BLANK_ID,
+        beam_size=config.beam_size,
+        lm_path=config.lm_path,
+        lm_weight=config.lm_weight,
+        word_score=config.word_score,
     )
     encoder_s = decoder_s = 0.0
     hyps: dict[str, str] = {}
@@ -121,18 +128,32 @@ def evaluate(
     durations = {cut.id: cut.duration for cut in cuts}
     loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
     metrics = write_report(out_dir, score, durations, rtf=rtf, loss_csv=loss_csv)
-    logger.info("test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
-                100 * score.wer, 100 * score.cer, len(cuts), config.decoder)
+    logger.info(
+        "test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
+        100 * score.wer,
+        100 * score.cer,
+        len(cuts),
+        config.decoder,
+    )
     if bundle.run_id:
         _log_to_training_run(
-            bundle.run_id, metrics, wer_rows=wer_by_duration(score, durations), out_dir=out_dir,
-            tracking_uri=tracking_uri, test_manifest=cuts_path(fbank_dir, "test"),
+            bundle.run_id,
+            metrics,
+            wer_rows=wer_by_duration(score, durations),
+            out_dir=out_dir,
+            tracking_uri=tracking_uri,
+            test_manifest=cuts_path(fbank_dir, "test"),
         )
     return metrics
 
 
 def _log_to_training_run(
-    run_id: str, metrics: dict, *, wer_rows: list[dict[str, object]], out_dir: Path, tracking_uri: str | None,
+    run_id: str,
+    metrics: dict,
+    *,
+    wer_rows: list[dict[str, object]],
+    out_dir: Path,
+    tracking_uri: str | None,
     test_manifest: Path,
 ) -> None:
     """Log the metrics (``test/*``), the report files, the training loss CSV, and the WER by
@@ -151,7 +172,8 @@ def _log_to_training_run(
         model_ids = tracker.model_ids()
         tracker.log_metrics(
             {f"test/{key}": value for key, value in metrics.items()},
-            model_id=model_ids[-1] if model_ids else None, dataset=test_set,
+            model_id=model_ids[-1] if model_ids else None,
+            dataset=test_set,
         )
         for name in ("metrics.json", "per_utterance.jsonl", "errors.txt", "wer_by_duration.csv", "metrics.html"):
             tracker.log_artifact(out_dir / name, artifact_path="eval")

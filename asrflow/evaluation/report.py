@@ -250,19 +250,24 @@ def train_loss_figure(loss_csv: Path):
 
 def metrics_table_html(metrics: dict[str, float | int]) -> str:
     """A small self-contained HTML page with the test WER and CER and their error counts."""
+
     def pct(value: float) -> str:
         return f"{100 * float(value):.2f} %"
 
     char_errors = metrics["char_substitutions"] + metrics["char_deletions"] + metrics["char_insertions"]
     rows = [
-        ("WER", pct(metrics["wer"]), f"{metrics['word_errors']} errors / {metrics['ref_words']} words "
-         f"({metrics['substitutions']} sub, {metrics['deletions']} del, {metrics['insertions']} ins)"),
+        (
+            "WER",
+            pct(metrics["wer"]),
+            f"{metrics['word_errors']} errors / {metrics['ref_words']} words "
+            f"({metrics['substitutions']} sub, {metrics['deletions']} del, {metrics['insertions']} ins)",
+        ),
         ("CER", pct(metrics["cer"]), f"{char_errors} errors / {metrics['ref_chars']} characters"),
         ("utterances", str(metrics["num_utterances"]), f"{float(metrics['duration_s']) / 60:.1f} minutes of audio"),
     ]
     body = "\n".join(f"<tr><th>{name}</th><td>{value}</td><td>{detail}</td></tr>" for name, value, detail in rows)
     return (
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Test WER and CER</title>"
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>Test WER and CER</title>'
         "<style>table{border-collapse:collapse;font-family:sans-serif}th,td{border:1px solid #ccc;"
         "padding:4px 10px;text-align:left}</style></head><body>\n"
         f"<table>\n<tr><th>metric</th><th>value</th><th>counts</th></tr>\n{body}\n</table>\n</body></html>\n"

@@ -89,8 +89,9 @@ class MaskedConvolution(nn.Module):
         super().__init__()
         self.layer_norm = conv_module.layer_norm
         self.sequential = conv_module.sequential
-        self.depthwise_index = next(i for i, m in enumerate(self.sequential)
-                                    if isinstance(m, nn.Conv1d) and m.groups == channels)
+        self.depthwise_index = next(
+            i for i, m in enumerate(self.sequential) if isinstance(m, nn.Conv1d) and m.groups == channels
+        )
         norm_index = next(i for i, m in enumerate(self.sequential) if isinstance(m, (nn.GroupNorm, nn.BatchNorm1d)))
         self.sequential[norm_index] = FrameLayerNorm(channels)
 
@@ -165,7 +166,8 @@ class ConformerCtc(nn.Module):
             use_group_norm=True,  # replaced by MaskedConvolution's per-frame norm
         )
         self.encoder.conformer_layers = nn.ModuleList(
-            ConformerBlock(layer, config.d_model) for layer in self.encoder.conformer_layers)
+            ConformerBlock(layer, config.d_model) for layer in self.encoder.conformer_layers
+        )
         self.head = nn.Linear(config.d_model, config.vocab_size)
 
     def forward(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:

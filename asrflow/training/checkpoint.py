@@ -75,7 +75,7 @@ def save_checkpoint(
         os.link(final, link)
         os.replace(link, directory / BEST)
     fsync_dir(directory)
-    for old in list_checkpoints(directory)[max(keep_last, 1):]:
+    for old in list_checkpoints(directory)[max(keep_last, 1) :]:
         if step_of(old) != protect:
             old.unlink()
     return final

@@ -60,8 +60,9 @@ class CheckpointManager:
     @classmethod
     def for_run(cls, config, directory: Path, *, dist: DistInfo, facts: dict) -> CheckpointManager:
         """The manager ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for."""
-        return cls(directory, every_steps=config.checkpoint_every_steps, keep_last=config.keep_last, dist=dist,
-                   facts=facts)
+        return cls(
+            directory, every_steps=config.checkpoint_every_steps, keep_last=config.keep_last, dist=dist, facts=facts
+        )
 
     def register(self, **components: Stateful) -> None:
         """Components whose states make up every checkpoint from now on."""
@@ -99,8 +100,12 @@ class CheckpointManager:
         if self.dist.is_main:
             state = {name: component.state_dict() for name, component in self.components.items()}
             path = ckpt.save_checkpoint(
-                {**state, **self.facts, "complete": complete}, self.directory, step, keep_last=self.keep_last,
-                is_best=dev_loss is not None, protect=self.good_step,
+                {**state, **self.facts, "complete": complete},
+                self.directory,
+                step,
+                keep_last=self.keep_last,
+                is_best=dev_loss is not None,
+                protect=self.good_step,
             )
             logger.info("saved checkpoint %s", path)
         barrier(self.dist)

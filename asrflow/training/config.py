@@ -18,9 +18,21 @@ START_METHODS = ("spawn", "forkserver", "fork")
 #: the resumed steps compute (bookkeeping, parallel loading, time limits).
 OPERATIONAL_KEYS = frozenset(
     {
-        "epochs", "checkpoint_every_steps", "keep_last", "validate_every_steps", "average_last",
-        "num_workers", "dist_timeout_s", "stall_timeout_s", "mp_start_method", "experiment", "register_model_name",
-        "rdzv_endpoint", "node_rank", "max_consecutive_nonfinite", "max_rollbacks",
+        "epochs",
+        "checkpoint_every_steps",
+        "keep_last",
+        "validate_every_steps",
+        "average_last",
+        "num_workers",
+        "dist_timeout_s",
+        "stall_timeout_s",
+        "mp_start_method",
+        "experiment",
+        "register_model_name",
+        "rdzv_endpoint",
+        "node_rank",
+        "max_consecutive_nonfinite",
+        "max_rollbacks",
     }
 )
 
@@ -92,8 +104,12 @@ class TrainConfig:
         if channels is not None and (
             len(channels) != 2 or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in channels)
         ):
-            raise param_error(SECTION, "subsampling_channels", channels,
-                              "must be null (d_model each) or two positive integers, e.g. [64, 32]")
+            raise param_error(
+                SECTION,
+                "subsampling_channels",
+                channels,
+                "must be null (d_model each) or two positive integers, e.g. [64, 32]",
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise param_error(SECTION, "dropout", self.dropout, "must be in [0, 1)")
 
@@ -117,8 +133,15 @@ class TrainConfig:
 
     def _check_bookkeeping(self) -> None:
         check_at_least(
-            self, SECTION, 1, "checkpoint_every_steps", "keep_last", "average_last", "max_consecutive_nonfinite",
-            "nproc_per_node", "nnodes",
+            self,
+            SECTION,
+            1,
+            "checkpoint_every_steps",
+            "keep_last",
+            "average_last",
+            "max_consecutive_nonfinite",
+            "nproc_per_node",
+            "nnodes",
         )
         check_at_least(self, SECTION, 0, "validate_every_steps", "max_rollbacks", "node_rank", "stall_timeout_s")
         check_positive(self, SECTION, "dist_timeout_s")
@@ -149,8 +172,11 @@ class TrainConfig:
 
     def model(self, input_dim: int, vocab_size: int) -> ModelConfig:
         """The model shape: ``input_dim`` fbank bins in, ``vocab_size`` classes (blank included) out."""
-        shape = {field.name: getattr(self, field.name) for field in fields(ModelConfig)
-                 if field.name not in ("input_dim", "vocab_size")}
+        shape = {
+            field.name: getattr(self, field.name)
+            for field in fields(ModelConfig)
+            if field.name not in ("input_dim", "vocab_size")
+        }
         return ModelConfig(input_dim=input_dim, vocab_size=vocab_size, **shape)
 
     def augment(self) -> AugmentConfig:

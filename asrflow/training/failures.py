@@ -28,14 +28,18 @@ def describe_failure(error: BaseException, *, distributed: bool) -> tuple[int, s
     error (a bug, which keeps its traceback)."""
     text = str(error)
     if isinstance(error, RuntimeError) and "DataLoader worker" in text:
-        return EXIT_WORKER_DIED, (f"a data worker died ({text.splitlines()[0]}); look for the out-of-memory "
-                                  "killer in the kernel log (dmesg), lower train.num_workers or train.max_duration_s")
+        return EXIT_WORKER_DIED, (
+            f"a data worker died ({text.splitlines()[0]}); look for the out-of-memory "
+            "killer in the kernel log (dmesg), lower train.num_workers or train.max_duration_s"
+        )
     if not distributed:
         return None
     lowered = text.lower()
     if isinstance(error, torch.distributed.DistError) or (
         isinstance(error, RuntimeError) and any(sign in lowered for sign in _COLLECTIVE_SIGNS)
     ):
-        return EXIT_PEER_FAILED, (f"a collective with the other ranks failed ({text.splitlines()[0][:300]}): "
-                                  "another rank failed, stalled or was killed (its own message says which)")
+        return EXIT_PEER_FAILED, (
+            f"a collective with the other ranks failed ({text.splitlines()[0][:300]}): "
+            "another rank failed, stalled or was killed (its own message says which)"
+        )
     return None

@@ -50,7 +50,10 @@ def final_weights(
     choice = "average" if losses["dev_loss_average"] <= losses["dev_loss_last"] else "last"
     logger.info(
         "final model: %s weights (dev loss %.4f for the average of %s, %.4f for the last weights)",
-        choice, losses["dev_loss_average"], names, losses["dev_loss_last"],
+        choice,
+        losses["dev_loss_average"],
+        names,
+        losses["dev_loss_last"],
     )
     return (averaged if choice == "average" else last), {"final_weights": choice, **losses}
 
@@ -65,7 +68,12 @@ def write_loss_csv(path: Path, history: LossHistory) -> None:
 
 
 def log_final_run(
-    tracker, *, paths: TrainPaths, all_params: dict, step: int, metrics: dict[str, float],
+    tracker,
+    *,
+    paths: TrainPaths,
+    all_params: dict,
+    step: int,
+    metrics: dict[str, float],
     register_model_name: str | None,
 ) -> None:
     """The end of a training run in MLflow: the final ``metrics`` at ``step``; the model bundle, the
@@ -91,14 +99,22 @@ def write_final_model(trainer, summary: dict) -> None:
     data = trainer.data
     weights, choice = final_weights(last, recent, functools.partial(dev_loss_of, trainer) if data.dev_batches else None)
     save_bundle(
-        trainer.paths.model_path, model_state=weights, model_config=trainer.model_config, tokenizer=data.tokenizer,
-        features=trainer.features, cmvn=cmvn_stats(load_cmvn(data.cmvn_path)), run_id=trainer.tracker.run_id,
+        trainer.paths.model_path,
+        model_state=weights,
+        model_config=trainer.model_config,
+        tokenizer=data.tokenizer,
+        features=trainer.features,
+        cmvn=cmvn_stats(load_cmvn(data.cmvn_path)),
+        run_id=trainer.tracker.run_id,
         info={**summary, "averaged": [path.name for path in recent], **choice},
     )
     write_loss_csv(trainer.paths.loss_csv, trainer.history)
     final = {f"final/{key}": value for key, value in choice.items() if key.startswith("dev_")}
     log_final_run(
-        trainer.tracker, paths=trainer.paths, all_params=trainer.all_params, step=trainer.progress.global_step,
+        trainer.tracker,
+        paths=trainer.paths,
+        all_params=trainer.all_params,
+        step=trainer.progress.global_step,
         metrics={"train/final_best_dev_loss": trainer.checkpoints.best_dev_loss, **final},
         register_model_name=trainer.config.register_model_name,
     )

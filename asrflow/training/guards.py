@@ -38,8 +38,12 @@ class NonFiniteGuard:
     @classmethod
     def for_run(cls, config, bad_batches_path: Path, *, writes_records: bool) -> NonFiniteGuard:
         """The guard ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for."""
-        return cls(max_consecutive=config.max_consecutive_nonfinite, max_rollbacks=config.max_rollbacks,
-                   bad_batches_path=bad_batches_path, writes_records=writes_records)
+        return cls(
+            max_consecutive=config.max_consecutive_nonfinite,
+            max_rollbacks=config.max_rollbacks,
+            bad_batches_path=bad_batches_path,
+            writes_records=writes_records,
+        )
 
     def observe(self, step: int, *, finite: bool, loss: float, grad_norm: float, cut_ids: list[str]) -> bool:
         """Record one step; returns True when the step may be applied.
@@ -55,7 +59,10 @@ class NonFiniteGuard:
         self.recent_bad.append(cut_ids)
         logger.warning(
             "step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
-            step, loss, grad_norm, self.consecutive,
+            step,
+            loss,
+            grad_norm,
+            self.consecutive,
         )
         if self.writes_records:
             self._write_record(step, loss, grad_norm, cut_ids)
@@ -75,8 +82,12 @@ class NonFiniteGuard:
         """Append one line to ``bad_batches_path``."""
         self.bad_batches_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.bad_batches_path, "a") as handle:
-            record = {"step": step, "loss": _json_number(loss), "grad_norm": _json_number(grad_norm),
-                      "cut_ids": cut_ids}
+            record = {
+                "step": step,
+                "loss": _json_number(loss),
+                "grad_norm": _json_number(grad_norm),
+                "cut_ids": cut_ids,
+            }
             handle.write(json.dumps(record) + "\n")
 
     def rolled_back(self, *, skipped_before: int, rollbacks_before: int) -> None:

@@ -24,9 +24,15 @@ def torchrun_command(config: TrainConfig, module_args: list[str]) -> list[str]:
         else ["--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}", f"--node-rank={config.node_rank}"]
     )
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={config.nnodes}", f"--nproc-per-node={config.nproc_per_node}",
-        *rendezvous, f"--rdzv-conf=join_timeout={int(config.dist_timeout_s)}", "--max-restarts=0", *module_args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={config.nnodes}",
+        f"--nproc-per-node={config.nproc_per_node}",
+        *rendezvous,
+        f"--rdzv-conf=join_timeout={int(config.dist_timeout_s)}",
+        "--max-restarts=0",
+        *module_args,
     ]
 
 

@@ -53,9 +53,7 @@ class PrecisionPolicy:
         return torch.amp.GradScaler(self.device_type, enabled=self.uses_scaler)
 
 
-def resolve_precision(
-    requested: str, device_type: str, capability: tuple[int, int] | None
-) -> PrecisionPolicy:
+def resolve_precision(requested: str, device_type: str, capability: tuple[int, int] | None) -> PrecisionPolicy:
     """Apply the policy.
 
     Args:
@@ -91,7 +89,11 @@ def precision_change_tags(saved: str, policy: PrecisionPolicy, step: int) -> dic
         return {}
     logging.getLogger(__name__).warning(
         "the checkpoint was trained in %s, this run trains in %s (%s): the steps from %d on differ "
-        "from an uninterrupted run", saved, policy.name, policy.reason, step,
+        "from an uninterrupted run",
+        saved,
+        policy.name,
+        policy.reason,
+        step,
     )
     return {
         "precision": policy.name,

@@ -83,16 +83,21 @@ class PlanPosition:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
         if int(state["world_size"]) != self.world_size:
-            reason = (f"the checkpoint was written with {state['world_size']} processes, this run has "
-                      f"{self.world_size}: the batch plan differs")
+            reason = (
+                f"the checkpoint was written with {state['world_size']} processes, this run has "
+                f"{self.world_size}: the batch plan differs"
+            )
         elif plan_digest(self.batches.plan(self.epoch)) != state["plan_digest"]:
-            reason = (f"the batch plan of epoch {self.epoch} differs from the checkpoint's (other train cuts or "
-                      "another Lhotse sampler)")
+            reason = (
+                f"the batch plan of epoch {self.epoch} differs from the checkpoint's (other train cuts or "
+                "another Lhotse sampler)"
+            )
         else:
             return
         logger.warning(
             "%s, so epoch %d restarts from its first batch (optimizer, schedule and step count are kept)",
-            reason, self.epoch,
+            reason,
+            self.epoch,
         )
         self.step_in_epoch = 0
 

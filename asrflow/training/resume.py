@@ -83,7 +83,8 @@ def decide(checkpoint: dict | None, fingerprint: dict, params: dict, checkpoint_
         if fingerprint_changes or param_changes:
             logger.info(
                 "the finished run in %s used other settings (%s): starting a fresh run",
-                checkpoint_dir, "; ".join((fingerprint_changes + param_changes)[:5]),
+                checkpoint_dir,
+                "; ".join((fingerprint_changes + param_changes)[:5]),
             )
             return FRESH
         return RESUME

@@ -38,14 +38,20 @@ def report_step(
     if loss_scale is not None:
         metrics = {**metrics, "train/loss_scale": loss_scale}
         if loss_scale < LOSS_SCALE_FLOOR:
-            logger.warning("fp16 loss scale collapsed to %g (< %g): consider bf16 or fp32", loss_scale,
-                           LOSS_SCALE_FLOOR)
+            logger.warning(
+                "fp16 loss scale collapsed to %g (< %g): consider bf16 or fp32", loss_scale, LOSS_SCALE_FLOOR
+            )
     history.append(step, metrics["train/loss"], metrics["train/grad_norm"])
     tracker.record(step, {key: value for key, value in metrics.items() if math.isfinite(value)})
     if step % LOG_EVERY_STEPS == 0 or step == 1:
         logger.info(
             "step %d epoch %d: loss %.4f lr %.2e grad norm %.3f, %.1f audio s/s, padding %.1f%%, data wait %.1f%%",
-            step, metrics["train/epoch"], metrics["train/loss"], metrics["train/lr"], metrics["train/grad_norm"],
-            metrics["train/audio_s_per_s"], 100 * metrics["train/padding_ratio"],
+            step,
+            metrics["train/epoch"],
+            metrics["train/loss"],
+            metrics["train/lr"],
+            metrics["train/grad_norm"],
+            metrics["train/audio_s_per_s"],
+            100 * metrics["train/padding_ratio"],
             100 * metrics["train/data_wait_fraction"],
         )

@@ -95,8 +95,16 @@ class TrainData:
             raise AsrflowError("no train utterance is long enough for its transcript; check the data")
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
         batches = TrainingBatches(
-            train_cuts, seed, config.max_duration_s, config.num_buckets, config.accum_grad,
-            (dist or DistInfo()).world_size, (dist or DistInfo()).rank, 0, 0, config.epochs,
+            train_cuts,
+            seed,
+            config.max_duration_s,
+            config.num_buckets,
+            config.accum_grad,
+            (dist or DistInfo()).world_size,
+            (dist or DistInfo()).rank,
+            0,
+            0,
+            config.epochs,
         )
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
@@ -115,8 +123,11 @@ class TrainData:
             num_workers=config.num_workers,
             mp_start_method=config.mp_start_method,
             seed=seed,
-            manifests={split: cuts_path(fbank_dir, split) for split in ("train", "dev")
-                       if cuts_path(fbank_dir, split).is_file()},
+            manifests={
+                split: cuts_path(fbank_dir, split)
+                for split in ("train", "dev")
+                if cuts_path(fbank_dir, split).is_file()
+            },
         )
 
     def dev_loss(self, model: torch.nn.Module, **options) -> float:
@@ -150,7 +161,6 @@ class TrainData:
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-
     def open(self, epoch: int, step_in_epoch: int) -> Iterator[dict]:
         """Start :meth:`loader` at that position (its data workers start now, in the background) and return
         its iterator; the loader opened before is closed."""
@@ -177,7 +187,9 @@ def _check_options(config: TrainConfig, features: FeatureConfig) -> None:
     if config.keep_last < config.average_last:
         logger.warning(
             "train.keep_last (%d) < train.average_last (%d): at most %d checkpoints can be averaged",
-            config.keep_last, config.average_last, config.keep_last,
+            config.keep_last,
+            config.average_last,
+            config.keep_last,
         )
 
 

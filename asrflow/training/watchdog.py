@@ -49,7 +49,10 @@ class StallWatchdog:
                 logger.error(
                     "%sno training step finished for %.0f s (train.stall_timeout_s = %.0f); "
                     "stacks of every thread follow, then exit %d",
-                    self.label, idle, self.timeout_s, EXIT_STALLED,
+                    self.label,
+                    idle,
+                    self.timeout_s,
+                    EXIT_STALLED,
                 )
                 write_stacks(sys.stderr, self.label)
                 os._exit(EXIT_STALLED)

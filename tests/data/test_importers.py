@@ -73,7 +73,10 @@ def test_kaldi_without_segments(tmp_path: Path) -> None:
     assert (sup.recording_id, sup.start, sup.text, sup.speaker) == ("r1", 0.0, "HELLO WORLD", "s1")
     assert sup.duration == pytest.approx(0.6)
     assert reasons(split.rejected) == {
-        "r3": "piped_command", "r4": "non_utf8_text", "r5": "non_utf8_text", "r6": "malformed_line",
+        "r3": "piped_command",
+        "r4": "non_utf8_text",
+        "r5": "non_utf8_text",
+        "r6": "malformed_line",
     }
     assert len(split.rejected) == 4
     piped = next(r for r in split.rejected if r.id == "r3")

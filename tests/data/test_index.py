@@ -28,19 +28,46 @@ def _entries(count: int, seed: int = 0, *, storage: str = "fbank/feats.lca") -> 
     for i in range(count):
         cut_id = f"{i % 251:04d}-{i // 251:03d}-{i:06d}"
         frames = int(round(durations[i] * 100))
-        entries.append({
-            "id": cut_id, "start": 0.0, "duration": float(durations[i]), "channel": 0,
-            "supervisions": [{"id": cut_id, "recording_id": cut_id, "start": 0.0, "duration": float(durations[i]),
-                              "channel": 0, "text": f"word{i % 7} word{i % 11}"}],
-            "features": {"type": "kaldi-fbank", "num_frames": frames, "num_features": 80, "frame_shift": 0.01,
-                         "sampling_rate": 16000, "start": 0.0, "duration": float(durations[i]),
-                         "storage_type": "lilcom_chunky", "storage_path": storage, "storage_key": str(i * 977),
-                         "channels": 0},
-            "recording": {"id": cut_id, "sources": [{"type": "file", "channels": [0], "source": f"a/{cut_id}.wav"}],
-                          "sampling_rate": 16000, "num_samples": int(durations[i] * 16000),
-                          "duration": float(durations[i]), "channel_ids": [0]},
-            "type": "MonoCut",
-        })
+        entries.append(
+            {
+                "id": cut_id,
+                "start": 0.0,
+                "duration": float(durations[i]),
+                "channel": 0,
+                "supervisions": [
+                    {
+                        "id": cut_id,
+                        "recording_id": cut_id,
+                        "start": 0.0,
+                        "duration": float(durations[i]),
+                        "channel": 0,
+                        "text": f"word{i % 7} word{i % 11}",
+                    }
+                ],
+                "features": {
+                    "type": "kaldi-fbank",
+                    "num_frames": frames,
+                    "num_features": 80,
+                    "frame_shift": 0.01,
+                    "sampling_rate": 16000,
+                    "start": 0.0,
+                    "duration": float(durations[i]),
+                    "storage_type": "lilcom_chunky",
+                    "storage_path": storage,
+                    "storage_key": str(i * 977),
+                    "channels": 0,
+                },
+                "recording": {
+                    "id": cut_id,
+                    "sources": [{"type": "file", "channels": [0], "source": f"a/{cut_id}.wav"}],
+                    "sampling_rate": 16000,
+                    "num_samples": int(durations[i] * 16000),
+                    "duration": float(durations[i]),
+                    "channel_ids": [0],
+                },
+                "type": "MonoCut",
+            }
+        )
     entries.sort(key=lambda entry: entry["id"])
     return entries
 
@@ -125,8 +152,9 @@ def test_lookup_reads_the_right_cut_and_pickles_small(big_index):
 
 
 def test_training_batches_take_an_index(big_index):
-    batches = TrainingBatches(big_index, 42, 120.0, 30, accum_grad=2, world_size=2, rank=1,
-                              start_epoch=0, start_step=0, num_epochs=1)
+    batches = TrainingBatches(
+        big_index, 42, 120.0, 30, accum_grad=2, world_size=2, rank=1, start_epoch=0, start_step=0, num_epochs=1
+    )
     items = list(batches)
     plan = batches.plan(0)
     assert items[0].cut_ids == tuple(plan[1]) and items[1].cut_ids == tuple(plan[3])
@@ -151,7 +179,10 @@ def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_pa
     _write(tmp_path / "train_cuts.jsonl.gz", _entries(50))
     monkeypatch.setattr(index_module, "BUILD_CHUNK", 20)
     monkeypatch.setattr(index_module, "available_memory", lambda: 100 * 2**20)  # a machine with 100 MB left
-    with pytest.raises(AsrflowError, match=r"train_cuts.jsonl.gz is too large for this machine's memory: 20 cuts "
-                                           r"indexed and only 100 MB left"):
+    with pytest.raises(
+        AsrflowError,
+        match=r"train_cuts.jsonl.gz is too large for this machine's memory: 20 cuts "
+        r"indexed and only 100 MB left",
+    ):
         CutIndex.build(tmp_path / "train_cuts.jsonl.gz", tmp_path / "store" / "train.jsonl")
     assert list((tmp_path / "store").iterdir()) == []

@@ -19,19 +19,27 @@ SEED = 42
 def test_index_filters_plans_and_batches_like_the_cutset(yesno_data, tmp_path):
     tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
     mvn = load_cmvn(yesno_data / "fbank" / CMVN_FILE)
-    eager, removed_eager = filter_ctc_feasible(load_cuts(yesno_data / "fbank", "train").to_eager(), tokenizer,
-                                               0.01, 1.1)
+    eager, removed_eager = filter_ctc_feasible(
+        load_cuts(yesno_data / "fbank", "train").to_eager(), tokenizer, 0.01, 1.1
+    )
     index, removed_index = filter_ctc_feasible_index(
         CutIndex.build(cuts_path(yesno_data / "fbank", "train"), tmp_path / "train.jsonl"), tokenizer, 0.01, 1.1
     )
     assert removed_index == sorted(removed_eager) and len(index) == len(eager)
 
     def served(cuts, workers: int) -> list[dict]:
-        batches = TrainingBatches(cuts, SEED, 20.0, 4, accum_grad=2, world_size=1, rank=0,
-                                  start_epoch=0, start_step=0, num_epochs=1)
+        batches = TrainingBatches(
+            cuts, SEED, 20.0, 4, accum_grad=2, world_size=1, rank=0, start_epoch=0, start_step=0, num_epochs=1
+        )
         dataset = AsrBatchDataset(cuts, tokenizer, mvn, SEED, AugmentConfig())
-        loader = torch.utils.data.DataLoader(dataset, sampler=batches, batch_size=None, collate_fn=pack_batch,
-                                             num_workers=workers, multiprocessing_context="spawn" if workers else None)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            sampler=batches,
+            batch_size=None,
+            collate_fn=pack_batch,
+            num_workers=workers,
+            multiprocessing_context="spawn" if workers else None,
+        )
         return [unpack_batch(batch) for batch in loader]
 
     from_cutset, from_index = served(eager, 0), served(index, 1)

@@ -142,9 +142,7 @@ def test_too_many_rejections_fail_with_counts_and_reasons(tmp_path: Path) -> Non
     out = tmp_path / "manifests"
     out.mkdir()
     (out / "old.txt").write_text("previous run")
-    config = PrepareConfig.from_section(
-        {"corpus": "folder", "corpus_dir": str(corpus), "max_rejected_fraction": 0.05}
-    )
+    config = PrepareConfig.from_section({"corpus": "folder", "corpus_dir": str(corpus), "max_rejected_fraction": 0.05})
     with pytest.raises(AsrflowError) as info:
         prepare_corpus(config, out, seed=0)
     message = str(info.value)
@@ -155,9 +153,7 @@ def test_too_many_rejections_fail_with_counts_and_reasons(tmp_path: Path) -> Non
     report = [json.loads(line) for line in (tmp_path / "manifests.rejected.jsonl").read_text().splitlines()]
     assert {r["id"] for r in report} == {"gone1", "gone2"}
 
-    relaxed = PrepareConfig.from_section(
-        {"corpus": "folder", "corpus_dir": str(corpus), "max_rejected_fraction": 0.5}
-    )
+    relaxed = PrepareConfig.from_section({"corpus": "folder", "corpus_dir": str(corpus), "max_rejected_fraction": 0.5})
     prepare_corpus(relaxed, out, seed=0)
     assert not (tmp_path / "manifests.rejected.jsonl").exists()
     assert not (out / "old.txt").exists()
@@ -165,9 +161,7 @@ def test_too_many_rejections_fail_with_counts_and_reasons(tmp_path: Path) -> Non
 
 def test_carving_keeps_recordings_together() -> None:
     sups = [
-        SupervisionSegment(f"r{r}-u{u}", f"r{r}", start=u, duration=1.0, text="x")
-        for r in range(5)
-        for u in range(4)
+        SupervisionSegment(f"r{r}-u{u}", f"r{r}", start=u, duration=1.0, text="x") for r in range(5) for u in range(4)
     ]
     moved = carve_ids(sups, 0.1, seed=3)
     assert len(moved) == 4 and len({m.split("-")[0] for m in moved}) == 1

@@ -59,7 +59,10 @@ def test_return_shapes_are_named_splits():
     assert list(recipe_splits("x", pair)) == [UNSPLIT]
     assert list(recipe_splits("x", (pair["recordings"], pair["supervisions"]))) == [UNSPLIT]
     assert list(recipe_splits("x", {"en": {"train": pair, "test": pair}, "pl": {"train": pair}})) == [
-        "en/train", "en/test", "pl/train"]
+        "en/train",
+        "en/test",
+        "pl/train",
+    ]
     with pytest.raises(AsrflowError, match="returned str"):
         recipe_splits("x", "nonsense")
 
@@ -77,37 +80,57 @@ def _ljspeech(root: Path, count: int) -> Path:
 def test_unsplit_recipe_carves_dev_and_test_from_it(tmp_path):
     corpus = _ljspeech(tmp_path / "LJSpeech", 20)
     base = {"corpus": "ljspeech", "corpus_dir": str(corpus), "dev_fraction": 0.1, "test_fraction": 0.2}
-    with pytest.raises(AsrflowError, match=r"one unsplit set \(no split names\); set prepare.splits to "
-                                           r"\{train: all, dev: null, test: null\}"):
+    with pytest.raises(
+        AsrflowError,
+        match=r"one unsplit set \(no split names\); set prepare.splits to "
+        r"\{train: all, dev: null, test: null\}",
+    ):
         prepare_corpus(PrepareConfig.from_section(base), tmp_path / "out", seed=1)
     assert not (tmp_path / "out").exists()
     config = PrepareConfig.from_section({**base, "splits": {"train": UNSPLIT, "dev": None, "test": None}})
     summary = prepare_corpus(config, tmp_path / "out", seed=1)
     assert {name: s.utterances for name, s in summary.splits.items()} == {"train": 14, "dev": 2, "test": 4}
     assert summary.splits["test"].carved_from_train and summary.splits["dev"].carved_from_train
-    ids = [cut.id for split in ("train", "dev", "test") for cut in CutSet.from_file(tmp_path / "out" /
-                                                                                    f"{split}_cuts.jsonl.gz")]
+    ids = [
+        cut.id
+        for split in ("train", "dev", "test")
+        for cut in CutSet.from_file(tmp_path / "out" / f"{split}_cuts.jsonl.gz")
+    ]
     assert sorted(ids) == [f"LJ001-{i:04d}" for i in range(20)]
 
 
 def test_a_train_too_small_to_carve_is_refused_by_name(tmp_path):
     corpus = _ljspeech(tmp_path / "LJSpeech", 2)
-    config = PrepareConfig.from_section({"corpus": "ljspeech", "corpus_dir": str(corpus),
-                                         "splits": {"train": UNSPLIT, "dev": None, "test": None}})
-    with pytest.raises(AsrflowError, match=r"cannot carve dev and test from train: train holds 2 usable "
-                                           r"utterance\(s\) in 2 recording group\(s\).*at least 3"):
+    config = PrepareConfig.from_section(
+        {"corpus": "ljspeech", "corpus_dir": str(corpus), "splits": {"train": UNSPLIT, "dev": None, "test": None}}
+    )
+    with pytest.raises(
+        AsrflowError,
+        match=r"cannot carve dev and test from train: train holds 2 usable "
+        r"utterance\(s\) in 2 recording group\(s\).*at least 3",
+    ):
         prepare_corpus(config, tmp_path / "out", seed=1)
     assert not (tmp_path / "out").exists()
-    zero = PrepareConfig.from_section({"corpus": "ljspeech", "corpus_dir": str(corpus), "test_fraction": 0.0,
-                                       "splits": {"train": UNSPLIT, "dev": "all2", "test": None}})
+    zero = PrepareConfig.from_section(
+        {
+            "corpus": "ljspeech",
+            "corpus_dir": str(corpus),
+            "test_fraction": 0.0,
+            "splits": {"train": UNSPLIT, "dev": "all2", "test": None},
+        }
+    )
     with pytest.raises(AsrflowError, match="gives one unsplit set"):
         prepare_corpus(zero, tmp_path / "out", seed=1)
 
 
 def _librispeech(root: Path) -> Path:
     corpus = root / "LibriSpeech"
-    parts = {"train-clean-100": ("19", "198"), "train-clean-360": ("26", "495"), "dev-clean": ("84", "121"),
-             "test-clean": ("61", "70")}
+    parts = {
+        "train-clean-100": ("19", "198"),
+        "train-clean-360": ("26", "495"),
+        "dev-clean": ("84", "121"),
+        "test-clean": ("61", "70"),
+    }
     for part, (speaker, chapter) in parts.items():
         folder = corpus / part / speaker / chapter
         lines = []
@@ -121,16 +144,25 @@ def _librispeech(root: Path) -> Path:
 
 def test_recipe_with_several_parts_per_split(tmp_path):
     corpus = _librispeech(tmp_path)
-    config = PrepareConfig.from_section({
-        "corpus": "librispeech", "corpus_dir": str(corpus),
-        "splits": {"train": ["train-clean-100", "train-clean-360"], "dev": "dev-clean", "test": "test-clean"},
-    })
+    config = PrepareConfig.from_section(
+        {
+            "corpus": "librispeech",
+            "corpus_dir": str(corpus),
+            "splits": {"train": ["train-clean-100", "train-clean-360"], "dev": "dev-clean", "test": "test-clean"},
+        }
+    )
     summary = prepare_corpus(config, tmp_path / "out", seed=1)
     assert {name: s.utterances for name, s in summary.splits.items()} == {"train": 4, "dev": 2, "test": 2}
-    wrong = PrepareConfig.from_section({"corpus": "librispeech", "corpus_dir": str(corpus),
-                                        "splits": {"train": "train-other-500", "dev": None, "test": "test-clean"}})
-    with pytest.raises(AsrflowError, match="gives the splits dev-clean, test-clean, train-clean-100, "
-                                           "train-clean-360; pick from those"):
+    wrong = PrepareConfig.from_section(
+        {
+            "corpus": "librispeech",
+            "corpus_dir": str(corpus),
+            "splits": {"train": "train-other-500", "dev": None, "test": "test-clean"},
+        }
+    )
+    with pytest.raises(
+        AsrflowError, match="gives the splits dev-clean, test-clean, train-clean-100, train-clean-360; pick from those"
+    ):
         prepare_corpus(wrong, tmp_path / "out2", seed=1)
 
 
@@ -144,12 +176,17 @@ def prepare_lazyfake(corpus_dir, output_dir, languages="auto"):
         for path in sorted((corpus_dir / "en" / split).glob("*.wav")):
             recording = Recording.from_file(path)
             recordings.append(recording)
-            supervisions.append(SupervisionSegment(recording.id, recording.id, 0.0, recording.duration,
-                                                   channel=0, text=f"say {recording.id}"))
+            supervisions.append(
+                SupervisionSegment(
+                    recording.id, recording.id, 0.0, recording.duration, channel=0, text=f"say {recording.id}"
+                )
+            )
         RecordingSet.from_recordings(recordings).to_file(output_dir / f"rec_{split}.jsonl.gz")
         SupervisionSet.from_segments(supervisions).to_file(output_dir / f"sup_{split}.jsonl.gz")
-        result[split] = {"recordings": RecordingSet.from_jsonl_lazy(output_dir / f"rec_{split}.jsonl.gz"),
-                         "supervisions": SupervisionSet.from_jsonl_lazy(output_dir / f"sup_{split}.jsonl.gz")}
+        result[split] = {
+            "recordings": RecordingSet.from_jsonl_lazy(output_dir / f"rec_{split}.jsonl.gz"),
+            "supervisions": SupervisionSet.from_jsonl_lazy(output_dir / f"sup_{split}.jsonl.gz"),
+        }
     return {"en": result}
 
 
@@ -160,19 +197,26 @@ def test_output_dir_recipe_with_lazy_manifests(tmp_path, monkeypatch):
             _tone(tmp_path / "cv" / "en" / split / f"{split}{i}.wav", 0.6)
     assert recipe_call("lazyfake").output_dir == "required"
     assert sorted(run_recipe("lazyfake", tmp_path / "cv", {})) == ["en/dev", "en/test", "en/train"]
-    config = PrepareConfig.from_section({"corpus": "lazyfake", "corpus_dir": str(tmp_path / "cv"),
-                                         "splits": {"train": "en/train", "dev": "en/dev", "test": "en/test"}})
+    config = PrepareConfig.from_section(
+        {
+            "corpus": "lazyfake",
+            "corpus_dir": str(tmp_path / "cv"),
+            "splits": {"train": "en/train", "dev": "en/dev", "test": "en/test"},
+        }
+    )
     summary = prepare_corpus(config, tmp_path / "out", seed=1)
     assert {name: s.utterances for name, s in summary.splits.items()} == {"train": 4, "dev": 1, "test": 1}
 
 
 def test_a_failing_recipe_is_one_clear_error(tmp_path):
-    config = PrepareConfig.from_section({"corpus": "ljspeech", "corpus_dir": str(tmp_path),
-                                         "splits": {"train": UNSPLIT, "dev": None, "test": None}})
+    config = PrepareConfig.from_section(
+        {"corpus": "ljspeech", "corpus_dir": str(tmp_path), "splits": {"train": UNSPLIT, "dev": None, "test": None}}
+    )
     with pytest.raises(AsrflowError, match=r"lhotse recipe prepare_ljspeech failed on .*metadata.csv"):
         prepare_corpus(config, tmp_path / "out", seed=1)
     assert not (tmp_path / "out").exists()
-    needs = PrepareConfig.from_section({"corpus": "tedlium", "corpus_dir": str(tmp_path),
-                                        "recipe_args": {"no_such": 1}})
+    needs = PrepareConfig.from_section(
+        {"corpus": "tedlium", "corpus_dir": str(tmp_path), "recipe_args": {"no_such": 1}}
+    )
     with pytest.raises(AsrflowError, match=r"\['no_such'\] not accepted by lhotse.recipes.prepare_tedlium"):
         prepare_corpus(needs, tmp_path / "out", seed=1)

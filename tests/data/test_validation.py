@@ -208,8 +208,12 @@ def test_resolve_inside(tmp_path: Path) -> None:
     write_tone(root / "sub" / "a.wav", 0.2)
     assert resolve_inside(root, "sub/../sub/a.wav") == root / "sub" / "a.wav"
     assert resolve_inside(root, str(root / "sub" / "a.wav")) == root / "sub" / "a.wav"
-    for raw, reason in [("../x.wav", "path_outside_corpus"), ("/etc/passwd", "path_outside_corpus"),
-                        ("sub/none.wav", "missing_audio"), ("sub", "missing_audio")]:
+    for raw, reason in [
+        ("../x.wav", "path_outside_corpus"),
+        ("/etc/passwd", "path_outside_corpus"),
+        ("sub/none.wav", "missing_audio"),
+        ("sub", "missing_audio"),
+    ]:
         with pytest.raises(ItemRejected) as info:
             resolve_inside(root, raw)
         assert info.value.reason == reason
@@ -228,20 +232,38 @@ def test_first_valid_copy_of_an_id_wins_and_an_invalid_copy_claims_nothing(tmp_p
         return SupervisionSegment(id=item_id, recording_id="r", start=0.0, duration=duration, channel=0, text=text)
 
     seen: set[str] = set()
-    train = validate_split("train", RecordingSet.from_recordings([recording]), SupervisionSet.from_segments([
-        supervision("u1", " ?! "),              # invalid: empty transcript
-        supervision("u1", "second copy"),       # the first valid copy: kept
-        supervision("u1", "third copy"),        # a duplicate of a kept item
-        supervision("u2", "too short", 0.05),   # invalid here...
-    ]), rules, seen)
-    test = validate_split("test", RecordingSet.from_recordings([recording]), SupervisionSet.from_segments([
-        supervision("u2", "valid in test"),     # ...so its id is free for this valid copy
-        supervision("u1", "kept in train"),     # a duplicate across splits
-    ]), rules, seen)
+    train = validate_split(
+        "train",
+        RecordingSet.from_recordings([recording]),
+        SupervisionSet.from_segments(
+            [
+                supervision("u1", " ?! "),  # invalid: empty transcript
+                supervision("u1", "second copy"),  # the first valid copy: kept
+                supervision("u1", "third copy"),  # a duplicate of a kept item
+                supervision("u2", "too short", 0.05),  # invalid here...
+            ]
+        ),
+        rules,
+        seen,
+    )
+    test = validate_split(
+        "test",
+        RecordingSet.from_recordings([recording]),
+        SupervisionSet.from_segments(
+            [
+                supervision("u2", "valid in test"),  # ...so its id is free for this valid copy
+                supervision("u1", "kept in train"),  # a duplicate across splits
+            ]
+        ),
+        rules,
+        seen,
+    )
 
     assert [(s.id, s.text) for s in train.supervisions] == [("u1", "SECOND COPY")]
     assert [(r.id, r.reason) for r in train.rejected] == [
-        ("u1", "empty_transcript"), ("u1", "duplicate_id"), ("u2", "too_short"),
+        ("u1", "empty_transcript"),
+        ("u1", "duplicate_id"),
+        ("u2", "too_short"),
     ]
     assert [(s.id, s.text) for s in test.supervisions] == [("u2", "VALID IN TEST")]
     assert [(r.id, r.reason) for r in test.rejected] == [("u1", "duplicate_id")]
@@ -259,26 +281,30 @@ def test_tsv_importer_keeps_the_first_valid_copy_of_an_id(tmp_path: Path) -> Non
         write_tone(corpus / f"{name}.wav", 1.0)
     write_tone(corpus / "e.flac", 1.0)
     (corpus / "train.tsv").write_text(
-        "a.wav\t ?!\n"             # normalises to nothing: rejected, claims nothing
-        "a.wav\thello there\n"     # kept
-        "a.wav\tthird copy\n"      # a duplicate of a kept item
+        "a.wav\t ?!\n"  # normalises to nothing: rejected, claims nothing
+        "a.wav\thello there\n"  # kept
+        "a.wav\tthird copy\n"  # a duplicate of a kept item
         "b.wav\tbee\n"
-        "e.wav\tmissing file\n"    # no e.wav: rejected
-        "e.flac\tthe flac one\n"   # same id e, another file: kept
+        "e.wav\tmissing file\n"  # no e.wav: rejected
+        "e.flac\tthe flac one\n"  # same id e, another file: kept
         "c.wav\tsee\nd.wav\tdee\n"
     )
     (corpus / "test.tsv").write_text("c.wav\tsee again\ng.wav\tgee\n")  # c: a duplicate across splits
     (corpus / "dev.tsv").write_text("f.wav\tef\n")
     out = tmp_path / "out"
-    prepare_corpus(config(corpus_dir=str(corpus), splits={"train": "train", "dev": "dev", "test": "test"}),
-                   out, seed=1)
+    prepare_corpus(config(corpus_dir=str(corpus), splits={"train": "train", "dev": "dev", "test": "test"}), out, seed=1)
     train = {cut.id: cut for cut in CutSet.from_file(out / "train_cuts.jsonl.gz")}
     assert train["a"].supervisions[0].text == "HELLO THERE"
     assert train["e"].supervisions[0].text == "THE FLAC ONE"
     assert train["e"].recording.sources[0].source.endswith("e.flac")
-    assert sorted(_rejections(out)) == sorted([
-        ("a", "empty_transcript"), ("a", "duplicate_id"), ("e", "missing_audio"), ("c", "duplicate_id"),
-    ])
+    assert sorted(_rejections(out)) == sorted(
+        [
+            ("a", "empty_transcript"),
+            ("a", "duplicate_id"),
+            ("e", "missing_audio"),
+            ("c", "duplicate_id"),
+        ]
+    )
 
 
 def test_kaldi_importer_keeps_the_first_valid_transcript_of_an_utterance(tmp_path: Path) -> None:
@@ -294,10 +320,17 @@ def test_kaldi_importer_keeps_the_first_valid_transcript_of_an_utterance(tmp_pat
     (corpus / "dev" / "wav.scp").write_text("r4 audio/r4.wav\n")
     (corpus / "dev" / "text").write_text("r4 dev line\n")
     out = tmp_path / "out"
-    prepare_corpus(config(corpus="kaldi", corpus_dir=str(corpus),
-                          splits={"train": "train", "dev": "dev", "test": "test"}), out, seed=1)
+    prepare_corpus(
+        config(corpus="kaldi", corpus_dir=str(corpus), splits={"train": "train", "dev": "dev", "test": "test"}),
+        out,
+        seed=1,
+    )
     train = {cut.id: cut.supervisions[0].text for cut in CutSet.from_file(out / "train_cuts.jsonl.gz")}
     assert train == {"r1": "HELLO THERE", "r2": "FINE"}
-    assert sorted(_rejections(out)) == sorted([
-        ("r1", "empty_transcript"), ("r1", "duplicate_id"), ("r2", "non_utf8_text"),
-    ])
+    assert sorted(_rejections(out)) == sorted(
+        [
+            ("r1", "empty_transcript"),
+            ("r1", "duplicate_id"),
+            ("r2", "non_utf8_text"),
+        ]
+    )

@@ -237,9 +237,9 @@ def test_word_score_adds_or_removes_words(tmp_path):
     lengths = torch.tensor([4])
     lm = uniform_lm(tmp_path / "words.arpa", WORD_TOKENS)
     results = {
-        score: LMBeamSearchDecoder(
-            WORD_TOKENS, BLANK, beam_size=4, lm_path=lm, lm_weight=0.0, word_score=score
-        )(log_probs, lengths)
+        score: LMBeamSearchDecoder(WORD_TOKENS, BLANK, beam_size=4, lm_path=lm, lm_weight=0.0, word_score=score)(
+            log_probs, lengths
+        )
         for score in (0.0, 3.0, -10.0)
     }
     assert results == {0.0: [[2]], 3.0: [[2, 3]], -10.0: [[]]}

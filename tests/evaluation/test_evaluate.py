@@ -86,8 +86,13 @@ def test_only_the_chosen_decoder_runs(yesno_model, yesno_data):  # noqa: F811
 def test_a_missing_language_model_stops_evaluation_before_writing(yesno_model, yesno_data, tmp_path):  # noqa: F811
     config = EvaluateConfig(decoder="beam", lm_path=str(tmp_path / "missing.arpa"))
     with pytest.raises(AsrflowError, match="missing.arpa"):
-        evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", config,
-                 tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        evaluate(
+            yesno_model,
+            yesno_data / "fbank",
+            tmp_path / "eval",
+            config,
+            tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        )
     assert not (tmp_path / "eval").exists()
 
 

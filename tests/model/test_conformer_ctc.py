@@ -26,8 +26,9 @@ def test_outputs_do_not_depend_on_padding_or_batch():
     the last kernel_size // 2 frames see the padding and two layers of attention spread the
     difference over all frames: about 4e-3 nats here.)"""
     torch.manual_seed(0)
-    config = ModelConfig(input_dim=80, vocab_size=9, d_model=32, num_heads=2, ffn_dim=64, num_layers=2,
-                         conv_kernel_size=7)
+    config = ModelConfig(
+        input_dim=80, vocab_size=9, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, conv_kernel_size=7
+    )
     model = build_model(config).eval()
     utterance = torch.randn(1, 400, 80)
     alone, alone_lens = model(utterance, torch.tensor([400]))
@@ -40,12 +41,24 @@ def test_outputs_do_not_depend_on_padding_or_batch():
 
 def test_training_gradients_do_not_depend_on_padding():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(input_dim=80, vocab_size=9, d_model=32, num_heads=2, ffn_dim=64, num_layers=2,
-                                    conv_kernel_size=7, dropout=0.0))
+    model = build_model(
+        ModelConfig(
+            input_dim=80,
+            vocab_size=9,
+            d_model=32,
+            num_heads=2,
+            ffn_dim=64,
+            num_layers=2,
+            conv_kernel_size=7,
+            dropout=0.0,
+        )
+    )
     utterance = torch.randn(1, 300, 80)
     grads = []
-    for features, lengths in ((utterance, torch.tensor([300])),
-                              (torch.cat([utterance, 10 * torch.randn(1, 200, 80)], dim=1), torch.tensor([300]))):
+    for features, lengths in (
+        (utterance, torch.tensor([300])),
+        (torch.cat([utterance, 10 * torch.randn(1, 200, 80)], dim=1), torch.tensor([300])),
+    ):
         model.zero_grad()
         log_probs, out_lens = model(features, lengths)
         log_probs[0, : int(out_lens[0])].sum().backward()
@@ -61,8 +74,18 @@ def test_ctc_frame_requirements():
 
 
 def test_subsampling_channels_set_the_front_end_width():
-    small = build_model(ModelConfig(input_dim=80, vocab_size=10, d_model=48, num_heads=2, ffn_dim=96, num_layers=1,
-                                    conv_kernel_size=7, subsampling_channels=[16, 8]))
+    small = build_model(
+        ModelConfig(
+            input_dim=80,
+            vocab_size=10,
+            d_model=48,
+            num_heads=2,
+            ffn_dim=96,
+            num_layers=1,
+            conv_kernel_size=7,
+            subsampling_channels=[16, 8],
+        )
+    )
     convs = [m for m in small.subsampling.conv if isinstance(m, torch.nn.Conv2d)]
     assert [c.out_channels for c in convs] == [16, 8]
     assert small.subsampling.out.in_features == 8 * 19  # 19 = ((80-1)//2-1)//2 frequency bins left
@@ -78,14 +101,29 @@ def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
     tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
-    config = ModelConfig(input_dim=80, vocab_size=tokenizer.vocab_size, d_model=32, num_heads=2, ffn_dim=64,
-                         num_layers=1, conv_kernel_size=7, subsampling_channels=(32, 32))
+    config = ModelConfig(
+        input_dim=80,
+        vocab_size=tokenizer.vocab_size,
+        d_model=32,
+        num_heads=2,
+        ffn_dim=64,
+        num_layers=1,
+        conv_kernel_size=7,
+        subsampling_channels=(32, 32),
+    )
     torch.manual_seed(0)
     old = build_model(config)
     path = tmp_path / "old.pt"
     cmvn = {"norm_means": [0.0] * 80, "norm_stds": [1.0] * 80}
-    save_bundle(path, model_state=old.state_dict(), model_config=config, tokenizer=tokenizer, features=FeatureConfig(),
-                cmvn=cmvn, run_id=None)
+    save_bundle(
+        path,
+        model_state=old.state_dict(),
+        model_config=config,
+        tokenizer=tokenizer,
+        features=FeatureConfig(),
+        cmvn=cmvn,
+        run_id=None,
+    )
     payload = torch.load(path, weights_only=True)
     del payload["model_config"]["subsampling_channels"]  # as an older asrflow wrote it
     torch.save(payload, path)

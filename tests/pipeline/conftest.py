@@ -69,8 +69,14 @@ def _run_pipeline(tool: str, copy: Path, *command: str) -> PipelineRun:
     result = run(copy, *command, timeout=FULL_RUN_TIMEOUT_S)
     seconds = time.monotonic() - start
     print(f"\n{tool}: the whole pipeline ran in {seconds:.0f} s")
-    return PipelineRun(tool=tool, copy=copy, files=output_files(copy), metrics=read_metrics(copy), output=result.stdout,
-                       seconds=seconds)
+    return PipelineRun(
+        tool=tool,
+        copy=copy,
+        files=output_files(copy),
+        metrics=read_metrics(copy),
+        output=result.stdout,
+        seconds=seconds,
+    )
 
 
 @pytest.fixture(scope="session")

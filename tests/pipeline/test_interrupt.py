@@ -186,7 +186,10 @@ def test_snakemake_after_ctrl_c_resumes_training_where_it_stopped(snakemake_run)
     train_log = copy / "logs/train.log"
     train_log.unlink()
     interrupt_during_training(
-        copy, ["snakemake", "--cores", "all"], watched_log=train_log, console=copy.parent / "snakemake-ctrl-c.log",
+        copy,
+        ["snakemake", "--cores", "all"],
+        watched_log=train_log,
+        console=copy.parent / "snakemake-ctrl-c.log",
         how=signal.SIGINT,
     )
     interrupted = train_log.read_text()

@@ -82,9 +82,7 @@ def test_both_tools_write_the_same_content(snakemake_run, dvc_run):
     """Manifests, features, tokenizer, model weights, reports and metrics (timings aside) are equal."""
     common = sorted(products(snakemake_run.files) & products(dvc_run.files))
     assert "exp/model.pt" in common and "data/lang/tokens.txt" in common
-    differ = [
-        path for path in common if not same(content(snakemake_run.copy, path), content(dvc_run.copy, path))
-    ]
+    differ = [path for path in common if not same(content(snakemake_run.copy, path), content(dvc_run.copy, path))]
     assert not differ, f"Snakemake and DVC wrote different {differ}"
     assert snakemake_run.metrics["wer"] == dvc_run.metrics["wer"]
     assert snakemake_run.metrics["cer"] == dvc_run.metrics["cer"]

@@ -15,7 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 def run_stage(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "stages.prepare", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -30,7 +33,9 @@ def test_stage_prepares_the_shipped_corpus(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert {name: split["utterances"] for name, split in summary["splits"].items()} == {
-        "train": 27, "dev": 3, "test": 30,
+        "train": 27,
+        "dev": 3,
+        "test": 30,
     }
     assert (out / "train_cuts.jsonl.gz").is_file()
     assert "prepare:" in result.stderr  # the summary is logged

@@ -40,8 +40,16 @@ def params(tmp_path: Path, **tokenizer) -> Path:
 def test_char_vocabulary_below_the_characters_exits_2_naming_a_size(tmp_path, manifests, capsys):
     out = tmp_path / "lang"
     with pytest.raises(SystemExit) as exit_info:
-        main(["--params", str(params(tmp_path, model_type="char", vocab_size=5)),
-              "--manifests", str(manifests), "--out", str(out)])
+        main(
+            [
+                "--params",
+                str(params(tmp_path, model_type="char", vocab_size=5)),
+                "--manifests",
+                str(manifests),
+                "--out",
+                str(out),
+            ]
+        )
     assert exit_info.value.code == EXIT_USER_ERROR
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "tokenizer.vocab_size = 5" in errors[0] and errors[0].endswith("at least 8")
@@ -50,7 +58,15 @@ def test_char_vocabulary_below_the_characters_exits_2_naming_a_size(tmp_path, ma
 
 def test_the_size_named_works(tmp_path, manifests):
     out = tmp_path / "lang"
-    main(["--params", str(params(tmp_path, model_type="char", vocab_size=8)),
-          "--manifests", str(manifests), "--out", str(out)])
+    main(
+        [
+            "--params",
+            str(params(tmp_path, model_type="char", vocab_size=8)),
+            "--manifests",
+            str(manifests),
+            "--out",
+            str(out),
+        ]
+    )
     pieces = [line.split()[0] for line in (out / "tokens.txt").read_text().splitlines()]
     assert pieces == ["<blk>", "<unk>", "▁", "E", "S", "Y", "N", "O"]

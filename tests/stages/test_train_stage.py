@@ -12,9 +12,19 @@ from stages.train import main
 
 #: A model and run small enough to train in a few CPU-seconds (conftest's tiny model, one epoch).
 TINY = {
-    "d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "conv_kernel_size": 7, "max_duration_s": 60.0,
-    "num_workers": 0, "epochs": 1, "warmup_steps": 2, "num_threads": 1, "checkpoint_every_steps": 1000,
-    "validate_every_steps": 1000, "average_last": 1,
+    "d_model": 32,
+    "num_heads": 2,
+    "ffn_dim": 64,
+    "num_layers": 1,
+    "conv_kernel_size": 7,
+    "max_duration_s": 60.0,
+    "num_workers": 0,
+    "epochs": 1,
+    "warmup_steps": 2,
+    "num_threads": 1,
+    "checkpoint_every_steps": 1000,
+    "validate_every_steps": 1000,
+    "average_last": 1,
 }
 
 
@@ -30,8 +40,18 @@ def error_lines(stderr: str) -> list[str]:
 def test_trains_from_the_folders_on_its_command_line(yesno_data, tiny_params, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = tmp_path / "exp"
-    main(["--params", str(tiny_params), "--fbank", str(yesno_data / "fbank"), "--lang", str(yesno_data / "lang"),
-          "--exp", str(exp)])
+    main(
+        [
+            "--params",
+            str(tiny_params),
+            "--fbank",
+            str(yesno_data / "fbank"),
+            "--lang",
+            str(yesno_data / "lang"),
+            "--exp",
+            str(exp),
+        ]
+    )
     bundle = load_bundle(exp / "model.pt")
     assert bundle.tokenizer.pieces == [line.split()[0] for line in (yesno_data / "lang" / "tokens.txt").open()]
     assert all(torch.isfinite(p).all() for p in bundle.model.parameters())
@@ -44,8 +64,15 @@ def test_a_missing_input_folder_is_named(yesno_data, tiny_params, tmp_path, caps
     inputs = {"--fbank": str(yesno_data / "fbank"), "--lang": str(yesno_data / "lang")}
     inputs[missing] = str(tmp_path / "nowhere")
     with pytest.raises(SystemExit) as exit_info:
-        main(["--params", str(tiny_params), *(arg for pair in inputs.items() for arg in pair),
-              "--exp", str(tmp_path / "exp")])
+        main(
+            [
+                "--params",
+                str(tiny_params),
+                *(arg for pair in inputs.items() for arg in pair),
+                "--exp",
+                str(tmp_path / "exp"),
+            ]
+        )
     assert exit_info.value.code == EXIT_USER_ERROR
     [error] = error_lines(capsys.readouterr().err)
     assert str(tmp_path / "nowhere") in error, error

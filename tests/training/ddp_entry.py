@@ -111,8 +111,12 @@ def main(spec_path: str) -> None:
     setup_logging()
     exp = Path(spec["exp"])
     trainer = Trainer(
-        tiny_train_config(**spec.get("config", {})), FeatureConfig(), seed=int(spec.get("seed", 42)),
-        paths=train_paths(Path(spec["data"]), exp), tracking_uri=spec.get("tracking_uri"), observers=[Faults()],
+        tiny_train_config(**spec.get("config", {})),
+        FeatureConfig(),
+        seed=int(spec.get("seed", 42)),
+        paths=train_paths(Path(spec["data"]), exp),
+        tracking_uri=spec.get("tracking_uri"),
+        observers=[Faults()],
     )
     summary = trainer.run()
     if trainer.dist.is_main:

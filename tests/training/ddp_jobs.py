@@ -40,8 +40,11 @@ class Job:
         spec = self.exp / "spec.json"
         tracking = self.exp / "mlflow.db"
         uri = f"sqlite:///{tracking}" if tracking.is_file() else fresh_mlflow_store(self.exp)
-        spec.write_text(json.dumps({"data": str(data), "exp": str(self.exp), "config": overrides,
-                                    "tracking_uri": uri, "seed": SEED}))
+        spec.write_text(
+            json.dumps(
+                {"data": str(data), "exp": str(self.exp), "config": overrides, "tracking_uri": uri, "seed": SEED}
+            )
+        )
         if ranks > 1:
             command = torchrun_command(TrainConfig(nproc_per_node=ranks), [str(ENTRY), str(spec)])
         else:
@@ -58,8 +61,15 @@ class Job:
         self.log_path = self.exp / f"job-{time.monotonic_ns()}.log"
         self.started = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=full_env, cwd=self.exp, start_new_session=True)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                cwd=self.exp,
+                start_new_session=True,
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -51,8 +51,16 @@ def _split(batch: dict, pieces: int) -> list[dict]:
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(1)
-    config = ModelConfig(input_dim=MEL_BINS, vocab_size=VOCAB, d_model=32, num_heads=2, ffn_dim=64,
-                         num_layers=1, conv_kernel_size=7, dropout=0.0)
+    config = ModelConfig(
+        input_dim=MEL_BINS,
+        vocab_size=VOCAB,
+        d_model=32,
+        num_heads=2,
+        ffn_dim=64,
+        num_layers=1,
+        conv_kernel_size=7,
+        dropout=0.0,
+    )
     return build_model(config).train()
 
 
@@ -61,8 +69,17 @@ def _step(model: torch.nn.Module, micro_batches: list[dict], lr: float):
     precision = resolve_precision("fp32", "cpu", None)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     tokens = NUM_UTTERANCES * TOKENS
-    return train_step(model, micro_batches, step_tokens=tokens, optimizer=optimizer, scaler=precision.grad_scaler(),
-                      precision=precision, max_grad_norm=1e9, dist=DistInfo(), device=torch.device("cpu"))
+    return train_step(
+        model,
+        micro_batches,
+        step_tokens=tokens,
+        optimizer=optimizer,
+        scaler=precision.grad_scaler(),
+        precision=precision,
+        max_grad_norm=1e9,
+        dist=DistInfo(),
+        device=torch.device("cpu"),
+    )
 
 
 def test_two_micro_batches_give_the_gradients_of_one_batch():

@@ -142,15 +142,21 @@ def test_a_flipped_bit_in_tensor_data_is_caught_by_the_digest(tmp_path, caplog):
 
 
 def test_the_digest_covers_every_kind_of_value_and_survives_a_round_trip(tmp_path):
-    state = {"model": {"w": torch.arange(6.0).reshape(2, 3).t(), "h": torch.ones(2, dtype=torch.bfloat16)},
-             "optimizer": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.98), "foreach": None}]},
-             "progress": {"history": [1.5, float("nan")], "epoch": 3}, "complete": True}
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3).t(), "h": torch.ones(2, dtype=torch.bfloat16)},
+        "optimizer": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.98), "foreach": None}]},
+        "progress": {"history": [1.5, float("nan")], "epoch": 3},
+        "complete": True,
+    }
     path = ckpt.save_checkpoint(state, tmp_path, 1, keep_last=1, is_best=False)
     loaded = ckpt.load_checkpoint(path)  # raises on a mismatch
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     base = ckpt.content_digest(state)
-    for changed in ({**state, "complete": False}, {**state, "model": {**state["model"], "w": state["model"]["w"].t()}},
-                    {**state, "progress": {"history": [1.5, float("nan")], "epoch": 4}}):
+    for changed in (
+        {**state, "complete": False},
+        {**state, "model": {**state["model"], "w": state["model"]["w"].t()}},
+        {**state, "progress": {"history": [1.5, float("nan")], "epoch": 4}},
+    ):
         assert ckpt.content_digest(changed) != base
 
 

@@ -53,13 +53,15 @@ def test_filter_counts_too_short_repeats_and_empty_transcripts(tokenizer):
     assert tokens_only < enough
     plain = tokenizer.encode(SAME_LENGTH_PLAIN)
     assert len(plain) == len(repeated) and ctc_frames_needed(plain) == len(plain)
-    cuts = CutSet.from_cuts([
-        _cut("fits", enough, REPEATED),
-        _cut("one-frame-short", enough - 1, REPEATED),
-        _cut("no-room-for-blanks", tokens_only, REPEATED),
-        _cut("plain-fits", tokens_only, SAME_LENGTH_PLAIN),
-        _cut("empty", enough, ""),
-    ])
+    cuts = CutSet.from_cuts(
+        [
+            _cut("fits", enough, REPEATED),
+            _cut("one-frame-short", enough - 1, REPEATED),
+            _cut("no-room-for-blanks", tokens_only, REPEATED),
+            _cut("plain-fits", tokens_only, SAME_LENGTH_PLAIN),
+            _cut("empty", enough, ""),
+        ]
+    )
     kept, removed = filter_ctc_feasible(cuts, tokenizer, FRAME_SHIFT_S)
     assert removed == ["one-frame-short", "no-room-for-blanks", "empty"]
     assert sorted(cut.id for cut in kept) == ["fits", "plain-fits"]

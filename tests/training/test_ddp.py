@@ -36,8 +36,9 @@ from asrflow.training.trainer import Trainer
 from asrflow.training.watchdog import write_stacks
 
 #: Shared by every run that is compared: 2 epochs (6 + 5 steps with 2 ranks), checkpoints every 4 steps.
-BASE = dict(epochs=2, max_duration_s=12.0, checkpoint_every_steps=4, validate_every_steps=4, keep_last=50,
-            average_last=1)
+BASE = dict(
+    epochs=2, max_duration_s=12.0, checkpoint_every_steps=4, validate_every_steps=4, keep_last=50, average_last=1
+)
 DDP = dict(BASE, accum_grad=2)
 # DDP vs one process: float32 sums in another order (each rank's sum, gloo's all-reduce, DDP's
 # averaging). Per-step losses agree to 1e-4 (relative). Most weights agree to ~1e-7, but Adam
@@ -79,8 +80,13 @@ def _epoch_steps(data: Path, epoch: int, accum_grad: int, world_size: int) -> in
 def test_two_ranks_match_one_process_with_the_same_global_batch(yesno_data, ddp_reference, tmp_path):
     single = tmp_path / "single"
     config = tiny_train_config(**dict(BASE, accum_grad=4))
-    summary = Trainer(config, FeatureConfig(), seed=SEED, paths=train_paths(yesno_data, single),
-                      tracking_uri=fresh_mlflow_store(single)).run()
+    summary = Trainer(
+        config,
+        FeatureConfig(),
+        seed=SEED,
+        paths=train_paths(yesno_data, single),
+        tracking_uri=fresh_mlflow_store(single),
+    ).run()
 
     steps = sum(_epoch_steps(yesno_data, epoch, 2, 2) for epoch in range(BASE["epochs"]))
     assert steps >= 8
@@ -96,8 +102,9 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(yesno_data, ddp_
     start = load_checkpoint(list_checkpoints(single / "checkpoints")[-1])["model"]  # step 0: same init
     difference = displacement = 0.0
     for name, tensor in one_state["model"].items():
-        torch.testing.assert_close(ddp_state["model"][name], tensor, atol=WEIGHT_ATOL, rtol=0.0,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            ddp_state["model"][name], tensor, atol=WEIGHT_ATOL, rtol=0.0, msg=lambda m, n=name: f"{n}: {m}"
+        )
         if tensor.is_floating_point():
             difference += float((ddp_state["model"][name].double() - tensor.double()).square().sum())
             displacement += float((tensor.double() - start[name].double()).square().sum())
@@ -134,8 +141,13 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
 
     # The 2-rank checkpoint, resumed by one process (accum_grad unchanged).
     config = tiny_train_config(**dict(DDP, num_workers=0))
-    summary = Trainer(config, FeatureConfig(), seed=SEED, paths=train_paths(yesno_data, one_process),
-                      tracking_uri=f"sqlite:///{one_process / 'mlflow.db'}").run()
+    summary = Trainer(
+        config,
+        FeatureConfig(),
+        seed=SEED,
+        paths=train_paths(yesno_data, one_process),
+        tracking_uri=f"sqlite:///{one_process / 'mlflow.db'}",
+    ).run()
     assert "written with 2 processes, this run has 1" in caplog.text
     assert "epoch 0 restarts from its first batch" in caplog.text
     assert summary["steps"] == 4 + _epoch_steps(yesno_data, 0, 2, 1) + _epoch_steps(yesno_data, 1, 2, 1)
@@ -146,8 +158,12 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
 
 def test_a_failing_rank_ends_the_job(yesno_data, tmp_path, jobs):
     """Rank 1 raises after step 2: the job exits non-zero, naming the error, within the timeout."""
-    job = jobs(yesno_data, tmp_path / "fail", dict(DDP, num_workers=0, dist_timeout_s=20.0, stall_timeout_s=60.0),
-               env={"ASRFLOW_TEST_FAIL_RANK_AT_STEP": "1:2"})
+    job = jobs(
+        yesno_data,
+        tmp_path / "fail",
+        dict(DDP, num_workers=0, dist_timeout_s=20.0, stall_timeout_s=60.0),
+        env={"ASRFLOW_TEST_FAIL_RANK_AT_STEP": "1:2"},
+    )
     code = job.wait()
     log = job.log()
     assert code != 0, log
@@ -161,14 +177,24 @@ def test_stack_dumps_are_whole_lines_labelled_with_the_rank(tmp_path):
         write_stacks(stream, "rank 3: ")
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert lines and all(line.startswith("rank 3: ") for line in lines)
-    assert any(re.fullmatch(r'rank 3:   File "\S+test_ddp\.py", line \d+ in '
-                            r"test_stack_dumps_are_whole_lines_labelled_with_the_rank", line) for line in lines)
+    assert any(
+        re.fullmatch(
+            r'rank 3:   File "\S+test_ddp\.py", line \d+ in '
+            r"test_stack_dumps_are_whole_lines_labelled_with_the_rank",
+            line,
+        )
+        for line in lines
+    )
 
 
 def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs):
     """Rank 1 sleeps after step 2: the watchdog dumps every thread's stack and the job ends non-zero."""
-    job = jobs(yesno_data, tmp_path / "stall", dict(DDP, num_workers=0, dist_timeout_s=20.0, stall_timeout_s=10.0),
-               env={"ASRFLOW_TEST_STALL_RANK_AT_STEP": "1:2"})
+    job = jobs(
+        yesno_data,
+        tmp_path / "stall",
+        dict(DDP, num_workers=0, dist_timeout_s=20.0, stall_timeout_s=10.0),
+        env={"ASRFLOW_TEST_STALL_RANK_AT_STEP": "1:2"},
+    )
     code = job.wait()
     log = job.log()
     assert code != 0, log
@@ -245,8 +271,15 @@ def test_intervals_that_do_not_divide_and_a_dev_loss_that_stops_improving(yesno_
     """Validation every 3 steps, checkpoints every 5: a validation that does not improve must not send
     one rank to a checkpoint barrier the other never reaches. (lr 1e-30 leaves the weights as they
     are, so every dev loss after the first ties the best: not an improvement.)"""
-    overrides = dict(DDP, num_workers=0, validate_every_steps=3, checkpoint_every_steps=5, lr=1e-30,
-                     weight_decay=0.0, dist_timeout_s=FAULT_TIMEOUT_S)
+    overrides = dict(
+        DDP,
+        num_workers=0,
+        validate_every_steps=3,
+        checkpoint_every_steps=5,
+        lr=1e-30,
+        weight_decay=0.0,
+        dist_timeout_s=FAULT_TIMEOUT_S,
+    )
     code, log = _ends_cleanly(jobs(yesno_data, tmp_path / "exp", overrides))
     assert code == 0, log
     for rank in (0, 1):
@@ -296,8 +329,9 @@ def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_d
 
 def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, jobs):
     exp = tmp_path / "exp"
-    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, inject_nonfinite_steps=[2],
-                                     inject_nonfinite_ranks=[1]))
+    job = jobs(
+        yesno_data, exp, dict(DDP, epochs=1, num_workers=0, inject_nonfinite_steps=[2], inject_nonfinite_ranks=[1])
+    )
     code, log = _ends_cleanly(job)
     assert code == 0, log
     for rank in (0, 1):
@@ -310,8 +344,9 @@ def test_a_stalled_data_worker_ends_the_job_with_every_ranks_stacks(yesno_data, 
     """Rank 1's data worker sleeps building step 2's batch: both watchdogs fire and print their stacks."""
     group = DDP["accum_grad"] * 2
     overrides = dict(DDP, num_workers=1, stall_timeout_s=10.0, dist_timeout_s=60.0)
-    job = jobs(yesno_data, tmp_path / "exp", overrides,
-               env={"ASRFLOW_TEST_STALL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
+    job = jobs(
+        yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_STALL_WORKER_AT_BATCH": f"1:{2 * group + 1}"}
+    )
     code, log = _ends_cleanly(job, timeout_s=120.0)
     assert code != 0, log
     assert "injected worker fault" in log
@@ -323,8 +358,7 @@ def test_a_stalled_data_worker_ends_the_job_with_every_ranks_stacks(yesno_data, 
 def test_a_killed_data_worker_ends_the_job_with_a_clear_message(yesno_data, tmp_path, jobs):
     group = DDP["accum_grad"] * 2
     overrides = dict(DDP, num_workers=1, dist_timeout_s=FAULT_TIMEOUT_S)
-    job = jobs(yesno_data, tmp_path / "exp", overrides,
-               env={"ASRFLOW_TEST_KILL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
+    job = jobs(yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_KILL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
     code, log = _ends_cleanly(job)
     assert code != 0, log
     assert re.search(r"\[rank 1\] .*stopping: a data worker died \(DataLoader worker", log), log

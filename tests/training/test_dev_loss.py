@@ -35,9 +35,16 @@ def test_dev_loss_beats_once_per_dev_batch_and_computes_the_same_loss(dev_setup)
     assert len(batches) >= 3
     precision = resolve_precision("fp32", "cpu", None)
     beats = []
-    with_beat = dev_loss(model, dataset, batches, precision=precision, dist=DistInfo(), device=torch.device("cpu"),
-                         beat=lambda: beats.append(1))
+    with_beat = dev_loss(
+        model,
+        dataset,
+        batches,
+        precision=precision,
+        dist=DistInfo(),
+        device=torch.device("cpu"),
+        beat=lambda: beats.append(1),
+    )
     assert len(beats) == len(batches)
-    assert with_beat == dev_loss(model, dataset, batches, precision=precision, dist=DistInfo(),
-                                  device=torch.device("cpu"))
-
+    assert with_beat == dev_loss(
+        model, dataset, batches, precision=precision, dist=DistInfo(), device=torch.device("cpu")
+    )

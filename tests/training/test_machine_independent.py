@@ -38,8 +38,9 @@ def test_one_and_two_extraction_jobs_train_the_same_weights(yesno_data, two_job_
     runs = {}
     for name, data in (("one", yesno_data), ("two", two_job_data)):
         exp = tmp_path / name / "exp"
-        run_training(data, exp, OVERRIDES, log_path=tmp_path / f"{name}.log",
-                     tracking_uri=fresh_mlflow_store(tmp_path / name))
+        run_training(
+            data, exp, OVERRIDES, log_path=tmp_path / f"{name}.log", tracking_uri=fresh_mlflow_store(tmp_path / name)
+        )
         runs[name] = _weights(exp)
     assert runs["one"].keys() == runs["two"].keys()
     for key, tensor in runs["one"].items():
@@ -49,10 +50,17 @@ def test_one_and_two_extraction_jobs_train_the_same_weights(yesno_data, two_job_
 def test_an_unfinished_run_resumes_after_num_jobs_changed(yesno_data, two_job_data, tmp_path):
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
-    process = TrainingProcess(yesno_data, exp, {**OVERRIDES, "epochs": 2}, log_path=tmp_path / "first.log",
-                              pause_after_step=5, tracking_uri=uri)
+    process = TrainingProcess(
+        yesno_data,
+        exp,
+        {**OVERRIDES, "epochs": 2},
+        log_path=tmp_path / "first.log",
+        pause_after_step=5,
+        tracking_uri=uri,
+    )
     process.wait_paused()
     process.kill()
-    log = run_training(two_job_data, exp, {**OVERRIDES, "epochs": 2}, log_path=tmp_path / "resume.log",
-                       tracking_uri=uri)
+    log = run_training(
+        two_job_data, exp, {**OVERRIDES, "epochs": 2}, log_path=tmp_path / "resume.log", tracking_uri=uri
+    )
     assert re.search(r"resuming from \S+: step 4", log), log

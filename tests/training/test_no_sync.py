@@ -49,9 +49,17 @@ def _count_allreduces(rank: int, folder: str) -> None:
         counts = []
         for _ in range(STEPS):
             before = len(calls)
-            train_step(model, _split(batch, accum_grad), step_tokens=NUM_UTTERANCES * TOKENS * WORLD_SIZE,
-                       optimizer=optimizer, scaler=precision.grad_scaler(), precision=precision, max_grad_norm=1e9,
-                       dist=info, device=torch.device("cpu"))
+            train_step(
+                model,
+                _split(batch, accum_grad),
+                step_tokens=NUM_UTTERANCES * TOKENS * WORLD_SIZE,
+                optimizer=optimizer,
+                scaler=precision.grad_scaler(),
+                precision=precision,
+                max_grad_norm=1e9,
+                dist=info,
+                device=torch.device("cpu"),
+            )
             counts.append(len(calls) - before)
         return counts
 

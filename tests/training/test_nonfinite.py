@@ -65,8 +65,9 @@ def _bad_batches(exp: Path) -> list[dict]:
 
 def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
     """Step 3's loss is NaN: no optimizer update, no checkpoint inside the streak; step 4 trains."""
-    summary = _train(yesno_data, tmp_path, epochs=1, inject_nonfinite_steps=[3], checkpoint_every_steps=1,
-                     validate_every_steps=0)
+    summary = _train(
+        yesno_data, tmp_path, epochs=1, inject_nonfinite_steps=[3], checkpoint_every_steps=1, validate_every_steps=0
+    )
 
     assert summary["nonfinite_skipped"] == 1
     assert summary["rollbacks"] == 0
@@ -90,8 +91,16 @@ def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
 
 def _fast_wer_run(data: Path, exp: Path, **overrides) -> tuple[dict, float]:
     summary = _train(
-        data, exp, lr=0.01, spec_augment=False, dropout=0.0, epochs=6, max_duration_s=12.0,
-        checkpoint_every_steps=1000, validate_every_steps=0, **overrides,
+        data,
+        exp,
+        lr=0.01,
+        spec_augment=False,
+        dropout=0.0,
+        epochs=6,
+        max_duration_s=12.0,
+        checkpoint_every_steps=1000,
+        validate_every_steps=0,
+        **overrides,
     )
     uri = f"sqlite:///{exp / 'mlflow.db'}"  # the training run's store: evaluate logs into that run
     metrics = evaluate(exp / "model.pt", data / "fbank", exp / "eval", EvaluateConfig(), tracking_uri=uri)
@@ -118,8 +127,14 @@ def test_run_with_a_nan_step_reaches_the_clean_wer(yesno_data, tmp_path):
 #   5, 6 skipped, 7 -> rollback 2 to step 4, lr x 0.25
 #   5, 6 skipped, 7 -> max_rollbacks (2) reached: stop.
 PERSISTENT = dict(
-    epochs=2, checkpoint_every_steps=2, validate_every_steps=0, max_consecutive_nonfinite=3, max_rollbacks=2,
-    rollback_lr_factor=0.5, inject_nonfinite_steps=list(range(5, 19)), experiment="persistent-nan",
+    epochs=2,
+    checkpoint_every_steps=2,
+    validate_every_steps=0,
+    max_consecutive_nonfinite=3,
+    max_rollbacks=2,
+    rollback_lr_factor=0.5,
+    inject_nonfinite_steps=list(range(5, 19)),
+    experiment="persistent-nan",
 )
 
 
@@ -134,8 +149,11 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
         _train(yesno_data, tmp_path, **PERSISTENT)
 
     log = caplog.text
-    assert re.search(r"rollback 1 of at most 2: back to \S+step-00000004\.pt \(step 4\), learning rate scaled "
-                     r"to 0\.5 x train\.lr", log), log
+    assert re.search(
+        r"rollback 1 of at most 2: back to \S+step-00000004\.pt \(step 4\), learning rate scaled "
+        r"to 0\.5 x train\.lr",
+        log,
+    ), log
     assert re.search(r"rollback 2 of at most 2: back to \S+step-00000004\.pt \(step 4\).*0\.25 x train\.lr", log)
     assert "rollback 3" not in log
     # Each rollback restarts the count of skips in a row.
@@ -144,7 +162,9 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
     # No checkpoint was taken inside the streak: the rollback target is the last good one.
     checkpoints = tmp_path / "checkpoints"
     assert sorted(path.name for path in checkpoints.glob("step-*.pt")) == [
-        "step-00000000.pt", "step-00000002.pt", "step-00000004.pt",
+        "step-00000000.pt",
+        "step-00000002.pt",
+        "step-00000004.pt",
     ]
     assert load_checkpoint(checkpoint_path(checkpoints, 4))["guard"]["consecutive"] == 0
 
@@ -156,8 +176,13 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
     # abandoned attempts' points were dropped at each rollback); the values are the last attempt's.
     # (A NaN loss or grad norm is not logged: those two have points for steps 1-4 only.)
     client, run_id = _mlflow_history(tmp_path, "persistent-nan")
-    for key, last in (("train/loss", 4), ("train/grad_norm", 4), ("train/lr", 6), ("train/nonfinite_skipped", 6),
-                      ("train/epoch", 6)):
+    for key, last in (
+        ("train/loss", 4),
+        ("train/grad_norm", 4),
+        ("train/lr", 6),
+        ("train/nonfinite_skipped", 6),
+        ("train/epoch", 6),
+    ):
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert sorted(steps) == list(range(1, last + 1)), (key, sorted(steps))
     lr = {m.step: m.value for m in client.get_metric_history(run_id, "train/lr")}
@@ -178,8 +203,16 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
 
 def test_a_streak_at_the_end_keeps_the_last_good_checkpoint_through_keep_last(yesno_data, tmp_path):
     """keep_last 1, steps 8 and 9 non-finite: the final checkpoint (9) is mid-streak, so 6 is kept too."""
-    _train(yesno_data, tmp_path, epochs=1, checkpoint_every_steps=2, keep_last=1, validate_every_steps=0,
-           inject_nonfinite_steps=[8, 9], max_consecutive_nonfinite=3)
+    _train(
+        yesno_data,
+        tmp_path,
+        epochs=1,
+        checkpoint_every_steps=2,
+        keep_last=1,
+        validate_every_steps=0,
+        inject_nonfinite_steps=[8, 9],
+        max_consecutive_nonfinite=3,
+    )
     checkpoints = tmp_path / "checkpoints"
     assert sorted(path.name for path in checkpoints.glob("step-*.pt")) == ["step-00000006.pt", "step-00000009.pt"]
     final = load_checkpoint(checkpoint_path(checkpoints, 9))
@@ -198,12 +231,18 @@ def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
     params = {"seed": SEED, "features": {}, "train": asdict(config)}
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     env = {
-        **os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "MLFLOW_TRACKING_URI": fresh_mlflow_store(work), "GIT_PYTHON_REFRESH": "quiet",
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "MLFLOW_TRACKING_URI": fresh_mlflow_store(work),
+        "GIT_PYTHON_REFRESH": "quiet",
     }
     done = subprocess.run(
         [sys.executable, "-m", "stages.train", "--params", "params.yaml", "--exp", "exp"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=300,
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = done.stdout + done.stderr
     assert done.returncode == EXIT_USER_ERROR, output

@@ -84,7 +84,11 @@ def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
     non-finite steps would roll back (and, the scaler state rolling back too, stop).
     """
     config = tiny_train_config(
-        precision=precision, epochs=2, checkpoint_every_steps=100, validate_every_steps=0, max_consecutive_nonfinite=2,
+        precision=precision,
+        epochs=2,
+        checkpoint_every_steps=100,
+        validate_every_steps=0,
+        max_consecutive_nonfinite=2,
     )
     paths = train_paths(yesno_data, tmp_path)
     summary = Trainer(config, FeatureConfig(), seed=42, paths=paths, tracking_uri=fresh_mlflow_store(tmp_path)).run()
@@ -123,8 +127,9 @@ def test_ctc_head_and_loss_stay_fp32_under_autocast(dtype):
     from asrflow.tokenizer import BLANK_ID
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64,
-                                    num_layers=1, conv_kernel_size=7))
+    model = build_model(
+        ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, conv_kernel_size=7)
+    )
     with torch.no_grad():  # a confident head: near-zero losses are the ones rounding makes negative
         model.head.weight.mul_(40.0)
     encoded = torch.randn(3, 50, 32)  # (N, T', D)
@@ -154,8 +159,9 @@ def test_model_forward_returns_fp32_log_probs_under_autocast(precision):
     from asrflow.model.conformer_ctc import ModelConfig, build_model
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64,
-                                    num_layers=1, conv_kernel_size=7))
+    model = build_model(
+        ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, conv_kernel_size=7)
+    )
     features = torch.randn(2, 120, 80)
     with resolve_precision(precision, "cpu", None).autocast():
         log_probs, _ = model(features, torch.tensor([120, 90]))

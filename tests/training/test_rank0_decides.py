@@ -39,11 +39,20 @@ def _free_port() -> int:
 
 def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
     """Set up a Trainer on ``rank``; record what ``_resume_decision`` gives for each scenario."""
-    os.environ.update({"WORLD_SIZE": str(WORLD_SIZE), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
+    os.environ.update(
+        {
+            "WORLD_SIZE": str(WORLD_SIZE),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+    )
     exp = Path(folders[f"rank{rank}"])
-    trainer = Trainer(tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), seed=SEED,
-                      paths=train_paths(Path(data), exp))
+    trainer = Trainer(
+        tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), seed=SEED, paths=train_paths(Path(data), exp)
+    )
     result = {}
     try:
         trainer.setup()
@@ -69,13 +78,18 @@ def test_other_ranks_follow_rank_0s_decision(yesno_data, tmp_path):
     assert ckpt.step_of(newest) == 9
 
     other_shape = tmp_path / "other_shape"
-    summary = train_in_process(yesno_data, other_shape, {**OVERRIDES, "d_model": 48},
-                               fresh_mlflow_store(tmp_path / "store2"))
+    summary = train_in_process(
+        yesno_data, other_shape, {**OVERRIDES, "d_model": 48}, fresh_mlflow_store(tmp_path / "store2")
+    )
     (other_shape / "checkpoints" / f"step-{summary['steps']:08d}.pt").unlink()  # now an unfinished run
     (tmp_path / "rank1").mkdir()
     (tmp_path / "results").mkdir()
-    folders = {"rank0": str(finished), "rank1": str(tmp_path / "rank1"),
-               "other_shape": str(other_shape / "checkpoints"), "results": str(tmp_path / "results")}
+    folders = {
+        "rank0": str(finished),
+        "rank1": str(tmp_path / "rank1"),
+        "other_shape": str(other_shape / "checkpoints"),
+        "results": str(tmp_path / "results"),
+    }
 
     mp.spawn(_decide_on_rank, args=(str(yesno_data), folders, _free_port()), nprocs=WORLD_SIZE, join=True)
 

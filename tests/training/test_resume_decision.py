@@ -99,8 +99,12 @@ def test_feature_extraction_parallelism_does_not_block_a_resume(caplog):
     many_jobs = build_fingerprint(model, asdict(FeatureConfig(num_jobs=8)), **same)
     assert one_job == many_jobs
     assert "features.num_mel_bins" in one_job and "features.num_jobs" not in one_job
-    checkpoint = {"fingerprint": one_job, "train_params": training_params(config, "c0de"), "complete": False,
-                  "step": 120}
+    checkpoint = {
+        "fingerprint": one_job,
+        "train_params": training_params(config, "c0de"),
+        "complete": False,
+        "step": 120,
+    }
     with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
         assert decide(checkpoint, many_jobs, training_params(config, "c0de"), CKPT_DIR) == RESUME
     assert caplog.text == ""
@@ -185,10 +189,21 @@ def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_dat
 
     def train() -> str:
         done = subprocess.run(
-            [sys.executable, str(repo / "tests" / "training" / "train_entry.py"), "--data", str(yesno_data),
-             "--exp", str(exp), "--overrides", overrides],
-            cwd=tmp_path, env={**os.environ, "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_TRACKING_URI": ""},
-            capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                str(repo / "tests" / "training" / "train_entry.py"),
+                "--data",
+                str(yesno_data),
+                "--exp",
+                str(exp),
+                "--overrides",
+                overrides,
+            ],
+            cwd=tmp_path,
+            env={**os.environ, "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_TRACKING_URI": ""},
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done.stdout + done.stderr

@@ -39,8 +39,9 @@ def train_cuts(yesno_data):
 
 
 def _batches(cuts, start_epoch: int, start_step: int, accum_grad: int = 1, world_size: int = 1, rank: int = 0):
-    return TrainingBatches(cuts, SEED, MAX_DURATION_S, NUM_BUCKETS, accum_grad, world_size, rank,
-                           start_epoch, start_step, num_epochs=2)
+    return TrainingBatches(
+        cuts, SEED, MAX_DURATION_S, NUM_BUCKETS, accum_grad, world_size, rank, start_epoch, start_step, num_epochs=2
+    )
 
 
 @pytest.mark.parametrize("start_step", [0, 5, 8])

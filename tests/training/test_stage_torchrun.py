@@ -16,15 +16,28 @@ def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fbank").symlink_to(yesno_data / "fbank")
     (tmp_path / "data" / "lang").symlink_to(yesno_data / "lang")
-    train = asdict(tiny_train_config(epochs=1, nproc_per_node=2, num_workers=0, checkpoint_every_steps=2,
-                                     dist_timeout_s=60.0, stall_timeout_s=120.0))
+    train = asdict(
+        tiny_train_config(
+            epochs=1,
+            nproc_per_node=2,
+            num_workers=0,
+            checkpoint_every_steps=2,
+            dist_timeout_s=60.0,
+            stall_timeout_s=120.0,
+        )
+    )
     params = {"seed": 42, "features": {"num_jobs": 1}, "train": train}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-           "GIT_PYTHON_REFRESH": "quiet"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "GIT_PYTHON_REFRESH": "quiet",
+    }
     env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, "-m", "stages.train"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     assert "torch.distributed.run" in log and "--nproc-per-node=2" in log
@@ -48,16 +61,35 @@ def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fbank").symlink_to(yesno_data / "fbank")
     (tmp_path / "data" / "lang").symlink_to(yesno_data / "lang")
-    train = asdict(tiny_train_config(epochs=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{_free_port()}", num_workers=0,
-                                     checkpoint_every_steps=2, dist_timeout_s=60.0, stall_timeout_s=120.0))
+    train = asdict(
+        tiny_train_config(
+            epochs=1,
+            nnodes=2,
+            rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+            num_workers=0,
+            checkpoint_every_steps=2,
+            dist_timeout_s=60.0,
+            stall_timeout_s=120.0,
+        )
+    )
     params = {"seed": 42, "features": {"num_jobs": 1}, "train": train}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-           "GIT_PYTHON_REFRESH": "quiet"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "GIT_PYTHON_REFRESH": "quiet",
+    }
     env.pop("LOCAL_RANK", None)
     nodes = [
-        subprocess.Popen([sys.executable, "-m", "stages.train", *extra], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "stages.train", *extra],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for extra in ([], ["--node-rank", "1"])
     ]
     logs = [node.communicate(timeout=300)[0] for node in nodes]

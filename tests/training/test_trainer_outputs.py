@@ -36,8 +36,15 @@ def _trainer(data: Path, exp: Path, observers=(), features: FeatureConfig | None
     config = tiny_train_config(experiment=EXPERIMENT, **overrides)
     uri = f"sqlite:///{(exp / 'mlflow.db').resolve()}" if (exp / "mlflow.db").exists() else fresh_mlflow_store(exp)
     all_params = {"seed": SEED, "train": {"lr": config.lr, "precision": config.precision}}
-    return Trainer(config, features or FeatureConfig(), seed=SEED, all_params=all_params, paths=train_paths(data, exp),
-                   tracking_uri=uri, observers=observers)
+    return Trainer(
+        config,
+        features or FeatureConfig(),
+        seed=SEED,
+        all_params=all_params,
+        paths=train_paths(data, exp),
+        tracking_uri=uri,
+        observers=observers,
+    )
 
 
 def _run(exp: Path) -> tuple[MlflowClient, object]:
@@ -56,8 +63,15 @@ def _bundle_info(exp: Path) -> dict:
 def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesno_data, tmp_path, caplog):
     """Validation every 3 steps, checkpoints every 4: each improving validation still gives best.pt."""
     with caplog.at_level(logging.INFO):
-        _trainer(yesno_data, tmp_path, epochs=1, validate_every_steps=3, checkpoint_every_steps=4,
-                 average_last=25, keep_last=20).run()
+        _trainer(
+            yesno_data,
+            tmp_path,
+            epochs=1,
+            validate_every_steps=3,
+            checkpoint_every_steps=4,
+            average_last=25,
+            keep_last=20,
+        ).run()
     client, run = _run(tmp_path)
     dev = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "dev/loss")}
     assert sorted(dev) == [3, 6, 9]
@@ -92,7 +106,8 @@ def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesn
     # The params artifact is the params the run was given, wherever the process runs.
     folder = client.download_artifacts(run.info.run_id, "params", str(tmp_path / "downloaded"))
     assert yaml.safe_load((Path(folder) / "params.yaml").read_text()) == {
-        "seed": SEED, "train": {"lr": tiny_train_config().lr, "precision": "auto"},
+        "seed": SEED,
+        "train": {"lr": tiny_train_config().lr, "precision": "auto"},
     }
 
 

@@ -108,8 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(args.exp / 'mlflow.db').resolve()}"
     args.exp.mkdir(parents=True, exist_ok=True)
     hooks = StepHooks(args.log_every_step, args.pause_after_step, args.pause_in_step)
-    trainer = Trainer(config, features, seed=args.seed, all_params=all_params, paths=train_paths(args.data, args.exp),
-                      tracking_uri=tracking_uri, observers=[hooks])
+    trainer = Trainer(
+        config,
+        features,
+        seed=args.seed,
+        all_params=all_params,
+        paths=train_paths(args.data, args.exp),
+        tracking_uri=tracking_uri,
+        observers=[hooks],
+    )
     summary = exit_on_user_error(trainer.run)()
     print(json.dumps({"summary": summary}), flush=True)
 
@@ -231,8 +238,9 @@ def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, 
     config = tiny_train_config(**overrides)
     features = FeatureConfig(num_jobs=1)
     all_params = {"seed": seed, "features": asdict(features), "train": asdict(config)}
-    return Trainer(config, features, seed=seed, all_params=all_params, paths=train_paths(data, exp),
-                   tracking_uri=tracking_uri).run()
+    return Trainer(
+        config, features, seed=seed, all_params=all_params, paths=train_paths(data, exp), tracking_uri=tracking_uri
+    ).run()
 
 
 _TEMPLATE_DB: Path | None = None
