@@ -45,7 +45,7 @@ def frames_of(cuts) -> dict[str, int]:
 
 
 def planned(
-    cuts, frames: dict[str, int], seed: int, max_duration_s: float, num_buckets: int
+    cuts, frames: dict[str, int], *, seed: int, max_duration_s: float, num_buckets: int
 ) -> tuple[float, int, float]:
     """Padding of asrflow's plan over ``EPOCHS`` epochs."""
     from asrflow.data.batches import plan_epoch
@@ -53,7 +53,7 @@ def planned(
     batches = [
         [frames[cut_id] for cut_id in batch]
         for epoch in range(EPOCHS)
-        for batch in plan_epoch(cuts, epoch, seed, max_duration_s, num_buckets)
+        for batch in plan_epoch(cuts, epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets)
     ]
     return padding_of(batches)
 
@@ -81,7 +81,9 @@ def measure(corpus: str, data, params: dict) -> dict:
     cuts = load_cuts(data / "fbank", "train").to_eager()
     frames = frames_of(cuts)
     durations = sorted(cut.duration for cut in cuts)
-    figure, n_planned, fill_planned = planned(cuts, frames, seed, max_duration, num_buckets)
+    figure, n_planned, fill_planned = planned(
+        cuts, frames, seed=seed, max_duration_s=max_duration, num_buckets=num_buckets
+    )
     baseline, n_random, fill_random = random_batches(cuts, frames, seed, max_duration)
     frame_s = cuts[0].frame_shift
     return {
@@ -105,7 +107,10 @@ def measure(corpus: str, data, params: dict) -> dict:
         "mean_batch_audio_s_random": rounded(fill_random * frame_s),
         "goal": "padding_ratio <= 0.05",
         "meets_goal": figure <= 0.05,
-        "by_num_buckets": {str(n): rounded(planned(cuts, frames, seed, max_duration, n)[0]) for n in OTHER_NUM_BUCKETS},
+        "by_num_buckets": {
+            str(n): rounded(planned(cuts, frames, seed=seed, max_duration_s=max_duration, num_buckets=n)[0])
+            for n in OTHER_NUM_BUCKETS
+        },
     }
 
 

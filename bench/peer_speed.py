@@ -179,7 +179,9 @@ def dump_batches(data: Path, out: Path, config, features, *, seed: int, max_step
         if max_steps is not None and steps >= max_steps:
             break
     for index, ids in enumerate(train_data.dev_batches):
-        batch = train_data.dev_dataset[BatchItem(0, 0, 0, index, ids, ids)]
+        batch = train_data.dev_dataset[
+            BatchItem(epoch=0, step_in_epoch=0, micro_index=0, batch_index=index, cut_ids=ids, step_cut_ids=ids)
+        ]
         torch.save({key: batch[key] for key in keys}, out / f"dev-{index}.pt")
     tokenizer = train_data.tokenizer
     return {"steps": steps, "vocab_size": tokenizer.vocab_size}

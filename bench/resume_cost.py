@@ -75,7 +75,15 @@ def batches_per_epoch(data: Path, max_duration_s: float, num_buckets: int) -> in
     from asrflow.data.batches import plan_epoch
     from asrflow.data.manifests import load_cuts
 
-    return len(plan_epoch(load_cuts(data / "fbank", "train").to_eager(), 0, 42, max_duration_s, num_buckets))
+    return len(
+        plan_epoch(
+            load_cuts(data / "fbank", "train").to_eager(),
+            0,
+            seed=42,
+            max_duration_s=max_duration_s,
+            num_buckets=num_buckets,
+        )
+    )
 
 
 def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count: int = 30) -> float:

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         plan_times = []
         for epoch in range(3):
             start = time.perf_counter()
-            plan = plan_epoch(index, epoch, SEED, MAX_DURATION_S, NUM_BUCKETS)
+            plan = plan_epoch(index, epoch, seed=SEED, max_duration_s=MAX_DURATION_S, num_buckets=NUM_BUCKETS)
             plan_times.append(time.perf_counter() - start)
         plan_s = statistics.median(plan_times)
         per_million = 1_000_000 / count
@@ -197,7 +197,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         resume = {}
         for _ in range(2):  # each position twice, in turn; the faster run counts
             for share in (0.1, 0.5, 0.9):
-                batches = TrainingBatches(index, SEED, MAX_DURATION_S, NUM_BUCKETS, 1, 1, 0, 0, int(share * steps), 1)
+                batches = TrainingBatches(
+                    index,
+                    seed=SEED,
+                    max_duration_s=MAX_DURATION_S,
+                    num_buckets=NUM_BUCKETS,
+                    accum_grad=1,
+                    world_size=1,
+                    rank=0,
+                    start_epoch=0,
+                    start_step=int(share * steps),
+                    num_epochs=1,
+                )
                 start = time.perf_counter()
                 next(iter(batches))
                 key = f"{int(share * 100)}%"

@@ -163,6 +163,7 @@ def model_flops(model, batch: dict) -> float:
 def run_paired(
     data: Path,
     exp: Path,
+    *,
     tracking_uri: str,
     params: dict,
     config,
@@ -242,6 +243,7 @@ def run_paired(
 def measure(
     corpus: str,
     data: Path,
+    *,
     work: Path,
     quick: bool,
     max_steps: int,
@@ -260,13 +262,13 @@ def measure(
     records, flops_per_audio_s = run_paired(
         data,
         exp,
-        f"sqlite:///{work / 'bench-mlflow.db'}",
-        params,
-        config,
-        features,
-        seed,
-        max_steps,
-        budget_s,
+        tracking_uri=f"sqlite:///{work / 'bench-mlflow.db'}",
+        params=params,
+        config=config,
+        features=features,
+        seed=seed,
+        max_steps=max_steps,
+        budget_s=budget_s,
         one_thread_check=not quick,
     )
     timed = records[1:]
@@ -378,7 +380,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         for corpus, max_steps, budget_s in PLANS[mode]:
             data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
-            for record in measure(corpus, data, work, args.quick, max_steps, budget_s, peak, args.num_threads):
+            for record in measure(
+                corpus,
+                data,
+                work=work,
+                quick=args.quick,
+                max_steps=max_steps,
+                budget_s=budget_s,
+                peak=peak,
+                num_threads=args.num_threads,
+            ):
                 out.append(emit({**record, "mode": mode}))
     return out
 

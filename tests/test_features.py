@@ -155,7 +155,7 @@ def test_the_job_count_changes_no_manifest_order_statistic_digest_or_plan(yesno_
             [cut.id for cut in load_cuts(out, "train")],
             (out / CMVN_FILE).read_bytes(),
             data_digest(index, out / CMVN_FILE),
-            [plan_digest(plan_epoch(index, epoch, 42, 60.0, 30)) for epoch in (0, 1)],
+            [plan_digest(plan_epoch(index, epoch, seed=42, max_duration_s=60.0, num_buckets=30)) for epoch in (0, 1)],
         )
     assert results[1] == results[2]
     assert results[1][0] == sorted(cut.id for cut in long)

@@ -18,32 +18,7 @@ MAX_POSITIONAL = 4
 
 #: Known offenders still to be converted, as ``path::qualified name``. Remove an entry when
 #: its function is fixed (the test fails while an entry here is no longer an offender).
-PENDING = {
-    "asrflow/data/batches.py::BatchItem",
-    "asrflow/data/batches.py::plan_epoch",
-    "asrflow/data/batches.py::rank_items",
-    "asrflow/data/batches.py::AugmentConfig",
-    "asrflow/data/batches.py::AsrBatchDataset.__init__",
-    "asrflow/data/batches.py::TrainingBatches.__init__",
-    "asrflow/data/features.py::FeatureConfig",
-    "asrflow/data/features.py::_split_features",
-    "asrflow/data/features.py::_extract",
-    "asrflow/data/importers.py::_non_utf8",
-    "asrflow/data/importers.py::_kaldi_table",
-    "asrflow/data/prepare.py::PrepareConfig",
-    "asrflow/data/prepare.py::SplitSummary",
-    "asrflow/data/prepare.py::PrepareSummary",
-    "asrflow/data/validation.py::Rejection",
-    "asrflow/data/validation.py::ValidationRules",
-    "asrflow/data/validation.py::validate_split",
-    "asrflow/model/conformer_ctc.py::ModelConfig",
-    "bench/padding.py::planned",
-    "bench/train_throughput.py::run_paired",
-    "bench/train_throughput.py::measure",
-    "tests/data/test_importers.py::write_tone",
-    "tests/training/test_resume_decision.py::_settings",
-    "tests/training/test_resume_position.py::_batches",
-}
+PENDING: set[str] = set()
 
 
 def _is_dataclass(node: ast.ClassDef) -> tuple[bool, bool]:

@@ -44,7 +44,7 @@ from asrflow.tokenizer import Tokenizer
 logger = logging.getLogger("asrflow.batches")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BatchItem:
     """One micro-batch to build: where it sits in training, and which cuts it holds."""
 
@@ -62,7 +62,7 @@ def as_index(cuts: CutSet | CutIndex) -> CutIndex:
 
 
 def plan_epoch(
-    cuts: CutSet | CutIndex, epoch: int, seed: int, max_duration_s: float, num_buckets: int
+    cuts: CutSet | CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int
 ) -> list[list[str]]:
     """The global list of batches (cut ids) of ``epoch``; identical on every rank and for
     any order of ``cuts`` (see :func:`asrflow.data.index.plan_positions`)."""
@@ -85,7 +85,7 @@ def dropped_batches(plan: list[list[str]], accum_grad: int, world_size: int) -> 
 
 
 def rank_items(
-    plan: list[list[str]], epoch: int, start_step: int, accum_grad: int, world_size: int, rank: int
+    plan: list[list[str]], epoch: int, *, start_step: int, accum_grad: int, world_size: int, rank: int
 ) -> list[BatchItem]:
     """This rank's micro-batches from optimizer step ``start_step`` to the end of the epoch."""
     group = accum_grad * world_size
@@ -94,7 +94,16 @@ def rank_items(
         step_cut_ids = tuple(cut_id for batch in plan[step * group : (step + 1) * group] for cut_id in batch)
         for micro in range(accum_grad):
             index = step * group + micro * world_size + rank
-            items.append(BatchItem(epoch, step, micro, index, tuple(plan[index]), step_cut_ids))
+            items.append(
+                BatchItem(
+                    epoch=epoch,
+                    step_in_epoch=step,
+                    micro_index=micro,
+                    batch_index=index,
+                    cut_ids=tuple(plan[index]),
+                    step_cut_ids=step_cut_ids,
+                )
+            )
     return items
 
 
@@ -107,7 +116,7 @@ def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
 SPEED_FACTORS = (0.9, 1.0, 1.1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AugmentConfig:
     """SpecAugment and waveform augmentation settings (see params.yaml ``train:``)."""
 
@@ -164,6 +173,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         cuts: CutSet | CutIndex,
         tokenizer: Tokenizer,
         mvn: GlobalMVN,
+        *,
         seed: int,
         augment: AugmentConfig | None = None,
         extractor=None,
@@ -263,6 +273,7 @@ class TrainingBatches:
     def __init__(
         self,
         cuts: CutSet | CutIndex,
+        *,
         seed: int,
         max_duration_s: float,
         num_buckets: int,
@@ -295,7 +306,9 @@ class TrainingBatches:
         if epoch not in self._cached:
             if len(self._cached) >= PLAN_CACHE_SIZE:
                 del self._cached[next(iter(self._cached))]
-            self._cached[epoch] = plan_epoch(self.cuts, epoch, self.seed, self.max_duration_s, self.num_buckets)
+            self._cached[epoch] = plan_epoch(
+                self.cuts, epoch, seed=self.seed, max_duration_s=self.max_duration_s, num_buckets=self.num_buckets
+            )
         return self._cached[epoch]
 
     def __iter__(self) -> Iterator[BatchItem]:
@@ -303,7 +316,9 @@ class TrainingBatches:
             start = self.start_step if epoch == self.start_epoch else 0
             plan = self.plan(epoch)
             self._log_dropped(epoch, plan)
-            yield from rank_items(plan, epoch, start, self.accum_grad, self.world_size, self.rank)
+            yield from rank_items(
+                plan, epoch, start_step=start, accum_grad=self.accum_grad, world_size=self.world_size, rank=self.rank
+            )
 
     def _log_dropped(self, epoch: int, plan: list[list[str]]) -> None:
         """Rank 0 says how many trailing batches ``epoch`` drops (none: nothing logged)."""

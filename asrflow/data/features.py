@@ -54,7 +54,7 @@ MIN_MEL_BINS = 4
 STAGING_DIR = ".staging"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FeatureConfig:
     """The ``features:`` section of params.yaml."""
 
@@ -125,7 +125,9 @@ def compute_features(manifests_dir: str | Path, output_dir: str | Path, config: 
     with one_torch_thread(), atomic_path(output_dir) as tmp_dir, ExtractionWorkers() as workers:
         tmp_dir.mkdir(parents=True)
         for split in SPLITS:
-            counts[split] = _split_features(manifests_dir, split, tmp_dir, output_dir, config, workers)
+            counts[split] = _split_features(
+                manifests_dir, split, tmp_dir=tmp_dir, final_dir=output_dir, config=config, workers=workers
+            )
         (tmp_dir / "config.json").write_text(json.dumps(asdict(config), indent=1) + "\n")
     return counts
 
@@ -155,6 +157,7 @@ class ExtractionWorkers:
 def _split_features(
     manifests_dir: str | Path,
     split: str,
+    *,
     tmp_dir: Path,
     final_dir: Path,
     config: FeatureConfig,
@@ -172,7 +175,15 @@ def _split_features(
             raise AsrflowError("the train split has no cuts: check data/manifests/rejected.jsonl")
     staging = tmp_dir / STAGING_DIR
     if count and not config.on_the_fly:
-        cuts = _extract(cuts, count, config, tmp_dir / f"{split}_feats", staging / split, split, workers)
+        cuts = _extract(
+            cuts,
+            count,
+            config=config,
+            storage_path=tmp_dir / f"{split}_feats",
+            staging=staging / split,
+            split=split,
+            workers=workers,
+        )
     if split == "train":
         save_cmvn(_train_statistics(cuts, config), tmp_dir / CMVN_FILE)
     if not config.on_the_fly:
@@ -225,6 +236,7 @@ def one_torch_thread() -> Iterator[None]:
 def _extract(
     cuts: CutSet,
     count: int,
+    *,
     config: FeatureConfig,
     storage_path: Path,
     staging: Path,

@@ -127,13 +127,13 @@ def read_lines(path: Path) -> Iterator[Line]:
             yield Line(number, None, raw, f"byte 0x{raw[error.start]:02x} at column {error.start + 1}")
 
 
-def _non_utf8(split: str, item_id: str, path: str | None, file: Path, line: Line) -> Rejection:
+def _non_utf8(split: str, item_id: str, *, path: str | None, file: Path, line: Line) -> Rejection:
     return Rejection(
-        split,
-        item_id,
-        path,
-        NON_UTF8,
-        f"line {line.number} of {file} is not valid UTF-8 ({line.error}); save the file as UTF-8",
+        split=split,
+        id=item_id,
+        path=path,
+        reason=NON_UTF8,
+        detail=f"line {line.number} of {file} is not valid UTF-8 ({line.error}); save the file as UTF-8",
     )
 
 
@@ -179,7 +179,7 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         raw_path = _decode_loose(line.raw.split(b"\t", 1)[0]).strip()
         item_id = _folder_id(root, raw_path) or f"{tsv.name}:{line.number}"
         if line.text is None:
-            rejected.append(_non_utf8(split, item_id, raw_path or None, tsv, line))
+            rejected.append(_non_utf8(split, item_id, path=raw_path or None, file=tsv, line=line))
             continue
         fields = line.text.split("\t")
         if line.number == 1 and fields[0].strip().lower() in TSV_HEADER_FIELDS:
@@ -187,11 +187,11 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         if len(fields) not in (2, 3) or not fields[0].strip():
             rejected.append(
                 Rejection(
-                    split,
-                    item_id,
-                    raw_path or None,
-                    MALFORMED_LINE,
-                    f"line {line.number} of {tsv} has {len(fields)} tab-separated field(s); "
+                    split=split,
+                    id=item_id,
+                    path=raw_path or None,
+                    reason=MALFORMED_LINE,
+                    detail=f"line {line.number} of {tsv} has {len(fields)} tab-separated field(s); "
                     "expected path<TAB>transcript[<TAB>speaker]",
                 )
             )
@@ -218,7 +218,7 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         rec_id = recording_of[(item_id, raw)]
         result = probed[rec_id]
         if isinstance(result, ItemRejected):
-            rejected.append(Rejection(split, item_id, raw, result.reason, result.detail))
+            rejected.append(Rejection(split=split, id=item_id, path=raw, reason=result.reason, detail=result.detail))
             continue
         recordings.append(result)
         supervisions.append(
@@ -250,20 +250,24 @@ def _folder_id(root: Path, raw_path: str) -> str | None:
 
 
 def _kaldi_table(
-    file: Path, split: str, min_fields: int, rejected: list[Rejection], kind: str
+    file: Path, split: str, *, min_fields: int, rejected: list[Rejection], kind: str
 ) -> list[tuple[Line, list[str]]]:
     """Lines of a Kaldi table split in two (key, rest) or more fields; bad lines are rejected."""
     rows = []
     for line in read_lines(file):
         key = _decode_loose(line.raw.split(maxsplit=1)[0])
         if line.text is None:
-            rejected.append(_non_utf8(split, key, None, file, line))
+            rejected.append(_non_utf8(split, key, path=None, file=file, line=line))
             continue
         fields = line.text.split(maxsplit=1) if min_fields <= 2 else line.text.split()
         if len(fields) < min_fields:
             rejected.append(
                 Rejection(
-                    split, key, None, MALFORMED_LINE, f"line {line.number} of {file} needs {min_fields} fields ({kind})"
+                    split=split,
+                    id=key,
+                    path=None,
+                    reason=MALFORMED_LINE,
+                    detail=f"line {line.number} of {file} needs {min_fields} fields ({kind})",
                 )
             )
             continue
@@ -296,7 +300,7 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
     # line rejects the utterances of its recording (utterances are the items).
     wav: dict[str, str | ItemRejected] = {}
     unreadable: list[Rejection] = []
-    rows = _kaldi_table(folder / "wav.scp", split, 2, unreadable, "id path")
+    rows = _kaldi_table(folder / "wav.scp", split, min_fields=2, rejected=unreadable, kind="id path")
     for bad in unreadable:
         wav.setdefault(bad.id, ItemRejected(bad.reason, bad.detail))
     for line, (rec_id, rest) in rows:
@@ -304,11 +308,11 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         if rec_id in wav:
             rejected.append(
                 Rejection(
-                    split,
-                    rec_id,
-                    rest,
-                    DUPLICATE_ID,
-                    f"wav.scp line {line.number} repeats recording id {rec_id!r}; the first is kept",
+                    split=split,
+                    id=rec_id,
+                    path=rest,
+                    reason=DUPLICATE_ID,
+                    detail=f"wav.scp line {line.number} repeats recording id {rec_id!r}; the first is kept",
                 )
             )
             continue
@@ -325,7 +329,7 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
     # *valid* transcript of an utterance and rejects the others as duplicates.
     text: dict[str, list[str]] = {}
     before = len(rejected)
-    for _line, fields in _kaldi_table(folder / "text", split, 1, rejected, "id transcript"):
+    for _line, fields in _kaldi_table(folder / "text", split, min_fields=1, rejected=rejected, kind="id transcript"):
         text.setdefault(fields[0], []).append(fields[1] if len(fields) > 1 else "")
     unreadable_text = {r.id for r in rejected[before:] if r.reason != DUPLICATE_ID}
 
@@ -333,25 +337,31 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
     if (folder / "segments").is_file():
         segments = {}
         before = len(rejected)
-        for line, fields in _kaldi_table(folder / "segments", split, 4, rejected, "utt rec start end"):
+        for line, fields in _kaldi_table(
+            folder / "segments", split, min_fields=4, rejected=rejected, kind="utt rec start end"
+        ):
             utt_id, rec_id = fields[0], fields[1]
             try:
                 start, end = float(fields[2]), float(fields[3])
             except ValueError:
                 rejected.append(
                     Rejection(
-                        split, utt_id, None, MALFORMED_LINE, f"segments line {line.number}: start/end are not numbers"
+                        split=split,
+                        id=utt_id,
+                        path=None,
+                        reason=MALFORMED_LINE,
+                        detail=f"segments line {line.number}: start/end are not numbers",
                     )
                 )
                 continue
             if utt_id in segments:
                 rejected.append(
                     Rejection(
-                        split,
-                        utt_id,
-                        None,
-                        DUPLICATE_ID,
-                        f"segments line {line.number} repeats {utt_id!r}; the first is kept",
+                        split=split,
+                        id=utt_id,
+                        path=None,
+                        reason=DUPLICATE_ID,
+                        detail=f"segments line {line.number} repeats {utt_id!r}; the first is kept",
                     )
                 )
                 continue
@@ -359,11 +369,11 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
             if utt_id not in text and utt_id not in unreadable_text:
                 rejected.append(
                     Rejection(
-                        split,
-                        utt_id,
-                        None,
-                        MISSING_TRANSCRIPT,
-                        f"segments lists {utt_id!r} but text has no line for it",
+                        split=split,
+                        id=utt_id,
+                        path=None,
+                        reason=MISSING_TRANSCRIPT,
+                        detail=f"segments lists {utt_id!r} but text has no line for it",
                     )
                 )
         # Utterances whose segments line could not be read are already rejected.
@@ -391,7 +401,11 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         else:
             rejected.append(
                 Rejection(
-                    split, utt_id, None, MISSING_RECORDING, f"text lists {utt_id!r} but segments has no line for it"
+                    split=split,
+                    id=utt_id,
+                    path=None,
+                    reason=MISSING_RECORDING,
+                    detail=f"text lists {utt_id!r} but segments has no line for it",
                 )
             )
 
@@ -406,16 +420,16 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         if status is None:
             rejected.append(
                 Rejection(
-                    split,
-                    utt_id,
-                    None,
-                    MISSING_RECORDING,
-                    f"recording {rec_id!r} of utterance {utt_id!r} is not in wav.scp",
+                    split=split,
+                    id=utt_id,
+                    path=None,
+                    reason=MISSING_RECORDING,
+                    detail=f"recording {rec_id!r} of utterance {utt_id!r} is not in wav.scp",
                 )
             )
             continue
         if isinstance(status, ItemRejected):
-            rejected.append(Rejection(split, utt_id, raw, status.reason, status.detail))
+            rejected.append(Rejection(split=split, id=utt_id, path=raw, reason=status.reason, detail=status.detail))
             continue
         recordings[rec_id] = status
         duration = (status.duration if end is None else end) - start

@@ -78,7 +78,7 @@ LONG_UTTERANCE_MODES = ("drop", "split")
 OWN_FORMATS = ("folder", "kaldi")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrepareConfig:
     """The ``prepare`` section of ``params.yaml`` (see the comments there).
 
@@ -186,7 +186,7 @@ class PrepareConfig:
         return sources
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SplitSummary:
     """What one split holds after preparation.
 
@@ -209,7 +209,7 @@ class SplitSummary:
     carved_from_train: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrepareSummary:
     """The outcome of :func:`prepare_corpus` (also written as ``summary.json``).
 
@@ -469,7 +469,7 @@ def prepare_corpus(config: PrepareConfig, output_dir: Path, seed: int) -> Prepar
     rejected: list[Rejection] = []
     splits: dict[str, tuple[RecordingSet, SupervisionSet]] = {}
     for split, part in imported.items():
-        result = validate_split(split, part.recordings, part.supervisions, rules, seen)
+        result = validate_split(split, part.recordings, supervisions=part.supervisions, rules=rules, seen_ids=seen)
         rejected.extend(part.rejected)
         rejected.extend(result.rejected)
         splits[split] = (result.recordings, result.supervisions)

@@ -116,7 +116,7 @@ EPSILON_S = 1e-6
 SILENCE_SYMBOLS = frozenset({"", "<eps>", "sil", "SIL", "<sil>", "sp", "<unk>_sil"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rejection:
     """One rejected item: a line of ``rejected.jsonl``.
 
@@ -154,7 +154,7 @@ class ItemRejected(Exception):
         self.detail = detail
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ValidationRules:
     """The checks' settings, taken from ``prepare`` in ``params.yaml``.
 
@@ -466,6 +466,7 @@ def _finish_pieces(
 def validate_split(
     split: str,
     recordings: RecordingSet,
+    *,
     supervisions: SupervisionSet,
     rules: ValidationRules,
     seen_ids: set[str],
@@ -505,7 +506,9 @@ def validate_split(
     kept: list[SupervisionSegment] = []
 
     def reject(item_id: str, recording: Recording | None, error: ItemRejected) -> None:
-        rejected.append(Rejection(split, item_id, audio_path(recording), error.reason, error.detail))
+        rejected.append(
+            Rejection(split=split, id=item_id, path=audio_path(recording), reason=error.reason, detail=error.detail)
+        )
 
     for supervision in supervisions:
         recording = by_id.get(supervision.recording_id)

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torchaudio.models import Conformer
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape of the model; every field changes the parameters, so all are fingerprinted."""
 

@@ -41,7 +41,16 @@ def dev_loss(
     model.eval()
     loss, tokens = 0.0, 0.0
     for index in range(dist.rank, len(batches), dist.world_size):
-        batch = dataset[BatchItem(0, 0, 0, index, batches[index], batches[index])]
+        batch = dataset[
+            BatchItem(
+                epoch=0,
+                step_in_epoch=0,
+                micro_index=0,
+                batch_index=index,
+                cut_ids=batches[index],
+                step_cut_ids=batches[index],
+            )
+        ]
         with precision.autocast():
             log_probs, out_lens = model(batch["features"].to(device), batch["feature_lens"].to(device))
         targets = {key: batch[key].to(device) for key in ("targets", "target_lens")}

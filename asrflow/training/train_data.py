@@ -96,15 +96,15 @@ class TrainData:
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
         batches = TrainingBatches(
             train_cuts,
-            seed,
-            config.max_duration_s,
-            config.num_buckets,
-            config.accum_grad,
-            (dist or DistInfo()).world_size,
-            (dist or DistInfo()).rank,
-            0,
-            0,
-            config.epochs,
+            seed=seed,
+            max_duration_s=config.max_duration_s,
+            num_buckets=config.num_buckets,
+            accum_grad=config.accum_grad,
+            world_size=(dist or DistInfo()).world_size,
+            rank=(dist or DistInfo()).rank,
+            start_epoch=0,
+            start_step=0,
+            num_epochs=config.epochs,
         )
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
@@ -113,8 +113,10 @@ class TrainData:
             mvn=mvn,
             cmvn_path=cmvn_path,
             batches=batches,
-            dataset=AsrBatchDataset(train_cuts, tokenizer, mvn, seed, config.augment(), extractor, noise),
-            dev_dataset=AsrBatchDataset(dev_cuts, tokenizer, mvn, seed, None, extractor),
+            dataset=AsrBatchDataset(
+                train_cuts, tokenizer, mvn, seed=seed, augment=config.augment(), extractor=extractor, noise_cuts=noise
+            ),
+            dev_dataset=AsrBatchDataset(dev_cuts, tokenizer, mvn, seed=seed, augment=None, extractor=extractor),
             dev_batches=dev_batches(dev_cuts, config.max_duration_s),
             num_train=len(train_cuts),
             num_dev=len(dev_cuts),

@@ -31,7 +31,14 @@ NO_SPEC = AugmentConfig(spec_augment=False)
 def item(cut_ids, batch_index: int, epoch: int = 1) -> BatchItem:
     """A micro-batch of ``cut_ids`` at ``batch_index`` of ``epoch``."""
     cut_ids = tuple(cut_ids)
-    return BatchItem(epoch, batch_index, 0, batch_index, cut_ids, cut_ids)
+    return BatchItem(
+        epoch=epoch,
+        step_in_epoch=batch_index,
+        micro_index=0,
+        batch_index=batch_index,
+        cut_ids=cut_ids,
+        step_cut_ids=cut_ids,
+    )
 
 
 def write_noise(folder, seed: int = 0) -> None:
@@ -71,7 +78,7 @@ def raw(yesno_data, tmp_path_factory):
 
 def spec_dataset(stored, augment: AugmentConfig | None = SPEC) -> AsrBatchDataset:
     cuts, tokenizer, mvn = stored
-    return AsrBatchDataset(cuts, tokenizer, mvn, SEED, augment)
+    return AsrBatchDataset(cuts, tokenizer, mvn, seed=SEED, augment=augment)
 
 
 def otf_dataset(raw, augment: AugmentConfig | None, noise: bool, reverse_noise: bool = False) -> AsrBatchDataset:
@@ -81,10 +88,10 @@ def otf_dataset(raw, augment: AugmentConfig | None, noise: bool, reverse_noise: 
         cuts,
         tokenizer,
         mvn,
-        SEED,
-        augment,
-        FeatureConfig().extractor(),
-        CutSet.from_cuts(noise_list) if noise else None,
+        seed=SEED,
+        augment=augment,
+        extractor=FeatureConfig().extractor(),
+        noise_cuts=CutSet.from_cuts(noise_list) if noise else None,
     )
 
 
@@ -111,7 +118,7 @@ def test_spec_augment_differs_between_batches(stored):
     base = dataset[item(cut_ids, batch_index=5)]["features"]
     assert not torch.equal(base, dataset[item(cut_ids, batch_index=6)]["features"])
     assert not torch.equal(base, dataset[item(cut_ids, batch_index=5, epoch=2)]["features"])
-    other_seed = AsrBatchDataset(*stored, SEED + 1, AugmentConfig())
+    other_seed = AsrBatchDataset(*stored, seed=SEED + 1, augment=AugmentConfig())
     assert not torch.equal(base, other_seed[item(cut_ids, batch_index=5)]["features"])
 
 

@@ -14,7 +14,7 @@ from asrflow.errors import AsrflowError
 YESNO = Path(__file__).resolve().parents[2] / "data" / "corpora" / "yesno"
 
 
-def write_tone(path: Path, seconds: float, rate: int = 16000, channels: int = 1, freq: float = 440.0) -> Path:
+def write_tone(path: Path, seconds: float, *, rate: int = 16000, channels: int = 1, freq: float = 440.0) -> Path:
     """Write a sine tone of ``seconds`` at ``rate`` Hz with ``channels`` channels."""
     path.parent.mkdir(parents=True, exist_ok=True)
     t = np.arange(int(round(seconds * rate))) / rate

@@ -97,7 +97,9 @@ def test_every_stretch_of_an_epoch_sees_the_whole_corpus(big_index):
         for part in (first, last):
             assert abs(np.median(part) - count / 2) < 0.1 * count
         assert sorted(np.concatenate(batches).tolist()) == list(range(count))  # a full permutation
-    assert plan_epoch(big_index, 0, 42, 120.0, 30) != plan_epoch(big_index, 1, 42, 120.0, 30)
+    assert plan_epoch(big_index, 0, seed=42, max_duration_s=120.0, num_buckets=30) != plan_epoch(
+        big_index, 1, seed=42, max_duration_s=120.0, num_buckets=30
+    )
 
 
 def test_plan_keeps_padding_low_and_batches_within_max_duration(big_index):
@@ -122,7 +124,9 @@ def test_plan_does_not_depend_on_manifest_order_or_storage(tmp_path):
     a = CutIndex.build(tmp_path / "sorted.jsonl.gz", tmp_path / "a.jsonl")
     b = CutIndex.build(tmp_path / "shuffled.jsonl.gz", tmp_path / "b.jsonl")
     assert a.digest == b.digest
-    assert plan_digest(plan_epoch(a, 3, 7, 60.0, 10)) == plan_digest(plan_epoch(b, 3, 7, 60.0, 10))
+    assert plan_digest(plan_epoch(a, 3, seed=7, max_duration_s=60.0, num_buckets=10)) == plan_digest(
+        plan_epoch(b, 3, seed=7, max_duration_s=60.0, num_buckets=10)
+    )
     # A changed transcript (content) changes the digest.
     shuffled[0]["supervisions"][0]["text"] = "changed"
     _write(tmp_path / "changed.jsonl.gz", shuffled)
@@ -134,7 +138,9 @@ def test_in_memory_cutset_plans_like_its_index(tmp_path):
     reversed_cuts = CutSet.from_cuts(reversed(list(cuts)))
     _write(tmp_path / "cuts.jsonl.gz", [cut.to_dict() for cut in cuts])
     stored = CutIndex.build(tmp_path / "cuts.jsonl.gz", tmp_path / "store.jsonl")
-    plans = [plan_epoch(source, 2, 42, 30.0, 8) for source in (cuts, reversed_cuts, stored)]
+    plans = [
+        plan_epoch(source, 2, seed=42, max_duration_s=30.0, num_buckets=8) for source in (cuts, reversed_cuts, stored)
+    ]
     assert plans[0] == plans[1] == plans[2]
 
 
@@ -153,7 +159,16 @@ def test_lookup_reads_the_right_cut_and_pickles_small(big_index):
 
 def test_training_batches_take_an_index(big_index):
     batches = TrainingBatches(
-        big_index, 42, 120.0, 30, accum_grad=2, world_size=2, rank=1, start_epoch=0, start_step=0, num_epochs=1
+        big_index,
+        seed=42,
+        max_duration_s=120.0,
+        num_buckets=30,
+        accum_grad=2,
+        world_size=2,
+        rank=1,
+        start_epoch=0,
+        start_step=0,
+        num_epochs=1,
     )
     items = list(batches)
     plan = batches.plan(0)

@@ -29,9 +29,18 @@ def test_index_filters_plans_and_batches_like_the_cutset(yesno_data, tmp_path):
 
     def served(cuts, workers: int) -> list[dict]:
         batches = TrainingBatches(
-            cuts, SEED, 20.0, 4, accum_grad=2, world_size=1, rank=0, start_epoch=0, start_step=0, num_epochs=1
+            cuts,
+            seed=SEED,
+            max_duration_s=20.0,
+            num_buckets=4,
+            accum_grad=2,
+            world_size=1,
+            rank=0,
+            start_epoch=0,
+            start_step=0,
+            num_epochs=1,
         )
-        dataset = AsrBatchDataset(cuts, tokenizer, mvn, SEED, AugmentConfig())
+        dataset = AsrBatchDataset(cuts, tokenizer, mvn, seed=SEED, augment=AugmentConfig())
         loader = torch.utils.data.DataLoader(
             dataset,
             sampler=batches,

@@ -226,7 +226,9 @@ def test_first_valid_copy_of_an_id_wins_and_an_invalid_copy_claims_nothing(tmp_p
     from asrflow.data.validation import ValidationRules, validate_split
 
     recording = Recording.from_file(write_tone(tmp_path / "r.wav", 1.0), recording_id="r")
-    rules = ValidationRules(0.1, 2.0, "drop", "mix", TextConfig())
+    rules = ValidationRules(
+        min_duration_s=0.1, max_duration_s=2.0, long_utterances="drop", channel="mix", text=TextConfig()
+    )
 
     def supervision(item_id: str, text: str, duration: float = 0.5) -> SupervisionSegment:
         return SupervisionSegment(id=item_id, recording_id="r", start=0.0, duration=duration, channel=0, text=text)
@@ -235,7 +237,7 @@ def test_first_valid_copy_of_an_id_wins_and_an_invalid_copy_claims_nothing(tmp_p
     train = validate_split(
         "train",
         RecordingSet.from_recordings([recording]),
-        SupervisionSet.from_segments(
+        supervisions=SupervisionSet.from_segments(
             [
                 supervision("u1", " ?! "),  # invalid: empty transcript
                 supervision("u1", "second copy"),  # the first valid copy: kept
@@ -243,20 +245,20 @@ def test_first_valid_copy_of_an_id_wins_and_an_invalid_copy_claims_nothing(tmp_p
                 supervision("u2", "too short", 0.05),  # invalid here...
             ]
         ),
-        rules,
-        seen,
+        rules=rules,
+        seen_ids=seen,
     )
     test = validate_split(
         "test",
         RecordingSet.from_recordings([recording]),
-        SupervisionSet.from_segments(
+        supervisions=SupervisionSet.from_segments(
             [
                 supervision("u2", "valid in test"),  # ...so its id is free for this valid copy
                 supervision("u1", "kept in train"),  # a duplicate across splits
             ]
         ),
-        rules,
-        seen,
+        rules=rules,
+        seen_ids=seen,
     )
 
     assert [(s.id, s.text) for s in train.supervisions] == [("u1", "SECOND COPY")]

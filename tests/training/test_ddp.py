@@ -73,7 +73,9 @@ def ddp_reference(yesno_data, tmp_path_factory) -> Path:
 
 def _epoch_steps(data: Path, epoch: int, accum_grad: int, world_size: int) -> int:
     cuts = load_cuts(data / "fbank", "train").to_eager()
-    plan = plan_epoch(cuts, epoch, SEED, BASE["max_duration_s"], tiny_train_config().num_buckets)
+    plan = plan_epoch(
+        cuts, epoch, seed=SEED, max_duration_s=BASE["max_duration_s"], num_buckets=tiny_train_config().num_buckets
+    )
     return steps_in_plan(plan, accum_grad, world_size)
 
 
@@ -214,7 +216,9 @@ def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_pa
     assert len(lines) == 1, lines
     record = json.loads(lines[0])
     cuts = load_cuts(yesno_data / "fbank", "train").to_eager()
-    plan = plan_epoch(cuts, 0, SEED, BASE["max_duration_s"], tiny_train_config().num_buckets)
+    plan = plan_epoch(
+        cuts, 0, seed=SEED, max_duration_s=BASE["max_duration_s"], num_buckets=tiny_train_config().num_buckets
+    )
     group = DDP["accum_grad"] * 2  # batches per optimizer step: accum_grad micro-batches on 2 ranks
     assert record["step"] == 2
     assert record["cut_ids"] == [cut_id for batch in plan[group : 2 * group] for cut_id in batch]

@@ -56,7 +56,9 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _planned_batch(data: Path, epoch: int, index: int, max_duration_s: float) -> list[str]:
     """Cut ids of batch ``index`` of the epoch's global plan (one process, accum_grad 1: one step)."""
     cuts = load_cuts(data / "fbank", "train").to_eager()
-    return plan_epoch(cuts, epoch, SEED, max_duration_s, tiny_train_config().num_buckets)[index]
+    return plan_epoch(
+        cuts, epoch, seed=SEED, max_duration_s=max_duration_s, num_buckets=tiny_train_config().num_buckets
+    )[index]
 
 
 def _bad_batches(exp: Path) -> list[dict]:

@@ -24,7 +24,7 @@ from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, tr
 CKPT_DIR = Path("exp/checkpoints")
 
 
-def _settings(config=None, d_model: int = 32, seed: int = 42, data_digest: str = "abc123", code: str = "c0de"):
+def _settings(config=None, d_model: int = 32, *, seed: int = 42, data_digest: str = "abc123", code: str = "c0de"):
     config = config or tiny_train_config()
     model = ModelConfig(input_dim=80, vocab_size=5, d_model=d_model, num_heads=2, ffn_dim=64, num_layers=1)
     fingerprint = build_fingerprint(

@@ -38,21 +38,30 @@ def train_cuts(yesno_data):
     return load_cuts(yesno_data / "fbank", "train").to_eager()
 
 
-def _batches(cuts, start_epoch: int, start_step: int, accum_grad: int = 1, world_size: int = 1, rank: int = 0):
+def _batches(cuts, start_epoch: int, *, start_step: int, accum_grad: int = 1, world_size: int = 1, rank: int = 0):
     return TrainingBatches(
-        cuts, SEED, MAX_DURATION_S, NUM_BUCKETS, accum_grad, world_size, rank, start_epoch, start_step, num_epochs=2
+        cuts,
+        seed=SEED,
+        max_duration_s=MAX_DURATION_S,
+        num_buckets=NUM_BUCKETS,
+        accum_grad=accum_grad,
+        world_size=world_size,
+        rank=rank,
+        start_epoch=start_epoch,
+        start_step=start_step,
+        num_epochs=2,
     )
 
 
 @pytest.mark.parametrize("start_step", [0, 5, 8])
 def test_resuming_at_step_k_builds_no_item_before_k(yesno_data, train_cuts, start_step):
-    steps_per_epoch = len(plan_epoch(train_cuts, 0, SEED, MAX_DURATION_S, NUM_BUCKETS))
+    steps_per_epoch = len(plan_epoch(train_cuts, 0, seed=SEED, max_duration_s=MAX_DURATION_S, num_buckets=NUM_BUCKETS))
     assert steps_per_epoch == 9
     dataset = _CountingDataset(
-        train_cuts, Tokenizer(yesno_data / "lang" / MODEL_FILE), load_cmvn(yesno_data / "fbank" / CMVN_FILE), SEED
+        train_cuts, Tokenizer(yesno_data / "lang" / MODEL_FILE), load_cmvn(yesno_data / "fbank" / CMVN_FILE), seed=SEED
     )
     dataset.built = []
-    batches = _batches(train_cuts, 0, start_step)
+    batches = _batches(train_cuts, 0, start_step=start_step)
     loader = torch.utils.data.DataLoader(dataset, sampler=batches, batch_size=None, collate_fn=pack_batch)
 
     first = next(iter(loader))
@@ -66,14 +75,16 @@ def test_resuming_at_step_k_builds_no_item_before_k(yesno_data, train_cuts, star
         [(0, step) for step in range(start_step, 9)] + [(1, step) for step in range(9)]
     )
     # The same batches an uninterrupted run trains from step k on (same plan positions).
-    uninterrupted = [item for item in _batches(train_cuts, 0, 0) if (item.epoch, item.step_in_epoch) >= (0, start_step)]
+    uninterrupted = [
+        item for item in _batches(train_cuts, 0, start_step=0) if (item.epoch, item.step_in_epoch) >= (0, start_step)
+    ]
     assert served == uninterrupted
 
 
 def test_dropped_trailing_batches_are_logged_once_per_epoch_by_rank_0(train_cuts, caplog):
     """9 planned batches, 2 per step: 4 steps and 1 dropped batch per epoch."""
     with caplog.at_level(logging.INFO, logger="asrflow.batches"):
-        items = list(_batches(train_cuts, 0, 0, accum_grad=2))
+        items = list(_batches(train_cuts, 0, start_step=0, accum_grad=2))
     assert len(items) == 2 * 4 * 2
     messages = [record.getMessage() for record in caplog.records if record.name == "asrflow.batches"]
     assert messages == [
@@ -83,9 +94,9 @@ def test_dropped_trailing_batches_are_logged_once_per_epoch_by_rank_0(train_cuts
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="asrflow.batches"):
-        list(_batches(train_cuts, 0, 0, world_size=2, rank=1))
+        list(_batches(train_cuts, 0, start_step=0, world_size=2, rank=1))
         assert not [record for record in caplog.records if record.name == "asrflow.batches"]
-        list(_batches(train_cuts, 1, 0, world_size=2, rank=0))
+        list(_batches(train_cuts, 1, start_step=0, world_size=2, rank=0))
     messages = [record.getMessage() for record in caplog.records if record.name == "asrflow.batches"]
     assert messages == [
         "epoch 1: 1 of 9 planned batches dropped (they cannot fill a whole step of accum_grad 1 x 2 processes)"
@@ -94,5 +105,5 @@ def test_dropped_trailing_batches_are_logged_once_per_epoch_by_rank_0(train_cuts
 
 def test_no_message_when_nothing_is_dropped(train_cuts, caplog):
     with caplog.at_level(logging.INFO, logger="asrflow.batches"):
-        assert len(list(_batches(train_cuts, 0, 0))) == 18
+        assert len(list(_batches(train_cuts, 0, start_step=0))) == 18
     assert not [record for record in caplog.records if record.name == "asrflow.batches"]
