@@ -106,7 +106,15 @@ class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
         from asrflow.tokenizer import BLANK_ID
 
         if kind not in self._decoders:
-            self._decoders[kind] = build_decoder(kind, self.bundle.tokenizer.pieces, BLANK_ID, 8, None, 0.5, 0.0)
+            self._decoders[kind] = build_decoder(
+                kind,
+                tokens=self.bundle.tokenizer.pieces,
+                blank=BLANK_ID,
+                beam_size=8,
+                lm_path=None,
+                lm_weight=0.5,
+                word_score=0.0,
+            )
         return self._decoders[kind]
 
     def predict(self, context, model_input, params: dict[str, Any] | None = None):

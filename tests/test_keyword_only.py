@@ -71,7 +71,8 @@ def test_long_parameter_lists_are_keyword_only():
     offenders = set()
     for folder in FOLDERS:
         for path in sorted((REPO / folder).rglob("*.py")):
-            offenders |= _offenders(path)
+            if not any(part.startswith(".") for part in path.relative_to(REPO).parts):  # bench/.peer: SpeechBrain
+                offenders |= _offenders(path)
     new = sorted(offenders - PENDING)
     assert not new, f"more than {MAX_POSITIONAL} positional parameters (add a `*`, or kw_only=True): {new}"
     fixed = sorted(PENDING - offenders)

@@ -179,7 +179,7 @@ def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, ye
     info = tracker.log_model(yesno_model)
     tracker.end()
 
-    metrics = evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", EvaluateConfig(), uri)
+    metrics = evaluate(yesno_model, yesno_data / "fbank", tmp_path / "eval", EvaluateConfig(), tracking_uri=uri)
 
     client = MlflowClient(tracking_uri=uri)
     model = client.get_logged_model(info.model_id)

@@ -27,10 +27,14 @@ def describe_failure(error: BaseException, *, distributed: bool) -> tuple[int, s
     """``(exit code, one-line cause)`` for a failure of the job around this process, or None for any other
     error (a bug, which keeps its traceback)."""
     text = str(error)
-    if isinstance(error, RuntimeError) and "DataLoader worker" in text:
+    # A worker killed mid-transfer resets the pipe the loader reads from; one killed between batches
+    # is reported by the DataLoader itself. The loop reads no other pipe or socket of its own.
+    lost_pipe = isinstance(error, ConnectionResetError | BrokenPipeError | EOFError)
+    if lost_pipe or (isinstance(error, RuntimeError) and "DataLoader worker" in text):
+        cause = f"{type(error).__name__}: {text}" if lost_pipe else text.splitlines()[0]
         return EXIT_WORKER_DIED, (
-            f"a data worker died ({text.splitlines()[0]}); look for the out-of-memory "
-            "killer in the kernel log (dmesg), lower train.num_workers or train.max_duration_s"
+            f"a data worker died ({cause}); look for the out-of-memory killer in the kernel log (dmesg), "
+            "lower train.num_workers or train.max_duration_s"
         )
     if not distributed:
         return None

@@ -21,7 +21,8 @@ class TrainObserver:
     """Does nothing at every point; subclass it and override the points you need."""
 
     def on_start(self, trainer: Trainer) -> None:
-        """Set-up and the resume decision are done; the first step is next."""
+        """Set-up and the resume decision are done (components restored); the data loader and MLflow
+        start next, then the first step."""
 
     def in_step(self, trainer: Trainer, step: int) -> None:
         """Inside optimizer step ``step``, after its backward passes, right before the stop flag is read

@@ -156,8 +156,6 @@ class Trainer:
             if self.dist.enabled:
                 self.ddp_model = DistributedDataParallel(self.model, device_ids=devices)
             self.ddp_model.train()
-            for observer in self.observers:
-                observer.on_start(self)
             label = f"rank {self.dist.rank}: " if self.dist.enabled else ""  # labels its stack dumps
             with StallWatchdog(self.config.stall_timeout_s, label) as watchdog:
                 finished = self._train_with_rollbacks(loader, watchdog)
@@ -302,6 +300,8 @@ class Trainer:
                 f"resuming from {path}: step {self.progress.global_step}, epoch {position.epoch}, batch "
                 f"{position.step_in_epoch} of the epoch"
             )
+        for observer in self.observers:
+            observer.on_start(self)
         loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
         if self.dist.is_main:  # names and tags the run, logs the datasets, starts MLflow's system metrics
             self.tracker = RunTracker.start_training(
