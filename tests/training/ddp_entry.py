@@ -83,7 +83,7 @@ class Faults(TrainObserver):
 
     def on_start(self, trainer) -> None:
         rank = trainer.dist.rank
-        print(f"asrflow.test.rank {rank} pid {os.getpid()}", file=sys.stderr, flush=True)
+        os.write(2, f"asrflow.test.rank {rank} pid {os.getpid()}\n".encode())  # one write: lines of ranks never mix
         for name, kill in ((WORKER_STALL_ENV, False), (WORKER_KILL_ENV, True)):
             hook = _hook(name)
             if hook and hook[0] == rank:

@@ -236,7 +236,7 @@ END_MARGIN_S = 60.0
 
 
 def _rank_pids(log: str) -> dict[int, int]:
-    return {int(rank): int(pid) for rank, pid in re.findall(r"^asrflow\.test\.rank (\d) pid (\d+)$", log, re.M)}
+    return {int(rank): int(pid) for rank, pid in re.findall(r"asrflow\.test\.rank (\d) pid (\d+)", log)}
 
 
 def _processes_left(groups: list[int]) -> list[str]:
