@@ -363,8 +363,8 @@ def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterance
 
 
 # --------------------------------------------------------------------------- the repository
-#: What :func:`copy_repo` leaves out: as ``tests/conftest.py:copy_repo`` (environments,
-#: outputs, caches, tool state), so a copy runs the pipeline from scratch.
+#: What :func:`copy_repo` (also the tests' copy) leaves out: environments, outputs, caches, tool
+#: state, and ``bench/.peer`` (the peer toolkit's install), so a copy runs the pipeline from scratch.
 COPY_IGNORE = (
     ".venv",
     ".git",
@@ -382,6 +382,7 @@ COPY_IGNORE = (
     ".ruff_cache",
     "*.egg-info",
     ".dvc",
+    ".peer",
 )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -104,26 +103,9 @@ def train_paths(data: Path, exp: Path):
 
 def copy_repo(destination: Path) -> Path:
     """A copy of the repository's tracked-looking files (no .venv, outputs or caches) for tool runs."""
-    ignore = shutil.ignore_patterns(
-        ".venv",
-        ".git",
-        "__pycache__",
-        ".snakemake",
-        "exp",
-        "logs",
-        "mlflow.db",
-        "mlartifacts",
-        "mlruns",
-        "manifests",
-        "fbank",
-        "lang",
-        ".pytest_cache",
-        ".ruff_cache",
-        "*.egg-info",
-        ".dvc",
-    )
-    shutil.copytree(REPO, destination, ignore=ignore)
-    return destination
+    from bench.common import copy_repo as copy_without_outputs
+
+    return copy_without_outputs(destination)
 
 
 sys.path.insert(0, str(Path(__file__).parent))
