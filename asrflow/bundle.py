@@ -70,7 +70,8 @@ def load_bundle(path: str | Path) -> Bundle:
         raise AsrflowError(f"model file {path} is unreadable ({error}); retrain or copy it again") from None
     if not isinstance(payload, dict) or payload.get("format") != BUNDLE_FORMAT:
         raise AsrflowError(f"{path} is not an asrflow model file (format {BUNDLE_FORMAT})")
-    # bundles written before subsampling_channels existed lack it: None = d_model channels, as they had
+    # bundles written before subsampling_channels / subsampling_norm existed lack them: the
+    # defaults (d_model channels, no norm) are the front end they had
     model = build_model(ModelConfig(**payload["model_config"]))
     model.load_state_dict(payload["model"])
     model.eval()

@@ -69,7 +69,6 @@ from bench.common import (
     machine,
     parse_args,
     ratio,
-    repo_params,
     rounded,
     workdir,
     yesno_data,
@@ -94,7 +93,7 @@ PLANS = {"full": [("generated", 1, 30), ("yesno", 30, None)], "quick": [("genera
 #: The --quick model (only checks that the benchmark runs).
 TINY_MODEL = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "conv_kernel_size": 7}
 #: Candidate settings: asrflow (num_threads, num_workers); SpeechBrain num_threads.
-ASRFLOW_CANDIDATES = [(1, 2), (2, 0), (2, 1)]
+ASRFLOW_CANDIDATES = [(1, 2), (1, 0), (2, 0), (2, 1)]
 PEER_CANDIDATES = [1, 2]
 #: Steps per candidate in the settings sweep.
 SWEEP_STEPS = 6
@@ -132,13 +131,13 @@ def peer_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(PEER_DIR)}
 
 
-def configs(quick: bool, epochs: int):
-    """params.yaml, its TrainConfig (tiny model with ``quick``; ``epochs``) and FeatureConfig."""
+def configs(quick: bool, epochs: int, params_file: Path):
+    """``params_file``, its TrainConfig (tiny model with ``quick``; ``epochs``) and FeatureConfig."""
     from asrflow.data.features import FeatureConfig
-    from asrflow.params import build_config
+    from asrflow.params import build_config, load_params
     from asrflow.training.config import TrainConfig
 
-    params = repo_params()
+    params = load_params(params_file)
     train = build_config(TrainConfig, params.get("train"), "train")
     features = build_config(FeatureConfig, params.get("features"), "features")
     train = replace(
@@ -269,7 +268,16 @@ def summary(result: dict) -> dict:
 
 
 def sweep(
-    data: Path, batches: Path, work: Path, config, *, seed: int, vocab_size: int, peer: bool
+    data: Path,
+    batches: Path,
+    work: Path,
+    config,
+    *,
+    features,
+    params_file: Path,
+    seed: int,
+    vocab_size: int,
+    peer: bool,
 ) -> tuple[dict, dict]:
     """Run a few steps at each candidate setting; the fastest asrflow and SpeechBrain settings, and every figure."""
     figures: dict[str, list] = {"asrflow": [], "speechbrain": []}
@@ -280,6 +288,8 @@ def sweep(
             batches,
             work / f"sweep-{threads}-{workers}",
             config=config,
+            features=features,
+            params_file=params_file,
             seed=seed,
             vocab_size=vocab_size,
             threads=threads,
@@ -295,6 +305,8 @@ def sweep(
             batches,
             work / f"sweep-sb-{threads}",
             config=config,
+            features=features,
+            params_file=params_file,
             seed=seed,
             vocab_size=vocab_size,
             threads=threads,
@@ -314,6 +326,8 @@ def side_options(
     exp: Path,
     *,
     config,
+    features,
+    params_file: Path,
     seed: int,
     vocab_size: int,
     threads: int,
@@ -335,6 +349,8 @@ def side_options(
         "max_steps": max_steps,
         "side": side,
         "dev": dev,
+        "features": asdict(features),
+        "params_file": str(params_file),
     }
 
 
@@ -348,11 +364,12 @@ def measure(
     max_steps: int | None,
     peer_problem: str | None,
     settings: dict | None,
+    params_file: Path,
 ) -> tuple[dict, dict | None]:
     """One corpus: the record to print, and the settings chosen (from the sweep, when one ran)."""
-    params, config, features = configs(quick, epochs)
+    params, config, features = configs(quick, epochs, params_file)
     seed = int(params.get("seed", 0))
-    batches = work / f"peer-batches-{corpus}-{epochs}-{max_steps}"
+    batches = work / f"peer-batches-{params_file.stem}-{corpus}-{epochs}-{max_steps}"
     if not (batches / ".done").is_file():
         shutil.rmtree(batches, ignore_errors=True)
         info = dump_batches(data, batches, config, features, seed=seed, max_steps=max_steps)
@@ -361,7 +378,15 @@ def measure(
     sweep_figures = None
     if settings is None and not quick:
         settings, sweep_figures = sweep(
-            data, batches, work, config, seed=seed, vocab_size=info["vocab_size"], peer=peer_problem is None
+            data,
+            batches,
+            work,
+            config,
+            features=features,
+            params_file=params_file,
+            seed=seed,
+            vocab_size=info["vocab_size"],
+            peer=peer_problem is None,
         )
     if settings is None:  # --quick: the shipped settings, and the peer at 2 threads
         settings = {
@@ -371,6 +396,7 @@ def measure(
     record: dict = {
         "benchmark": "peer_speed",
         "corpus": corpus,
+        "params_file": params_file.name,
         "epochs": epochs,
         "steps_per_run": info["steps"],
         "max_steps": max_steps,
@@ -386,6 +412,8 @@ def measure(
             batches,
             work / f"peer-{side}-{corpus}",
             config=config,
+            features=features,
+            params_file=params_file,
             seed=seed,
             vocab_size=info["vocab_size"],
             threads=chosen["num_threads"],
@@ -434,6 +462,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             default=None,
             help="measure only these corpora (default: both; --quick: generated)",
         )
+        parser.add_argument(
+            "--params",
+            type=Path,
+            default=REPO / "params.yaml",
+            help="the params file whose train: section shapes both models (default: params.yaml; "
+            "e.g. presets/real-corpus.yaml)",
+        )
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"
@@ -462,6 +497,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     max_steps=max_steps,
                     peer_problem=peer_problem,
                     settings=settings,
+                    params_file=args.params,
                 )
             except RuntimeError as error:
                 record = {"benchmark": "peer_speed", "corpus": corpus, "status": "failed", "reason": str(error)}
@@ -506,7 +542,7 @@ def child_asrflow(options: dict, launched: float) -> dict:
     import torch
 
     from asrflow.data.features import FeatureConfig
-    from asrflow.params import build_config
+    from asrflow.params import load_params
     from asrflow.training.config import TrainConfig
     from asrflow.training.distributed import DistInfo
     from asrflow.training.observers import TrainObserver
@@ -514,9 +550,9 @@ def child_asrflow(options: dict, launched: float) -> dict:
     from asrflow.training.step import ctc_loss_sum
     from asrflow.training.trainer import EXIT_INTERRUPTED, Trainer
 
-    params = repo_params()
+    params = load_params(options["params_file"])
     config = TrainConfig(**options["config"])
-    features = build_config(FeatureConfig, params.get("features"), "features")
+    features = FeatureConfig(**options["features"])
     data, exp = Path(options["data"]), Path(options["exp"])
     steps: list[dict] = []
     max_steps = options["max_steps"]

@@ -123,7 +123,11 @@ def test_seed_defaults_to_zero_and_keeps_integers():
     assert read_seed({"seed": 42}) == 42
 
 
-def test_shipped_params_pass_every_check():
+SHIPPED_PARAMS = ["params.yaml", *sorted(str(p.relative_to(REPO)) for p in (REPO / "presets").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("name", SHIPPED_PARAMS)
+def test_shipped_params_pass_every_check(name):
     from asrflow.data.features import FeatureConfig
     from asrflow.data.prepare import PrepareConfig
     from asrflow.evaluation.evaluate import EvaluateConfig
@@ -131,7 +135,7 @@ def test_shipped_params_pass_every_check():
     from asrflow.tokenizer import TokenizerConfig
     from asrflow.training.config import TrainConfig
 
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = yaml.safe_load((REPO / name).read_text())
     PrepareConfig.from_section(params["prepare"])
     configs = (
         (FeatureConfig, "features"),
@@ -139,9 +143,28 @@ def test_shipped_params_pass_every_check():
         (TrainConfig, "train"),
         (EvaluateConfig, "evaluate"),
     )
-    for cls, name in configs:
-        build_config(cls, params[name], name)
+    for cls, section in configs:
+        build_config(cls, params[section], section)
     assert read_seed(params) == params["seed"]
+
+
+def test_presets_have_every_key_of_params_yaml_and_no_other():
+    """A preset is a whole params file: a key added to params.yaml must be added to each preset."""
+
+    def keys(path):
+        params = yaml.safe_load(path.read_text())
+        return {
+            f"{name}.{key}" if isinstance(section, dict) else name
+            for name, section in params.items()
+            for key in (section if isinstance(section, dict) else [None])
+        }
+
+    shipped = keys(REPO / "params.yaml")
+    presets = sorted((REPO / "presets").glob("*.yaml"))
+    assert presets, "presets/real-corpus.yaml is documented in the README"
+    for preset in presets:
+        found = keys(preset)
+        assert found == shipped, f"{preset.name}: missing {sorted(shipped - found)}, extra {sorted(found - shipped)}"
 
 
 def test_node_rank_from_the_command_line_is_checked_like_the_param(tmp_path, capsys):

@@ -22,9 +22,13 @@ class ModelConfig:
     conv_kernel_size: int = 15
     dropout: float = 0.1
     #: Output channels of the two subsampling convolutions; None = (d_model, d_model), what
-    #: bundles written before this field had. Narrower is much cheaper ((64, 32) is a third
-    #: of the default model's training FLOPs) but trained yesno far worse (bench/RESULTS.md).
+    #: bundles written before this field had. Narrower is much cheaper: (64, 32) is a ninth
+    #: of (144, 144)'s front-end FLOPs (bench/RESULTS.md, peer_speed).
     subsampling_channels: tuple[int, int] | None = None
+    #: LayerNorm over each frame's (channels x frequency) after each subsampling convolution;
+    #: False (no norm) is what bundles written before this field had. A narrow front end
+    #: trains badly without it.
+    subsampling_norm: bool = False
 
     def __post_init__(self) -> None:
         channels = self.subsampling_channels or (self.d_model, self.d_model)
@@ -42,24 +46,42 @@ class Conv2dSubsampling(nn.Module):
     T' = ((T-1)//2-1)//2. ``channels`` are the two convolutions' output channels (default
     ``(d_model, d_model)``). The second convolution dominates the cost: per output frame it
     takes ``9 * c1 * c2 * F'`` multiply-adds (F' = ((F-1)//2-1)//2, 19 for 80 mel bins).
+    With ``norm``, each convolution's output is normalised per frame over its channels and
+    frequencies (:class:`ConvFrameNorm`) before the ReLU. Every output frame depends only on
+    input frames inside its own 7-frame window, so an utterance's valid output frames never
+    see padding.
     """
 
-    def __init__(self, input_dim: int, d_model: int, channels: tuple[int, int] | None = None):
+    def __init__(self, input_dim: int, d_model: int, channels: tuple[int, int] | None = None, *, norm: bool = False):
         super().__init__()
         first, second = channels or (d_model, d_model)
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, first, kernel_size=3, stride=2),
-            nn.ReLU(),
-            nn.Conv2d(first, second, kernel_size=3, stride=2),
-            nn.ReLU(),
-        )
-        freq = ((input_dim - 1) // 2 - 1) // 2
+        half = (input_dim - 1) // 2
+        freq = (half - 1) // 2
+        layers: list[nn.Module] = [nn.Conv2d(1, first, kernel_size=3, stride=2)]
+        if norm:
+            layers.append(ConvFrameNorm(first, half))
+        layers += [nn.ReLU(), nn.Conv2d(first, second, kernel_size=3, stride=2)]
+        if norm:
+            layers.append(ConvFrameNorm(second, freq))
+        layers.append(nn.ReLU())
+        self.conv = nn.Sequential(*layers)
         self.out = nn.Linear(second * freq, d_model)
 
     def forward(self, features: Tensor) -> Tensor:
         x = self.conv(features.unsqueeze(1))  # (N, C, T', F')
         n, c, t, f = x.shape
         return self.out(x.transpose(1, 2).reshape(n, t, c * f))  # (N, T', d_model)
+
+
+class ConvFrameNorm(nn.Module):
+    """LayerNorm over (channels, frequency) for each time frame of a (N, C, T, F) tensor."""
+
+    def __init__(self, channels: int, freq: int):
+        super().__init__()
+        self.norm = nn.LayerNorm((channels, freq))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x.transpose(1, 2)).transpose(1, 2)  # (N, C, T, F)
 
 
 class FrameLayerNorm(nn.Module):
@@ -154,7 +176,9 @@ class ConformerCtc(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.subsampling = Conv2dSubsampling(config.input_dim, config.d_model, config.subsampling_channels)
+        self.subsampling = Conv2dSubsampling(
+            config.input_dim, config.d_model, config.subsampling_channels, norm=config.subsampling_norm
+        )
         self.dropout = nn.Dropout(config.dropout)
         self.encoder = Conformer(
             input_dim=config.d_model,

@@ -48,6 +48,7 @@ class TrainConfig:
     conv_kernel_size: int = 15
     dropout: float = 0.1
     subsampling_channels: list[int] | None = None
+    subsampling_norm: bool = True
     max_duration_s: float = 120.0
     num_buckets: int = 30
     num_workers: int = 2

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from asrflow.data.filters import ctc_frames_needed, output_frames
-from asrflow.model.conformer_ctc import ModelConfig, build_model, subsampled_lengths
+from asrflow.model.conformer_ctc import ConvFrameNorm, ModelConfig, build_model, subsampled_lengths
 
 
 def test_output_shapes_and_lengths():
@@ -19,7 +20,12 @@ def test_output_shapes_and_lengths():
     assert torch.allclose(log_probs.exp().sum(-1), torch.ones(3, log_probs.size(1)), atol=1e-5)
 
 
-def test_outputs_do_not_depend_on_padding_or_batch():
+#: (subsampling_channels, subsampling_norm): the old wide front end, and the narrow normalised default.
+FRONT_ENDS = [(None, False), ((8, 32), True)]
+
+
+@pytest.mark.parametrize(("channels", "norm"), FRONT_ENDS)
+def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
     """Padded to twice its length next to a longer utterance, an utterance's every output
     frame is what it is alone, to float rounding: attention masks the padding, and the
     convolution module zeroes it before its depthwise convolution. (Without that zeroing,
@@ -27,7 +33,15 @@ def test_outputs_do_not_depend_on_padding_or_batch():
     difference over all frames: about 4e-3 nats here.)"""
     torch.manual_seed(0)
     config = ModelConfig(
-        input_dim=80, vocab_size=9, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, conv_kernel_size=7
+        input_dim=80,
+        vocab_size=9,
+        d_model=32,
+        num_heads=2,
+        ffn_dim=64,
+        num_layers=2,
+        conv_kernel_size=7,
+        subsampling_channels=channels,
+        subsampling_norm=norm,
     )
     model = build_model(config).eval()
     utterance = torch.randn(1, 400, 80)
@@ -39,7 +53,8 @@ def test_outputs_do_not_depend_on_padding_or_batch():
     assert torch.allclose(alone[0], padded[0, :valid], atol=1e-5)
 
 
-def test_training_gradients_do_not_depend_on_padding():
+@pytest.mark.parametrize(("channels", "norm"), FRONT_ENDS)
+def test_training_gradients_do_not_depend_on_padding(channels, norm):
     torch.manual_seed(0)
     model = build_model(
         ModelConfig(
@@ -51,6 +66,8 @@ def test_training_gradients_do_not_depend_on_padding():
             num_layers=2,
             conv_kernel_size=7,
             dropout=0.0,
+            subsampling_channels=channels,
+            subsampling_norm=norm,
         )
     )
     utterance = torch.randn(1, 300, 80)
@@ -94,8 +111,31 @@ def test_subsampling_channels_set_the_front_end_width():
     assert log_probs.shape == (2, 24, 10) and lengths.tolist() == [24, 14]
 
 
+def test_subsampling_norm_normalises_each_frame_of_both_convolutions():
+    model = build_model(
+        ModelConfig(
+            input_dim=80,
+            vocab_size=10,
+            d_model=48,
+            num_heads=2,
+            ffn_dim=96,
+            num_layers=1,
+            subsampling_channels=[8, 32],
+            subsampling_norm=True,
+        )
+    )
+    norms = [m for m in model.subsampling.conv if isinstance(m, ConvFrameNorm)]
+    assert [tuple(n.norm.normalized_shape) for n in norms] == [(8, 39), (32, 19)]
+    captured = []
+    norms[1].register_forward_hook(lambda module, inputs, output: captured.append(output))
+    model(torch.randn(2, 100, 80) * 7 + 3, torch.tensor([100, 60]))
+    frames = captured[0].transpose(1, 2).flatten(2)  # (N, T', C * F')
+    assert torch.allclose(frames.mean(-1), torch.zeros(2, 24), atol=1e-5)
+    assert torch.allclose(frames.std(-1, unbiased=False), torch.ones(2, 24), atol=1e-3)
+
+
 def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_data, tmp_path):
-    """Bundles written before the field existed had d_model channels in both convolutions."""
+    """Bundles written before the fields existed had d_model channels in both convolutions, no norm."""
     from asrflow.bundle import load_bundle, save_bundle
     from asrflow.data.features import FeatureConfig
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
@@ -126,9 +166,11 @@ def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_
     )
     payload = torch.load(path, weights_only=True)
     del payload["model_config"]["subsampling_channels"]  # as an older asrflow wrote it
+    del payload["model_config"]["subsampling_norm"]
     torch.save(payload, path)
     loaded = load_bundle(path)
     assert loaded.model.config.subsampling_channels == (32, 32)
+    assert loaded.model.config.subsampling_norm is False
     features = torch.randn(1, 80, 80)
     with torch.no_grad():
         assert torch.equal(loaded.model(features, torch.tensor([80]))[0], old.eval()(features, torch.tensor([80]))[0])
