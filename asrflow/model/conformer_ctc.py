@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torchaudio.models import Conformer
 
@@ -103,28 +104,31 @@ class MaskedConvolution(nn.Module):
     zeroing the padded frames right before it makes each utterance's valid frames exactly
     what they would be unpadded (where the convolution pads with zeros itself). The norm is
     :class:`FrameLayerNorm`: BatchNorm's batch statistics, or GroupNorm's over all frames,
-    would mix in the padding. Keeps torchaudio's parameter names (``layer_norm``,
-    ``sequential.<i>``).
+    would mix in the padding. The frame-wise steps run on (N, T, D) with the pointwise
+    convolutions as matrix products (the same function; only the depthwise convolution
+    needs channels first), which saves four transposes per layer. Keeps torchaudio's
+    parameter names (``layer_norm``, ``sequential.<i>``).
     """
 
     def __init__(self, conv_module: nn.Module, channels: int):
         super().__init__()
         self.layer_norm = conv_module.layer_norm
         self.sequential = conv_module.sequential
-        self.depthwise_index = next(
-            i for i, m in enumerate(self.sequential) if isinstance(m, nn.Conv1d) and m.groups == channels
-        )
-        norm_index = next(i for i, m in enumerate(self.sequential) if isinstance(m, (nn.GroupNorm, nn.BatchNorm1d)))
-        self.sequential[norm_index] = FrameLayerNorm(channels)
+        kinds = [type(m) for m in self.sequential]
+        if kinds[:3] != [nn.Conv1d, nn.GLU, nn.Conv1d] or kinds[5] is not nn.Conv1d or len(kinds) != 7:
+            raise ValueError(f"unexpected torchaudio convolution module layout: {[k.__name__ for k in kinds]}")
+        if not isinstance(self.sequential[3], FrameLayerNorm):
+            self.sequential[3] = FrameLayerNorm(channels)
 
     def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
         """``x`` (N, T, D), ``padding_mask`` (N, T) True at padded frames -> (N, T, D)."""
-        y = self.layer_norm(x).transpose(1, 2)  # (N, D, T)
-        for index, module in enumerate(self.sequential):
-            if index == self.depthwise_index:
-                y = y.masked_fill(padding_mask.unsqueeze(1), 0.0)
-            y = module(y)
-        return y.transpose(1, 2)
+        # sequential: 0 pointwise in, 1 GLU, 2 depthwise, 3 norm, 4 activation, 5 pointwise out, 6 dropout
+        pointwise_in, pointwise_out = self.sequential[0], self.sequential[5]
+        y = F.linear(self.layer_norm(x), pointwise_in.weight.squeeze(-1), pointwise_in.bias)  # (N, T, 2D)
+        y = F.glu(y, dim=-1).masked_fill(padding_mask.unsqueeze(-1), 0.0)  # (N, T, D)
+        y = self.sequential[2](y.transpose(1, 2)).transpose(1, 2)  # (N, T, D)
+        y = self.sequential[4](self.sequential[3].norm(y))
+        return self.sequential[6](F.linear(y, pointwise_out.weight.squeeze(-1), pointwise_out.bias))
 
 
 class ConformerBlock(nn.Module):
