@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     setup_logging()
+    logger.info("train stage started (pid %d)", os.getpid())  # imports done: bench.startup times from here
     params = load_params(args.params)
     config = build_config(TrainConfig, params.get("train"), "train")
     if args.node_rank is not None:
