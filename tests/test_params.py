@@ -69,6 +69,7 @@ CASES = [
     ("train", "train.epochs", 0, "train.epochs = 0 must be at least 1"),
     ("train", "train.accum_grad", 0, "train.accum_grad = 0 must be at least 1"),
     ("train", "train.num_workers", -1, "train.num_workers = -1 must be at least 0"),
+    ("train", "train.num_workers", "many", "train.num_workers = 'many' must be auto or an integer >= 0"),
     ("train", "train.precision", "fp8", "train.precision = 'fp8' is not valid; use one of auto"),
     ("train", "train.conv_kernel_size", 14, "train.conv_kernel_size = 14 must be odd"),
     ("train", "train.node_rank", 1, r"train.node_rank = 1 must be below train.nnodes \(1\)"),

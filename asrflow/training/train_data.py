@@ -123,7 +123,7 @@ class TrainData:
             num_dev=len(dev_cuts),
             removed_for_ctc=len(removed),
             digest=data_digest(full_index, tokenizer_path, cmvn_path),
-            num_workers=config.num_workers,
+            num_workers=config.data_workers(features.on_the_fly),
             mp_start_method=config.mp_start_method,
             seed=seed,
             manifests={
