@@ -19,7 +19,9 @@ Lhotse and asrflow imported), ``data`` (train data ready: tokenizer, CMVN, cut i
 ``model`` (model and components built), ``first_batch`` (the loader handed over its first
 batch), ``first_step`` (the progress line after this process's first step: the figure),
 and ``mlflow_ready`` (the MLflow run opened or continued; it may come after the first
-step: MLflow starts off the critical path).
+step: MLflow starts off the critical path). ``--code DIR`` also times another checkout
+(e.g. the main branch) in the same run, with its own params.yaml (marks its log lacks are
+left out).
 
 **workers** (the generated 2,000-utterance corpus and yesno): ``train.num_workers`` 0 / 1 /
 2 x ``train.num_threads`` 1 / 2, side by side in one run, each one launch of the stage
@@ -86,18 +88,22 @@ def log_marks(text: str) -> dict[str, float]:
     return found
 
 
-def write_params(run_dir: Path, train: dict) -> Path:
-    """params.yaml of the repository with ``train`` keys overridden, in ``run_dir``."""
+def write_params(run_dir: Path, train: dict, code: Path = REPO) -> Path:
+    """params.yaml of the repository ``code`` with ``train`` keys overridden, in ``run_dir``."""
     import yaml
 
-    params = repo_params()
+    from asrflow.params import load_params
+
+    params = load_params(code / "params.yaml") if code != REPO else repo_params()
     params["train"] = {**params["train"], **train}
     path = run_dir / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
 
 
-def launch(run_dir: Path, data: Path, *, stop_when: str, log: Path, timeout_s: float = 600.0) -> dict:
+def launch(
+    run_dir: Path, data: Path, *, stop_when: str, log: Path, code: Path = REPO, timeout_s: float = 600.0
+) -> dict:
     """Run the train stage in ``run_dir`` on ``data`` (``fbank/``, ``lang/``) until ``stop_when`` is logged.
 
     Then SIGTERM: the step in flight finishes, a checkpoint is saved, the stage exits 75 (0
@@ -106,7 +112,7 @@ def launch(run_dir: Path, data: Path, *, stop_when: str, log: Path, timeout_s: f
     """
     command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
     command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
     for name in ("MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE", "DVC_STAGE", "DVC_EXP_NAME"):
         env.pop(name, None)
     peak, done = [0], threading.Event()
@@ -164,23 +170,22 @@ def _median_marks(results: list[dict]) -> dict[str, float | None]:
     return medians
 
 
-def measure_startup(work: Path, repeat: int) -> list[dict]:
-    """The three start-up cases on yesno, ``repeat`` launches each, interleaved (one of each per round)."""
+def measure_startup(work: Path, repeat: int, code: Path = REPO) -> list[dict]:
+    """The three start-up cases on yesno, ``repeat`` launches each, interleaved (one of each per round),
+    running the train stage of the repository ``code``."""
     data = yesno_data(work)
-    root = work / "startup-runs"
+    root = work / ("startup-runs" if code == REPO else f"startup-runs-{code.name}")
     shutil.rmtree(root, ignore_errors=True)
     stop = "[asrflow.progress] step "  # the progress line after this process's first step
     results: dict[str, list[dict]] = {"fresh_new_db": [], "fresh_existing_db": [], "resumed": []}
     for round_ in range(repeat):
         run_dir = root / f"round{round_}"
         run_dir.mkdir(parents=True)
-        write_params(run_dir, {"epochs": 100})
-        results["fresh_new_db"].append(launch(run_dir, data, stop_when=stop, log=run_dir / "fresh_new_db.log"))
-        results["resumed"].append(launch(run_dir, data, stop_when=stop, log=run_dir / "resumed.log"))
-        shutil.rmtree(run_dir / "exp")
-        results["fresh_existing_db"].append(
-            launch(run_dir, data, stop_when=stop, log=run_dir / "fresh_existing_db.log")
-        )
+        write_params(run_dir, {"epochs": 100}, code)
+        for case in ("fresh_new_db", "resumed", "fresh_existing_db"):
+            if case == "fresh_existing_db":
+                shutil.rmtree(run_dir / "exp")
+            results[case].append(launch(run_dir, data, stop_when=stop, log=run_dir / f"{case}.log", code=code))
     records = []
     for case, runs in results.items():
         first_step = [r["marks"].get("first_step") for r in runs]
@@ -190,6 +195,7 @@ def measure_startup(work: Path, repeat: int) -> list[dict]:
                     "benchmark": "startup",
                     "case": case,
                     "corpus": "yesno",
+                    "code": "this checkout" if code == REPO else str(code),
                     "launch_to_first_step_s": rounded(statistics.median(first_step)) if all(first_step) else None,
                     "runs_s": first_step,
                     "breakdown_median_s": _median_marks(runs),
@@ -243,6 +249,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.add_argument("--repeat", type=int, default=None, help="launches per start-up case (default 3; quick 1)")
         parser.add_argument("--parts", default="startup,workers", help="startup, workers or both (default: both)")
         parser.add_argument(
+            "--code",
+            type=Path,
+            action="append",
+            default=[],
+            help="also time the start-up cases of another checkout (e.g. the main branch), same data, same run",
+        )
+        parser.add_argument(
             "--corpora", default=None, help="corpora of the workers part (default: generated,yesno; quick: yesno)"
         )
 
@@ -252,7 +265,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records: list[dict] = []
     with workdir(args.workdir) as work:
         if "startup" in parts:
-            records += measure_startup(work, repeat)
+            for code in [REPO, *(path.resolve() for path in args.code)]:
+                records += measure_startup(work, repeat, code)
         if "workers" in parts:
             corpora = args.corpora or ("yesno" if args.quick else "generated,yesno")
             records += measure_workers(work, quick=args.quick, corpora=corpora.split(","))

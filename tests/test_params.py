@@ -169,3 +169,22 @@ def test_subsampling_channels_must_be_two_positive_integers(bad):
         144,
         144,
     )
+
+
+def test_num_workers_auto_loads_in_process_with_precomputed_features(yesno_data):
+    from asrflow.data.features import FeatureConfig
+    from asrflow.training.config import AUTO_WORKERS_ON_THE_FLY, TrainConfig
+    from asrflow.training.train_data import TrainData
+
+    assert TrainConfig().num_workers == "auto"
+    assert TrainConfig().data_workers(on_the_fly=False) == 0
+    assert TrainConfig().data_workers(on_the_fly=True) == AUTO_WORKERS_ON_THE_FLY == 2
+    assert TrainConfig(num_workers=3).data_workers(on_the_fly=False) == 3  # an integer is taken as it is
+    config = TrainConfig(max_duration_s=24.0, epochs=1)
+    data = TrainData.build(
+        config, FeatureConfig(), seed=42, fbank_dir=yesno_data / "fbank", lang_dir=yesno_data / "lang"
+    )
+    loader = data.loader(0, 0)
+    assert loader.num_workers == 0
+    batch = next(iter(loader))  # built in this process
+    assert batch["item"].step_cut_ids
