@@ -28,7 +28,8 @@ left out).
 stopped after about ``steps`` steps: launch to the end of the first step, training
 throughput (audio seconds per second over steps 2..N, from the run's MLflow points: each
 step's ``train/audio_s_per_s`` times the time since the step before, over the time from
-step 1 to N) and the peak PSS of the whole process tree (trainer plus data workers,
+step 1 to N; also over the second half of the steps, after MLflow's background start, and
+the median ``train/data_wait_fraction``) and the peak PSS of the whole process tree (trainer plus data workers,
 ``bench.peer_speed``'s sampler, every 0.25 s). Precomputed features; other params as in
 params.yaml.
 
@@ -147,18 +148,29 @@ def launch(
 
 
 def throughput(run_dir: Path) -> dict:
-    """Audio seconds per second over steps 2..N of the (single) run in ``run_dir/mlflow.db``."""
+    """Audio seconds per second over steps 2..N of the (single) run in ``run_dir/mlflow.db``, and over the
+    second half of them (after MLflow's start in the background, which shares the interpreter with the
+    first steps), and the median share of a step spent waiting for its batch."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
     rates = {m.step: (m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "train/audio_s_per_s")}
+    waits = [m.value for m in client.get_metric_history(run.info.run_id, "train/data_wait_fraction") if m.step > 1]
     steps = sorted(rates)
-    if len(steps) < 3:
+    if len(steps) < 5:
         return {"audio_s_per_s": None, "steps": len(steps)}
-    audio = sum(rates[s][1] * (rates[s][0] - rates[p][0]) / 1000 for p, s in zip(steps, steps[1:], strict=False))
-    wall = (rates[steps[-1]][0] - rates[steps[0]][0]) / 1000
-    return {"audio_s_per_s": rounded(audio / wall), "steps": len(steps)}
+
+    def rate(window: list[int]) -> float:
+        audio = sum(rates[s][1] * (rates[s][0] - rates[p][0]) / 1000 for p, s in zip(window, window[1:], strict=False))
+        return rounded(audio / ((rates[window[-1]][0] - rates[window[0]][0]) / 1000))
+
+    return {
+        "audio_s_per_s": rate(steps),
+        "audio_s_per_s_second_half": rate(steps[len(steps) // 2 :]),
+        "data_wait_fraction_median": rounded(statistics.median(waits)),
+        "steps": len(steps),
+    }
 
 
 def _median_marks(results: list[dict]) -> dict[str, float | None]:
@@ -209,18 +221,22 @@ def measure_startup(work: Path, repeat: int, code: Path = REPO) -> list[dict]:
     return records
 
 
-def measure_workers(work: Path, *, quick: bool, corpora: list[str]) -> list[dict]:
-    """num_workers x num_threads, side by side, one launch each per corpus."""
+def measure_workers(
+    work: Path, *, quick: bool, corpora: list[str], settings: list[tuple[int, int]] | None = None, train: dict
+) -> list[dict]:
+    """num_workers x num_threads (``settings``), side by side, one launch each per corpus; ``train``: more
+    ``train:`` overrides."""
     mode = "quick" if quick else "full"
     steps = STEPS[mode]
     records = []
     for corpus in corpora:
         data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
-        for workers, threads in SETTINGS[mode]:
-            run_dir = work / "startup-workers" / f"{corpus}-w{workers}-t{threads}"
+        for workers, threads in settings or SETTINGS[mode]:
+            suffix = "".join(f"-{key}{value}" for key, value in train.items())
+            run_dir = work / "startup-workers" / f"{corpus}-w{workers}-t{threads}{suffix}"
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            write_params(run_dir, {"epochs": 100, "num_workers": workers, "num_threads": threads})
+            write_params(run_dir, {"epochs": 100, **train, "num_workers": workers, "num_threads": threads})
             result = launch(run_dir, data, stop_when=_STEP_LINE.format(steps), log=run_dir / "train.log")
             records.append(
                 emit(
@@ -229,6 +245,7 @@ def measure_workers(work: Path, *, quick: bool, corpora: list[str]) -> list[dict
                         "corpus": f"generated-{GENERATED[mode]}" if corpus == "generated" else corpus,
                         "num_workers": workers,
                         "num_threads": threads,
+                        **train,
                         "launch_to_first_step_s": result["marks"].get("first_step"),
                         **throughput(run_dir),
                         "peak_tree_pss_mb": result["peak_tree_pss_mb"],
@@ -248,6 +265,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--repeat", type=int, default=None, help="launches per start-up case (default 3; quick 1)")
         parser.add_argument("--parts", default="startup,workers", help="startup, workers or both (default: both)")
+        parser.add_argument(
+            "--settings",
+            default=None,
+            help="workers part: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2; quick: 0/1,2/1)",
+        )
+        parser.add_argument(
+            "--max-duration-s",
+            type=float,
+            default=None,
+            help="workers part: train.max_duration_s (default: params.yaml)",
+        )
         parser.add_argument(
             "--code",
             type=Path,
@@ -269,7 +297,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 records += measure_startup(work, repeat, code)
         if "workers" in parts:
             corpora = args.corpora or ("yesno" if args.quick else "generated,yesno")
-            records += measure_workers(work, quick=args.quick, corpora=corpora.split(","))
+            settings = (
+                [tuple(int(x) for x in pair.split("/")) for pair in args.settings.split(",")] if args.settings else None
+            )
+            train = {} if args.max_duration_s is None else {"max_duration_s": args.max_duration_s}
+            records += measure_workers(
+                work, quick=args.quick, corpora=corpora.split(","), settings=settings, train=train
+            )
     return records
 
 
