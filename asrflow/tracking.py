@@ -83,6 +83,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,9 @@ PIPELINE_TAG = "asrflow.pipeline"
 PARAMS_DIGEST_TAG = "asrflow.params_digest"
 #: Run tag: digest of the train and dev manifests (see :meth:`RunTracker.log_datasets`).
 DATA_DIGEST_TAG = "asrflow.data_digest"
+#: Run tag: a key drawn when a run is opened in the background (:class:`BackgroundTracker`): the
+#: step-0 checkpoint holds it before the run id is known, and a resume finds the run by it.
+RUN_KEY_TAG = "asrflow.run_key"
 #: Run tag: the DVC experiment that ran the stage (``dvc exp run``).
 DVC_EXP_TAG = "asrflow.dvc_experiment"
 #: Environment variable the Snakemake rules set to ``snakemake`` (see :func:`pipeline_tool`).
@@ -955,6 +959,18 @@ class RunTracker:
             self.end("FAILED")
 
 
+def _run_with_key(tracking_uri: str | None, experiment: str, run_key: str) -> str | None:
+    """The id of the run of ``experiment`` tagged :data:`RUN_KEY_TAG` = ``run_key``, or None."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=check_tracking_uri(tracking_uri))
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = client.search_runs([found.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
 class BackgroundTracker:
     """A :class:`RunTracker` opened off the training's critical path, in a thread of its own.
 
@@ -969,9 +985,11 @@ class BackgroundTracker:
     * :meth:`log_params`, :meth:`set_tags` and :meth:`load_state_dict` are queued;
     * :meth:`flush` does nothing until the run is open, then flushes;
     * :meth:`state_dict` of a new run before any point was recorded (the step-0 checkpoint)
-      names no run (``run_id`` None, no points): a resume from it opens a new run (with the
-      params). Once a point is recorded it waits for the run, so every checkpoint that holds
-      points names their run, and the resume watermark works as with :class:`RunTracker`;
+      names no run (``run_id`` None, no points) but a run key, the run's tag
+      :data:`RUN_KEY_TAG` once it is open: a resume from it continues the run with that key
+      if the process opened one, else opens a new run (with the params). Once a point is
+      recorded it waits for the run, so every checkpoint that holds points names their run,
+      and the resume watermark works as with :class:`RunTracker`;
     * everything else (:meth:`discard_after`, :meth:`end`, artifacts, the model, ``run_id``)
       waits for the run to be open, then goes to it.
 
@@ -980,9 +998,10 @@ class BackgroundTracker:
     the next call the training loop makes (at the latest by the next checkpoint).
     """
 
-    def __init__(self, open_run: Callable[[], RunTracker], *, new_run: bool) -> None:
+    def __init__(self, open_run: Callable[[str], RunTracker], *, new_run: bool) -> None:
         self._open_run = open_run
         self._new_run = new_run
+        self._run_key = uuid.uuid4().hex  # tags a new run, so a resume can find it without its id
         self._lock = threading.Lock()
         self._queue: list[Callable[[RunTracker], Any]] = []
         self._tracker: RunTracker | None = None
@@ -1009,13 +1028,15 @@ class BackgroundTracker:
         A new run (``run_id`` None) also gets ``params`` (flattened) as its params.
         """
 
-        def open_run() -> RunTracker:
+        def open_run(run_key: str) -> RunTracker:
+            found = run_id if run_id is not None else _run_with_key(tracking_uri, experiment, run_key)
             tracker = RunTracker.start_training(
-                params, manifests, experiment=experiment, run_id=run_id, tracking_uri=tracking_uri, **options
+                params, manifests, experiment=experiment, run_id=found, tracking_uri=tracking_uri, **options
             )
-            if run_id is None:
+            if found is None:
                 from asrflow.params import flatten
 
+                tracker.set_tags({RUN_KEY_TAG: run_key})
                 tracker.log_params(flatten(dict(params)))
             return tracker
 
@@ -1024,7 +1045,7 @@ class BackgroundTracker:
     # ------------------------------------------------------------------ the opening thread
     def _run(self) -> None:
         try:
-            tracker = self._open_run()
+            tracker = self._open_run(self._run_key)
             self._tracker = tracker
             while True:
                 with self._lock:
@@ -1095,7 +1116,11 @@ class BackgroundTracker:
         self._submit(lambda tracker: tracker.set_tags(tags))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """:meth:`RunTracker.load_state_dict`, queued until the run is open."""
+        """:meth:`RunTracker.load_state_dict`, queued until the run is open. A checkpoint that names no run
+        but a run key (the step-0 checkpoint) makes a new run continue the run opened with that key, if
+        the process that took it opened one."""
+        if self._thread is None and state.get("run_id") is None and state.get("run_key"):
+            self._run_key = str(state["run_key"])
         self._submit(lambda tracker: tracker.load_state_dict(state))
 
     def flush(self) -> bool:
@@ -1107,7 +1132,13 @@ class BackgroundTracker:
         """:meth:`RunTracker.state_dict`; for a new run before any point, one that names no run."""
         self._check()
         if self._new_run and not self._recorded and not self._direct:
-            return {"version": STATE_VERSION, "run_id": None, "recorded_through": -1, "pending": []}
+            return {
+                "version": STATE_VERSION,
+                "run_id": None,
+                "run_key": self._run_key,
+                "recorded_through": -1,
+                "pending": [],
+            }
         return self.wait().state_dict()
 
     def discard_after(self, step: int) -> int:

@@ -9,7 +9,7 @@ machines other than the first of a multi-node run, start it with --node-rank.
 Exit code 75: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume.
 
 Start-up: MLflow is imported and its run opened in a background thread once the first step
-is done (its points are kept until then). train.num_workers: auto builds the batches in this
+is done (its points are kept, with their times, until then). train.num_workers: auto builds the batches in this
 process when features are precomputed (a batch loads in milliseconds; each spawned worker
 would import torch again) and starts 2 spawned workers with features.on_the_fly: true; an
 integer sets the number of workers.

@@ -58,7 +58,8 @@ def test_limits_agree_with_mlflow():
 def test_nothing_opens_before_the_first_point_and_points_keep_their_time(uri):
     tracker = start(uri)
     tracker.set_tags({"precision": "fp32"})
-    assert tracker.state_dict() == {"version": 1, "run_id": None, "recorded_through": -1, "pending": []}
+    state = tracker.state_dict()
+    assert state["run_id"] is None and state["pending"] == [] and state["run_key"]
     assert tracker.flush() is False and not tracker.ready
     assert runs(uri) == []  # the store was not touched: the run opens after the first step
     before = int(time.time() * 1000)
@@ -89,6 +90,21 @@ def test_a_resume_from_the_step_0_checkpoint_opens_a_new_run_with_its_params(uri
     (run,) = runs(uri)
     assert run.data.params["train.epochs"] == "2"
     assert run.data.tags[LOGGED_THROUGH_TAG] == "1"
+
+
+def test_a_resume_from_the_step_0_checkpoint_continues_the_run_its_process_opened(uri):
+    crashed = start(uri)
+    state = crashed.state_dict()  # the step-0 checkpoint: no run yet
+    crashed.record(1, {"train/loss": 1.0})
+    opened = crashed.wait().run_id  # the run opened after step 1; then the process is killed
+    resumed = start(uri, run_id=state["run_id"])
+    resumed.load_state_dict(state)
+    resumed.record(1, {"train/loss": 1.0})
+    resumed.end("FINISHED")
+    (run,) = runs(uri)  # one run: the resume found it by its key
+    assert run.info.run_id == opened and run.info.status == "FINISHED"
+    history = MlflowClient(tracking_uri=uri).get_metric_history(opened, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(1, 1.0)]
 
 
 def test_a_resumed_run_gets_only_the_points_it_lacks(uri):
