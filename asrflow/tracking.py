@@ -22,6 +22,11 @@ Store
     database file, as an absolute ``file://`` URI, so ``mlflow ui`` started in that
     directory (or anywhere else on the machine) lists and serves the artifacts.
 
+Start-up
+    MLflow is imported where it is used, not by this module. The training loop uses
+    :class:`BackgroundTracker`, which opens its :class:`RunTracker` in a thread after the
+    first step and replays the calls made before, in order (see its docstring).
+
 Crash safety (exactly one point per metric and step, in one MLflow run)
     Points are buffered by :meth:`RunTracker.record` and travel inside the checkpoint
     (:meth:`RunTracker.state_dict`, with their original timestamps); :meth:`RunTracker.flush`
