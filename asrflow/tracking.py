@@ -22,6 +22,11 @@ Store
     database file, as an absolute ``file://`` URI, so ``mlflow ui`` started in that
     directory (or anywhere else on the machine) lists and serves the artifacts.
 
+Start-up
+    MLflow is imported where it is used, not by this module. The training loop uses
+    :class:`BackgroundTracker`, which opens its :class:`RunTracker` in a thread after the
+    first step and replays the calls made before, in order (see its docstring).
+
 Crash safety (exactly one point per metric and step, in one MLflow run)
     Points are buffered by :meth:`RunTracker.record` and travel inside the checkpoint
     (:meth:`RunTracker.state_dict`, with their original timestamps); :meth:`RunTracker.flush`
@@ -79,12 +84,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asrflow.errors import AsrflowError, first_line
 
@@ -99,15 +106,25 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-from mlflow.utils.validation import (  # noqa: E402
-    MAX_METRICS_PER_BATCH,
-    MAX_PARAM_VAL_LENGTH,
-    MAX_PARAMS_TAGS_PER_BATCH,
-    MAX_TAG_VAL_LENGTH,
-)
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+# MLflow itself (about 2 s of imports) is imported where it is used, so that importing this
+# module costs nothing on the train stage's way to its first step (see BackgroundTracker).
+#: MLflow's limits (``mlflow.utils.validation``; a test checks they agree).
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_TAG_VAL_LENGTH = 8000
+
+
+def _store_errors() -> tuple[type[BaseException], ...]:
+    """What a store call raises when the store cannot be used: MLflow's exception and OSError."""
+    from mlflow.exceptions import MlflowException
+
+    return (MlflowException, OSError)
+
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +149,9 @@ PIPELINE_TAG = "asrflow.pipeline"
 PARAMS_DIGEST_TAG = "asrflow.params_digest"
 #: Run tag: digest of the train and dev manifests (see :meth:`RunTracker.log_datasets`).
 DATA_DIGEST_TAG = "asrflow.data_digest"
+#: Run tag: a key drawn when a run is opened in the background (:class:`BackgroundTracker`): the
+#: step-0 checkpoint holds it before the run id is known, and a resume finds the run by it.
+RUN_KEY_TAG = "asrflow.run_key"
 #: Run tag: the DVC experiment that ran the stage (``dvc exp run``).
 DVC_EXP_TAG = "asrflow.dvc_experiment"
 #: Environment variable the Snakemake rules set to ``snakemake`` (see :func:`pipeline_tool`).
@@ -430,6 +450,8 @@ class RunTracker:
 
         Raises :class:`AsrflowError` when the store cannot be reached (:func:`check_tracking_uri`).
         """
+        from mlflow.tracking import MlflowClient
+
         uri = check_tracking_uri(tracking_uri)
         client = MlflowClient(tracking_uri=uri)
         extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
@@ -539,6 +561,8 @@ class RunTracker:
 
     @staticmethod
     def _get_run(client: MlflowClient, run_id: str, uri: str):
+        from mlflow.exceptions import MlflowException
+
         try:
             return client.get_run(run_id)
         except MlflowException as error:
@@ -548,6 +572,8 @@ class RunTracker:
 
     @staticmethod
     def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
+        from mlflow.exceptions import MlflowException
+
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             location = default_artifact_location(uri, name)
@@ -601,6 +627,8 @@ class RunTracker:
         :func:`param_value`. Params the run already has with the same value are skipped;
         a different value raises :class:`AsrflowError` (MLflow params cannot change).
         """
+        from mlflow.entities import Param
+
         rendered = {str(key): param_value(value) for key, value in params.items()}
         existing = self._client.get_run(self.run_id).data.params
         changed = [key for key, value in rendered.items() if key in existing and existing[key] != value]
@@ -617,21 +645,24 @@ class RunTracker:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Set run tags (values as strings, cut at MLflow's 8,000 characters)."""
+        from mlflow.entities import RunTag
+
         items = [RunTag(str(k), str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in tags.items()]
         for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):
             self._client.log_batch(self.run_id, tags=chunk)
 
     # ------------------------------------------------------------------ metrics
-    def record(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def record(self, step: int, metrics: Mapping[str, Any], *, timestamp_ms: int | None = None) -> None:
         """Buffer one point per metric at ``step`` (global training step, never decreasing).
 
         Values are converted with ``float()`` (0-d tensors work); None values are skipped.
+        ``timestamp_ms`` (Unix milliseconds) is when they were measured (default: now).
         Nothing reaches MLflow until :meth:`flush`.
         """
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        timestamp = _now_ms()
+        timestamp = _now_ms() if timestamp_ms is None else int(timestamp_ms)
         for key, value in metrics.items():
             if value is None or (key, step) in self._skip:
                 continue
@@ -651,7 +682,7 @@ class RunTracker:
         """
         try:
             self._flush()
-        except (MlflowException, OSError) as error:
+        except _store_errors() as error:
             if not self._store_down:
                 log.warning(
                     "MLflow store %s cannot be reached (%s); training goes on, and the %d metric points "
@@ -668,6 +699,8 @@ class RunTracker:
         return True
 
     def _flush(self) -> None:
+        from mlflow.entities import Metric
+
         while self._pending:  # in step order, so every chunk written covers the steps before it
             chunk = self._pending[: self.max_metrics_per_batch]
             self._write_metrics([Metric(key, value, ts, step) for key, step, value, ts in chunk])
@@ -696,6 +729,8 @@ class RunTracker:
 
     def _write_watermark(self, step: int) -> None:
         """Set ``asrflow.logged_through_step``: only once every point up to ``step`` is stored."""
+        from mlflow.entities import RunTag
+
         self._client.log_batch(self.run_id, tags=[RunTag(LOGGED_THROUGH_TAG, str(step))])
         self._logged_through = step
 
@@ -713,6 +748,8 @@ class RunTracker:
         MLflow dataset, e.g. :class:`asrflow.mlflow_dataset.ManifestDataset`) says what they
         were measured on.
         """
+        from mlflow.entities import Metric
+
         timestamp = _now_ms()
         points = [
             Metric(
@@ -753,7 +790,8 @@ class RunTracker:
                 f"tracking state in the checkpoint has version {state.get('version')!r}, "
                 f"expected {STATE_VERSION}: delete the checkpoints to start a new run"
             )
-        if state.get("run_id") != self.run_id and state.get("run_id") != self._replaces_run_id:
+        # run_id None: a checkpoint taken before the run was open (BackgroundTracker), which holds no points.
+        if state.get("run_id") not in (self.run_id, self._replaces_run_id, None):
             raise AsrflowError(
                 f"the checkpoint belongs to MLflow run {state.get('run_id')}, but this tracker "
                 f"has run {self.run_id}: start the tracker with run_id=state['run_id']"
@@ -879,7 +917,7 @@ class RunTracker:
                 self._client.log_artifacts(self.run_id, str(path), artifact_path)
             else:
                 self._client.log_artifact(self.run_id, str(path), artifact_path)
-        except MlflowException as error:
+        except _store_errors()[0] as error:
             raise AsrflowError(
                 f"cannot store artifact {path} at {self.artifact_uri} ({error.message}); if the "
                 "experiment was created by an MLflow server, set MLFLOW_TRACKING_URI to that "
@@ -924,6 +962,221 @@ class RunTracker:
             self.end("KILLED")
         else:
             self.end("FAILED")
+
+
+def _run_with_key(tracking_uri: str | None, experiment: str, run_key: str) -> str | None:
+    """The id of the run of ``experiment`` tagged :data:`RUN_KEY_TAG` = ``run_key``, or None."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=check_tracking_uri(tracking_uri))
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = client.search_runs([found.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+class BackgroundTracker:
+    """A :class:`RunTracker` opened off the training's critical path, in a thread of its own.
+
+    Opening a training run costs seconds the first optimizer step does not need: importing
+    MLflow (about 2 s), creating and migrating a new SQLite store (about 4 s), creating or
+    continuing the run, naming it (``git``), logging its datasets. So :meth:`start_training`
+    returns at once, and the training loop's calls are kept, in order, until the run is open:
+
+    * :meth:`record` keeps the points with the time they were measured; its first call starts
+      the opening thread (before it, the process is still on its way to its first step, and
+      a thread would only take the interpreter from it);
+    * :meth:`log_params`, :meth:`set_tags` and :meth:`load_state_dict` are queued;
+    * :meth:`flush` does nothing until the run is open, then flushes;
+    * :meth:`state_dict` of a new run before any point was recorded (the step-0 checkpoint)
+      names no run (``run_id`` None, no points) but a run key, the run's tag
+      :data:`RUN_KEY_TAG` once it is open: a resume from it continues the run with that key
+      if the process opened one, else opens a new run (with the params). Once a point is
+      recorded it waits for the run, so every checkpoint that holds points names their run,
+      and the resume watermark works as with :class:`RunTracker`;
+    * everything else (:meth:`discard_after`, :meth:`end`, artifacts, the model, ``run_id``)
+      waits for the run to be open, then goes to it.
+
+    When everything queued has been replayed, calls go straight to the :class:`RunTracker`.
+    An error while opening (a deleted run, params that differ from the run's) is raised by
+    the next call the training loop makes (at the latest by the next checkpoint).
+    """
+
+    def __init__(self, open_run: Callable[[str], RunTracker], *, new_run: bool) -> None:
+        self._open_run = open_run
+        self._new_run = new_run
+        self._run_key = uuid.uuid4().hex  # tags a new run, so a resume can find it without its id
+        self._lock = threading.Lock()
+        self._queue: list[Callable[[RunTracker], Any]] = []
+        self._tracker: RunTracker | None = None
+        self._direct = False  # the run is open and the queue replayed: calls go straight to it
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._recorded = False
+        self._failed = False  # an opening error was raised in the training loop's thread
+        self._done = threading.Event()
+
+    @classmethod
+    def start_training(
+        cls,
+        params: Mapping[str, Any],
+        manifests: Mapping[str, Any],
+        *,
+        experiment: str = "asrflow",
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        **options: Any,
+    ) -> BackgroundTracker:
+        """:meth:`RunTracker.start_training` with the same arguments, opened in the background.
+
+        A new run (``run_id`` None) also gets ``params`` (flattened) as its params.
+        """
+
+        def open_run(run_key: str) -> RunTracker:
+            found = run_id if run_id is not None else _run_with_key(tracking_uri, experiment, run_key)
+            tracker = RunTracker.start_training(
+                params, manifests, experiment=experiment, run_id=found, tracking_uri=tracking_uri, **options
+            )
+            if found is None:
+                from asrflow.params import flatten
+
+                tracker.set_tags({RUN_KEY_TAG: run_key})
+                tracker.log_params(flatten(dict(params)))
+            return tracker
+
+        return cls(open_run, new_run=run_id is None)
+
+    # ------------------------------------------------------------------ the opening thread
+    def _run(self) -> None:
+        try:
+            tracker = self._open_run(self._run_key)
+            self._tracker = tracker
+            while True:
+                with self._lock:
+                    if not self._queue:
+                        self._direct = True
+                        break
+                    call = self._queue.pop(0)
+                call(tracker)
+        except BaseException as error:  # raised in the training loop's thread by its next call
+            self._error = error
+        finally:
+            self._done.set()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="asrflow-mlflow-start", daemon=True)
+            self._thread.start()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._failed = True
+            raise error
+
+    def _submit(self, call: Callable[[RunTracker], Any]) -> None:
+        """``call(tracker)`` now if the run is open, else after the calls queued before it."""
+        self._check()
+        with self._lock:
+            if not self._direct:
+                self._queue.append(call)
+                return
+        call(self._tracker)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the run is open and every queued call has reached it."""
+        return self._direct
+
+    def wait(self) -> RunTracker:
+        """The open :class:`RunTracker`, once every queued call has run (opens it if nothing did yet)."""
+        self._start()
+        self._done.wait()
+        self._check()
+        if self._tracker is None or not self._direct:
+            raise AsrflowError("the MLflow run could not be opened (see the error logged before)")
+        return self._tracker
+
+    # ------------------------------------------------------------------ the training loop's calls
+    def record(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """:meth:`RunTracker.record`, kept with its time until the run is open; starts the opening."""
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        values = {str(key): None if value is None else float(value) for key, value in metrics.items()}
+        timestamp = _now_ms()
+        self._recorded = True
+        self._submit(lambda tracker: tracker.record(step, values, timestamp_ms=timestamp))
+        self._start()
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """:meth:`RunTracker.log_params`, queued until the run is open."""
+        params = dict(params)
+        self._submit(lambda tracker: tracker.log_params(params))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """:meth:`RunTracker.set_tags`, queued until the run is open."""
+        tags = dict(tags)
+        self._submit(lambda tracker: tracker.set_tags(tags))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """:meth:`RunTracker.load_state_dict`, queued until the run is open. A checkpoint that names no run
+        but a run key (the step-0 checkpoint) makes a new run continue the run opened with that key, if
+        the process that took it opened one."""
+        if self._thread is None and state.get("run_id") is None and state.get("run_key"):
+            self._run_key = str(state["run_key"])
+        self._submit(lambda tracker: tracker.load_state_dict(state))
+
+    def flush(self) -> bool:
+        """:meth:`RunTracker.flush` once the run is open; before, nothing (False): the points are kept."""
+        self._check()
+        return self._tracker.flush() if self._direct else False
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`RunTracker.state_dict`; for a new run before any point, one that names no run."""
+        self._check()
+        if self._new_run and not self._recorded and not self._direct:
+            return {
+                "version": STATE_VERSION,
+                "run_id": None,
+                "run_key": self._run_key,
+                "recorded_through": -1,
+                "pending": [],
+            }
+        return self.wait().state_dict()
+
+    def discard_after(self, step: int) -> int:
+        """:meth:`RunTracker.discard_after`, on the open run."""
+        return self.wait().discard_after(step)
+
+    @property
+    def run_id(self) -> str:
+        """The run's id (waits for it to be open)."""
+        return self.wait().run_id
+
+    def end(self, status: str = "FINISHED") -> None:
+        """:meth:`RunTracker.end` on the open run (opened now if it was not: a failure before the first
+        step is recorded too). After an opening error, ends what was opened and raises nothing."""
+        if not self._failed:
+            self._start()
+            self._done.wait()
+            if self._error is None and self._direct:
+                self._tracker.end(status)
+                return
+            if self._error is not None:  # never raised: the loop made no call after it
+                log.warning("MLflow run could not be opened: %s", first_line(self._error))
+        if self._tracker is not None:
+            try:
+                self._tracker.end(status)
+            except Exception as error:  # the first error is the one the user sees
+                log.warning("MLflow run %s could not be ended: %s", self._tracker.run_id, first_line(error))
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else of :class:`RunTracker` (artifacts, the model, ...), on the open run."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.wait(), name)
 
 
 class NullTracker:

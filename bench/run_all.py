@@ -36,6 +36,7 @@ MODULES = [
     ("decode_rtf", "bench.decode_rtf"),
     ("pipeline_overhead", "bench.pipeline_overhead"),
     ("scale", "bench.scale"),
+    ("startup", "bench.startup"),  # the train stage launched as a process: start-up, workers, memory
     ("peer_speed", "bench.peer_speed"),  # trains SpeechBrain beside asrflow, in processes of their own
 ]
 #: Benchmarks written as separate scripts: (name, module, time limit in s for full, quick).

@@ -7,6 +7,12 @@ checkpoints/ across runs, so running again after an interruption resumes. With
 train.nproc_per_node > 1 or train.nnodes > 1 it re-launches itself under torchrun; on the
 machines other than the first of a multi-node run, start it with --node-rank.
 Exit code 75: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume.
+
+Start-up: MLflow is imported and its run opened in a background thread once the first step
+is done (its points are kept, with their times, until then). train.num_workers: auto builds the batches in this
+process when features are precomputed (a batch loads in milliseconds; each spawned worker
+would import torch again) and starts 2 spawned workers with features.on_the_fly: true; an
+integer sets the number of workers.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     setup_logging()
+    logger.info("train stage started (pid %d)", os.getpid())  # imports done: bench.startup times from here
     params = load_params(args.params)
     config = build_config(TrainConfig, params.get("train"), "train")
     if args.node_rank is not None:

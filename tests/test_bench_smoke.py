@@ -40,6 +40,8 @@ FIGURES = {
     ],
     "pipeline_overhead": ["noop_s", "startup_s", "ratio"],
     "decode_rtf": ["rtf_greedy", "rtf_beam", "rtf_encoder"],
+    "startup": ["launch_to_first_step_s", "breakdown_median_s"],
+    "startup_workers": ["launch_to_first_step_s", "audio_s_per_s", "peak_tree_pss_mb"],
 }
 
 

@@ -69,6 +69,7 @@ CASES = [
     ("train", "train.epochs", 0, "train.epochs = 0 must be at least 1"),
     ("train", "train.accum_grad", 0, "train.accum_grad = 0 must be at least 1"),
     ("train", "train.num_workers", -1, "train.num_workers = -1 must be at least 0"),
+    ("train", "train.num_workers", "many", "train.num_workers = 'many' must be auto or an integer >= 0"),
     ("train", "train.precision", "fp8", "train.precision = 'fp8' is not valid; use one of auto"),
     ("train", "train.conv_kernel_size", 14, "train.conv_kernel_size = 14 must be odd"),
     ("train", "train.node_rank", 1, r"train.node_rank = 1 must be below train.nnodes \(1\)"),
@@ -191,3 +192,22 @@ def test_subsampling_channels_must_be_two_positive_integers(bad):
         144,
         144,
     )
+
+
+def test_num_workers_auto_loads_in_process_with_precomputed_features(yesno_data):
+    from asrflow.data.features import FeatureConfig
+    from asrflow.training.config import AUTO_WORKERS_ON_THE_FLY, TrainConfig
+    from asrflow.training.train_data import TrainData
+
+    assert TrainConfig().num_workers == "auto"
+    assert TrainConfig().data_workers(on_the_fly=False) == 0
+    assert TrainConfig().data_workers(on_the_fly=True) == AUTO_WORKERS_ON_THE_FLY == 2
+    assert TrainConfig(num_workers=3).data_workers(on_the_fly=False) == 3  # an integer is taken as it is
+    config = TrainConfig(max_duration_s=24.0, epochs=1)
+    data = TrainData.build(
+        config, FeatureConfig(), seed=42, fbank_dir=yesno_data / "fbank", lang_dir=yesno_data / "lang"
+    )
+    loader = data.loader(0, 0)
+    assert loader.num_workers == 0
+    batch = next(iter(loader))  # built in this process
+    assert batch["item"].step_cut_ids

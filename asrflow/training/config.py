@@ -14,6 +14,9 @@ SECTION = "train"
 #: Accepted values of ``train.mp_start_method`` (Python's multiprocessing start methods).
 START_METHODS = ("spawn", "forkserver", "fork")
 
+#: Data workers ``num_workers: auto`` starts when features are computed on the fly.
+AUTO_WORKERS_ON_THE_FLY = 2
+
 #: Keys that may change between an interrupted run and its resume without changing what
 #: the resumed steps compute (bookkeeping, parallel loading, time limits).
 OPERATIONAL_KEYS = frozenset(
@@ -51,7 +54,7 @@ class TrainConfig:
     subsampling_norm: bool = True
     max_duration_s: float = 120.0
     num_buckets: int = 30
-    num_workers: int = 2
+    num_workers: int | str = "auto"
     spec_augment: bool = True
     num_freq_masks: int = 2
     freq_mask_width: int = 15
@@ -117,7 +120,12 @@ class TrainConfig:
     def _check_data(self) -> None:
         check_positive(self, SECTION, "max_duration_s")
         check_at_least(self, SECTION, 1, "num_buckets")
-        check_at_least(self, SECTION, 0, "num_workers", "num_freq_masks", "freq_mask_width", "num_time_masks")
+        if isinstance(self.num_workers, str):
+            if self.num_workers != "auto":
+                raise param_error(SECTION, "num_workers", self.num_workers, "must be auto or an integer >= 0")
+        else:
+            check_at_least(self, SECTION, 0, "num_workers")
+        check_at_least(self, SECTION, 0, "num_freq_masks", "freq_mask_width", "num_time_masks")
         if not 0.0 <= self.time_mask_ratio <= 1.0:
             raise param_error(SECTION, "time_mask_ratio", self.time_mask_ratio, "must be in [0, 1]")
         snr = self.noise_snr_db
@@ -161,6 +169,15 @@ class TrainConfig:
             raise param_error(
                 SECTION, "register_model_name", self.register_model_name, "must be null or a registered-model name"
             )
+
+    def data_workers(self, on_the_fly: bool) -> int:
+        """Data-loading processes: ``num_workers``, or for ``auto`` 0 with precomputed features (a batch of
+        stored fbank loads in milliseconds in the training process, and each spawned worker would import torch
+        again: about 450 MB and 2 s of CPU at start) and :data:`AUTO_WORKERS_ON_THE_FLY` when
+        ``features.on_the_fly`` computes features from audio while training (bench/RESULTS.md, issue 12)."""
+        if self.num_workers == "auto":
+            return AUTO_WORKERS_ON_THE_FLY if on_the_fly else 0
+        return int(self.num_workers)
 
     def validation_due(self, step: int) -> bool:
         """Whether optimizer step ``step`` ends with a dev-loss validation (``validate_every_steps``; 0 = never)."""

@@ -108,6 +108,7 @@ class TrainData:
         )
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
+        logger.info("train data ready: %d train cuts, %d dev cuts", len(train_cuts), len(dev_cuts))
         return cls(
             tokenizer=tokenizer,
             mvn=mvn,
@@ -122,7 +123,7 @@ class TrainData:
             num_dev=len(dev_cuts),
             removed_for_ctc=len(removed),
             digest=data_digest(full_index, tokenizer_path, cmvn_path),
-            num_workers=config.num_workers,
+            num_workers=config.data_workers(features.on_the_fly),
             mp_start_method=config.mp_start_method,
             seed=seed,
             manifests={
@@ -168,7 +169,7 @@ class TrainData:
         its iterator; the loader opened before is closed."""
         self.close()
         self._open = iter(self.loader(epoch, step_in_epoch))
-        return self._open
+        return _log_first(self._open, epoch, step_in_epoch)
 
     def close(self) -> None:
         """Shut the open loader's data workers down. Not left to garbage collection: an exception's traceback
@@ -177,6 +178,14 @@ class TrainData:
         shutdown = getattr(iterator, "_shutdown_workers", None)  # what DataLoader's own __del__ calls
         if shutdown is not None:
             shutdown()
+
+
+def _log_first(batches: Iterator[dict], epoch: int, step_in_epoch: int) -> Iterator[dict]:
+    """``batches``, logging when the first one is handed over (bench.startup reads the line)."""
+    for count, batch in enumerate(batches):
+        if count == 0:
+            logger.info("first batch of epoch %d from step %d handed over", epoch, step_in_epoch)
+        yield batch
 
 
 def _check_options(config: TrainConfig, features: FeatureConfig) -> None:

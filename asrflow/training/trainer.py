@@ -31,7 +31,7 @@ from asrflow.logs import StepProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
 from asrflow.source import source_digest
-from asrflow.tracking import NullTracker, RunTracker
+from asrflow.tracking import BackgroundTracker, NullTracker
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig
@@ -87,7 +87,7 @@ class Trainer:
         self.paths = paths or TrainPaths()
         self.tracking_uri = tracking_uri
         self.observers = list(observers)
-        self.tracker: RunTracker | NullTracker = NullTracker()
+        self.tracker: BackgroundTracker | NullTracker = NullTracker()
         self.step_progress: StepProgress | None = None
         self.stop_requested = False
 
@@ -291,7 +291,7 @@ class Trainer:
     # ---------------------------------------------------------------- start and end
     def _start_or_resume(self) -> Iterator[dict]:
         """Rank 0 decides (fresh or resume) and the components are restored; the data loader opens at the
-        position (its workers start while MLflow does, on rank 0) and is returned."""
+        position and is returned. MLflow (rank 0) opens in the background after the first step."""
         decision, state, path = self.checkpoints.resume(self.checkpoints.facts["fingerprint"], self.train_params)
         if state is not None:
             self.checkpoints.restore(state)  # the tracker is not registered yet: it starts below
@@ -304,7 +304,7 @@ class Trainer:
             observer.on_start(self)
         loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
         if self.dist.is_main:  # names and tags the run, logs the datasets, starts MLflow's system metrics
-            self.tracker = RunTracker.start_training(
+            self.tracker = BackgroundTracker.start_training(
                 self.all_params,
                 self.data.manifests,
                 experiment=self.config.experiment,

@@ -1,0 +1,311 @@
+"""Start-up and memory of the train stage, launched as ``dvc repro`` and Snakemake launch it.
+
+``python -m bench.startup [--quick] [--workdir W] [--repeat N] [--parts startup,workers]``
+
+**startup** (yesno): seconds from launching ``python -m stages.train --params ... --fbank
+... --lang ... --exp ...`` (a new process, cwd = a run folder holding ``params.yaml``, MLflow's
+default ``sqlite:///mlflow.db`` there) to the end of its first optimizer step, median of
+``--repeat`` (3) launches each, for three cases:
+
+* ``fresh_new_db``: no checkpoints, no ``mlflow.db`` (its schema is created and migrated);
+* ``fresh_existing_db``: no checkpoints, an ``mlflow.db`` a previous run left;
+* ``resumed``: the checkpoint a fresh run left after SIGTERM, same store.
+
+Every launch is stopped with SIGTERM as soon as its first step is logged (the trainer
+finishes the step in flight, saves a checkpoint and exits 75, which gives the ``resumed``
+case its checkpoint). The breakdown comes from the stage's own log lines (their
+timestamps, in seconds after launch): ``imports`` (the stage's first line: Python, torch,
+Lhotse and asrflow imported), ``data`` (train data ready: tokenizer, CMVN, cut index, plan),
+``model`` (model and components built), ``first_batch`` (the loader handed over its first
+batch), ``first_step`` (the progress line after this process's first step: the figure),
+and ``mlflow_ready`` (the MLflow run opened or continued; it may come after the first
+step: MLflow starts off the critical path). ``--code DIR`` also times another checkout
+(e.g. the main branch) in the same run, with its own params.yaml (marks its log lacks are
+left out).
+
+**workers** (the generated 2,000-utterance corpus and yesno): ``train.num_workers`` 0 / 1 /
+2 x ``train.num_threads`` 1 / 2, side by side in one run, each one launch of the stage
+stopped after about ``steps`` steps: launch to the end of the first step, training
+throughput (audio seconds per second over steps 2..N, from the run's MLflow points: each
+step's ``train/audio_s_per_s`` times the time since the step before, over the time from
+step 1 to N; also over the second half of the steps, after MLflow's background start, and
+the median ``train/data_wait_fraction``) and the peak PSS of the whole process tree (trainer plus data workers,
+``bench.peer_speed``'s sampler, every 0.25 s). Precomputed features; other params as in
+params.yaml.
+
+Prints one JSON line per case (``benchmark: startup``) and per setting (``benchmark:
+startup_workers``), with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+from bench.common import REPO, emit, generated_data, load_average, parse_args, repo_params, rounded, workdir, yesno_data
+from bench.peer_speed import _tree_pss
+
+#: Log markers of the breakdown: name -> (logger, text the message starts with or holds).
+MARKERS = {
+    "imports": ("stages.train", "train stage started"),
+    "data": ("asrflow.training.train_data", "train data ready"),
+    "model": ("asrflow.training.trainer", "model: "),
+    "mlflow_ready": ("asrflow.tracking", "MLflow run "),
+    "first_batch": ("asrflow.training.train_data", "first batch"),
+    "first_step": ("asrflow.progress", "step "),
+}
+_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ (?:\[rank \S+\] )?\[([^\]]+)\] (.*)$", re.MULTILINE)
+#: The step-log line of optimizer step N (every 10 steps; asrflow.training.step_log).
+_STEP_LINE = "[asrflow.training.step_log] step {} epoch"
+#: Generated corpus size for the workers part (full, quick).
+GENERATED = {"full": 2000, "quick": 40}
+#: Steps timed in the workers part (a multiple of 10: the step log's interval).
+STEPS = {"full": 20, "quick": 10}
+SETTINGS = {"full": [(w, t) for w in (0, 1, 2) for t in (1, 2)], "quick": [(0, 1)]}
+EXIT_INTERRUPTED = 75
+#: Goals of issue 12: launch to the end of the first step (s), peak PSS of the process tree (MB).
+GOAL_S = 5.0
+GOAL_PSS_MB = 2000.0
+
+
+def log_marks(text: str) -> dict[str, float]:
+    """Unix time of the first log line of each :data:`MARKERS` entry."""
+    found: dict[str, float] = {}
+    for stamp, name, message in _LINE.findall(text):
+        for mark, (logger, needle) in MARKERS.items():
+            if mark not in found and name == logger and (message.startswith(needle) or needle in message):
+                found[mark] = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return found
+
+
+def write_params(run_dir: Path, train: dict, code: Path = REPO) -> Path:
+    """params.yaml of the repository ``code`` with ``train`` keys overridden, in ``run_dir``."""
+    import yaml
+
+    from asrflow.params import load_params
+
+    params = load_params(code / "params.yaml") if code != REPO else repo_params()
+    params["train"] = {**params["train"], **train}
+    path = run_dir / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def launch(
+    run_dir: Path, data: Path, *, stop_when: str, log: Path, code: Path = REPO, timeout_s: float = 600.0
+) -> dict:
+    """Run the train stage in ``run_dir`` on ``data`` (``fbank/``, ``lang/``) until ``stop_when`` is logged.
+
+    Then SIGTERM: the step in flight finishes, a checkpoint is saved, the stage exits 75 (0
+    if it finished first). Returns the marks (seconds after launch), the exit code and the
+    process tree's peak PSS in MB.
+    """
+    command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
+    command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
+    env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
+    for name in ("MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE", "DVC_STAGE", "DVC_EXP_NAME"):
+        env.pop(name, None)
+    peak, done = [0], threading.Event()
+    with log.open("w") as handle:
+        launched = time.time()
+        process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=handle, stderr=subprocess.STDOUT)
+
+        def poll() -> None:
+            signalled = False
+            while not done.is_set():
+                peak[0] = max(peak[0], _tree_pss(process.pid))
+                if not signalled and stop_when in log.read_text():
+                    process.send_signal(signal.SIGTERM)
+                    signalled = True
+                done.wait(0.25)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        done.set()
+        poller.join()
+    text = log.read_text()
+    if code not in (0, EXIT_INTERRUPTED):
+        tail = "\n".join(text.splitlines()[-15:])
+        raise RuntimeError(f"train stage exited {code} in {run_dir}; log {log}:\n{tail}")
+    marks = {name: round(at - launched, 3) for name, at in log_marks(text).items()}
+    return {"marks": marks, "exit_code": code, "peak_tree_pss_mb": rounded(peak[0] / 2**20)}
+
+
+def throughput(run_dir: Path) -> dict:
+    """Audio seconds per second over steps 2..N of the (single) run in ``run_dir/mlflow.db``, and over the
+    second half of them (after MLflow's start in the background, which shares the interpreter with the
+    first steps), and the median share of a step spent waiting for its batch."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+    rates = {m.step: (m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "train/audio_s_per_s")}
+    waits = [m.value for m in client.get_metric_history(run.info.run_id, "train/data_wait_fraction") if m.step > 1]
+    steps = sorted(rates)
+    if len(steps) < 5:
+        return {"audio_s_per_s": None, "steps": len(steps)}
+
+    def rate(window: list[int]) -> float:
+        audio = sum(rates[s][1] * (rates[s][0] - rates[p][0]) / 1000 for p, s in zip(window, window[1:], strict=False))
+        return rounded(audio / ((rates[window[-1]][0] - rates[window[0]][0]) / 1000))
+
+    return {
+        "audio_s_per_s": rate(steps),
+        "audio_s_per_s_second_half": rate(steps[len(steps) // 2 :]),
+        "data_wait_fraction_median": rounded(statistics.median(waits)),
+        "steps": len(steps),
+    }
+
+
+def _median_marks(results: list[dict]) -> dict[str, float | None]:
+    names = sorted({name for result in results for name in result["marks"]}, key=list(MARKERS).index)
+    medians = {}
+    for name in names:
+        values = [r["marks"][name] for r in results if name in r["marks"]]
+        medians[name] = rounded(statistics.median(values)) if len(values) == len(results) else None
+    return medians
+
+
+def measure_startup(work: Path, repeat: int, code: Path = REPO) -> list[dict]:
+    """The three start-up cases on yesno, ``repeat`` launches each, interleaved (one of each per round),
+    running the train stage of the repository ``code``."""
+    data = yesno_data(work)
+    root = work / ("startup-runs" if code == REPO else f"startup-runs-{code.name}")
+    shutil.rmtree(root, ignore_errors=True)
+    stop = "[asrflow.progress] step "  # the progress line after this process's first step
+    results: dict[str, list[dict]] = {"fresh_new_db": [], "fresh_existing_db": [], "resumed": []}
+    for round_ in range(repeat):
+        run_dir = root / f"round{round_}"
+        run_dir.mkdir(parents=True)
+        write_params(run_dir, {"epochs": 100}, code)
+        for case in ("fresh_new_db", "resumed", "fresh_existing_db"):
+            if case == "fresh_existing_db":
+                shutil.rmtree(run_dir / "exp")
+            results[case].append(launch(run_dir, data, stop_when=stop, log=run_dir / f"{case}.log", code=code))
+    records = []
+    for case, runs in results.items():
+        first_step = [r["marks"].get("first_step") for r in runs]
+        records.append(
+            emit(
+                {
+                    "benchmark": "startup",
+                    "case": case,
+                    "corpus": "yesno",
+                    "code": "this checkout" if code == REPO else str(code),
+                    "launch_to_first_step_s": rounded(statistics.median(first_step)) if all(first_step) else None,
+                    "runs_s": first_step,
+                    "breakdown_median_s": _median_marks(runs),
+                    "peak_tree_pss_mb": rounded(statistics.median(r["peak_tree_pss_mb"] for r in runs)),
+                    "goal": "launch to the end of the first step <= 5 s (median)",
+                    "meets_goal": all(first_step) and statistics.median(first_step) <= GOAL_S,
+                    "load_average": load_average(),
+                }
+            )
+        )
+    return records
+
+
+def measure_workers(
+    work: Path, *, quick: bool, corpora: list[str], settings: list[tuple[int, int]] | None = None, train: dict
+) -> list[dict]:
+    """num_workers x num_threads (``settings``), side by side, one launch each per corpus; ``train``: more
+    ``train:`` overrides."""
+    mode = "quick" if quick else "full"
+    steps = STEPS[mode]
+    records = []
+    for corpus in corpora:
+        data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
+        for workers, threads in settings or SETTINGS[mode]:
+            suffix = "".join(f"-{key}{value}" for key, value in train.items())
+            run_dir = work / "startup-workers" / f"{corpus}-w{workers}-t{threads}{suffix}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            write_params(run_dir, {"epochs": 100, **train, "num_workers": workers, "num_threads": threads})
+            result = launch(run_dir, data, stop_when=_STEP_LINE.format(steps), log=run_dir / "train.log")
+            records.append(
+                emit(
+                    {
+                        "benchmark": "startup_workers",
+                        "corpus": f"generated-{GENERATED[mode]}" if corpus == "generated" else corpus,
+                        "num_workers": workers,
+                        "num_threads": threads,
+                        **train,
+                        "launch_to_first_step_s": result["marks"].get("first_step"),
+                        **throughput(run_dir),
+                        "peak_tree_pss_mb": result["peak_tree_pss_mb"],
+                        **(
+                            {"goal": "peak PSS <= 2000 MB", "meets_goal": result["peak_tree_pss_mb"] <= GOAL_PSS_MB}
+                            if corpus == "generated"
+                            else {}
+                        ),
+                        "load_average": load_average(),
+                    }
+                )
+            )
+    return records
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    def configure(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--repeat", type=int, default=None, help="launches per start-up case (default 3; quick 1)")
+        parser.add_argument("--parts", default="startup,workers", help="startup, workers or both (default: both)")
+        parser.add_argument(
+            "--settings",
+            default=None,
+            help="workers part: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2; quick: 0/1)",
+        )
+        parser.add_argument(
+            "--max-duration-s",
+            type=float,
+            default=None,
+            help="workers part: train.max_duration_s (default: params.yaml)",
+        )
+        parser.add_argument(
+            "--code",
+            type=Path,
+            action="append",
+            default=[],
+            help="also time the start-up cases of another checkout (e.g. the main branch), same data, same run",
+        )
+        parser.add_argument(
+            "--corpora", default=None, help="corpora of the workers part (default: generated,yesno; quick: yesno)"
+        )
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
+    parts = args.parts.split(",")
+    repeat = args.repeat or (1 if args.quick else 3)
+    records: list[dict] = []
+    with workdir(args.workdir) as work:
+        if "startup" in parts:
+            for code in [REPO, *(path.resolve() for path in args.code)]:
+                records += measure_startup(work, repeat, code)
+        if "workers" in parts:
+            corpora = args.corpora or ("yesno" if args.quick else "generated,yesno")
+            settings = (
+                [tuple(int(x) for x in pair.split("/")) for pair in args.settings.split(",")] if args.settings else None
+            )
+            train = {} if args.max_duration_s is None else {"max_duration_s": args.max_duration_s}
+            records += measure_workers(
+                work, quick=args.quick, corpora=corpora.split(","), settings=settings, train=train
+            )
+    return records
+
+
+if __name__ == "__main__":
+    print(json.dumps({"records": len(main())}), file=sys.stderr)
