@@ -21,7 +21,9 @@ def torchrun_command(config: TrainConfig, module_args: list[str]) -> list[str]:
     rendezvous = (
         ["--standalone"]
         if config.nnodes == 1
-        else ["--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}", f"--node-rank={config.node_rank}"]
+        # static: --node-rank is this machine's rank and node 0 hosts the store (c10d orders nodes by host
+        # name and pid and ignores --node-rank, so global rank 0 could land on another machine than node 0)
+        else ["--rdzv-backend=static", f"--rdzv-endpoint={config.rdzv_endpoint}", f"--node-rank={config.node_rank}"]
     )
     return [
         sys.executable,
@@ -30,7 +32,7 @@ def torchrun_command(config: TrainConfig, module_args: list[str]) -> list[str]:
         f"--nnodes={config.nnodes}",
         f"--nproc-per-node={config.nproc_per_node}",
         *rendezvous,
-        f"--rdzv-conf=join_timeout={int(config.dist_timeout_s)}",
+        f"--rdzv-conf=join_timeout={int(config.dist_timeout_s)},timeout={int(config.dist_timeout_s)}",
         "--max-restarts=0",
         *module_args,
     ]

@@ -57,7 +57,8 @@ def _free_port() -> int:
 def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
     """Two "machines" (two torchrun launches sharing one folder, as on a shared filesystem):
     node 0 is the stage as the tools run it, node 1 is ``python -m stages.train --node-rank 1``.
-    They meet at the c10d rendezvous, train as 2 gloo ranks, and only rank 0 writes the model."""
+    They meet at the static rendezvous node 0 hosts (--node-rank is each one's rank), train
+    as 2 gloo ranks, and only rank 0, on node 0, writes the model."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fbank").symlink_to(yesno_data / "fbank")
     (tmp_path / "data" / "lang").symlink_to(yesno_data / "lang")
