@@ -10,6 +10,12 @@ No accounting database: ``AccountingStorageType=accounting_storage/none``. The S
 executor plugin then asks ``squeue`` for job states (profile: ``status-command: squeue``), which
 works because ``MinJobAge`` keeps finished jobs visible to ``squeue`` for 10 minutes.
 
+One file outside the folder: ``/etc/slurm/slurm.conf`` becomes a symlink to the generated
+config while the cluster runs (removed by :meth:`LocalSlurm.stop`). The plugin's job step
+(``snakemake-executor-plugin-slurm-jobstep``) drops every ``SLURM_*`` variable but a few before
+its inner ``srun``, ``SLURM_CONF`` included, so that ``srun`` reads the default path, as on a
+real cluster. A real ``/etc/slurm/slurm.conf`` already there is never replaced: the start fails.
+
 From a shell (as root; ``--install`` runs ``apt-get install slurm-wlm munge`` first)::
 
     python tests/cluster/slurm_cluster.py up /tmp/asrflow-slurm      # prints: export SLURM_CONF=...
@@ -37,6 +43,7 @@ PACKAGES = ("slurm-wlm", "munge")
 START_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 30
 PARTITION = "main"
+SYSTEM_CONF = Path("/etc/slurm/slurm.conf")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -171,6 +178,7 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
             raise SlurmUnavailable(f"Slurm is not installed: {', '.join(missing)} missing "
                                    "(apt-get install slurm-wlm munge, or run with --install)")
         self.write_config()
+        self._link_system_conf()
         run = self.root / "run"
         key = self.root / "munge.key"
         if not key.exists():
@@ -185,6 +193,24 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
                        "slurmctld to answer scontrol ping", timeout_s)
         self._spawn("slurmd", "slurmd", "-D", "-f", str(self.conf))
         self._wait_for(self.node_idle, f"node {self.node} to be idle in sinfo", timeout_s)
+
+    def _link_system_conf(self) -> None:
+        if SYSTEM_CONF.is_symlink() and not SYSTEM_CONF.exists():
+            SYSTEM_CONF.unlink()  # left by a cluster whose folder is gone
+        if SYSTEM_CONF.is_symlink() and SYSTEM_CONF.resolve() == self.conf:
+            return
+        if SYSTEM_CONF.exists() or SYSTEM_CONF.is_symlink():
+            raise SlurmUnavailable(f"{SYSTEM_CONF} already exists ({SYSTEM_CONF.resolve()}): this machine has a Slurm "
+                                   "of its own; run the tests against it instead of a local test cluster")
+        try:
+            SYSTEM_CONF.parent.mkdir(parents=True, exist_ok=True)
+            SYSTEM_CONF.symlink_to(self.conf)
+        except OSError as error:
+            raise SlurmUnavailable(f"cannot link {SYSTEM_CONF} to {self.conf}: {error} (run as root)") from error
+
+    def _unlink_system_conf(self) -> None:
+        if SYSTEM_CONF.is_symlink() and Path(os.readlink(SYSTEM_CONF)) == self.conf:
+            SYSTEM_CONF.unlink()
 
     def node_idle(self) -> bool:
         state = self.client("sinfo", "-h", "-N", "-o", "%T", "-n", self.node, check=False).strip()
@@ -236,6 +262,7 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
                     self.processes[name].wait(timeout=STOP_TIMEOUT_S)
             (self.root / "run" / f"{name}.pid").unlink(missing_ok=True)
         self.processes.clear()
+        self._unlink_system_conf()
 
     def _pids(self):
         for name in DAEMONS:
