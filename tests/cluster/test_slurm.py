@@ -199,3 +199,24 @@ def test_preempted_and_cancelled_train_jobs_resume_to_the_same_model(slurm, refe
     resumed = RESUMED.search(finished)
     assert resumed and int(resumed.group(2)) == stopped_at, f"did not resume at step {stopped_at}:\n{tail(finished)}"
     assert_same_weights(copy, reference)
+
+
+def test_no_reachable_slurm_gets_one_message_before_any_submission(slurm, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-unreachable")
+    stopped = LocalSlurm(tmp_path_factory.mktemp("slurm-stopped"))
+    stopped.write_config()  # a real config whose slurmctld is not running
+    result = run(copy, *SLURM_COMMAND, timeout=300, check=False, env=stopped.env(tool_env(copy)))
+    assert result.returncode != 0
+    assert "asrflow: Slurm is not reachable (sinfo exited" in result.stdout, tail(result.stdout)
+    assert not submitted(result.stdout), tail(result.stdout)
+    assert not list((copy / ".snakemake/locks").glob("*.lock")), "the failed start left its locks"
+
+
+def test_a_partition_that_does_not_exist_is_named_before_any_submission(slurm, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-partition")
+    result = run(copy, *SLURM_COMMAND, "--set-resources", "train:slurm_partition=gpu", timeout=300, check=False,
+                 env=slurm_env(slurm, copy))
+    assert result.returncode != 0
+    assert f"asrflow: no such Slurm partition: gpu (rules train). sinfo lists: {PARTITION}." in result.stdout, (
+        tail(result.stdout))
+    assert not submitted(result.stdout), tail(result.stdout)

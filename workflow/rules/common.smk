@@ -135,7 +135,47 @@ def clear_stale_locks():
 clear_stale_locks()
 
 
+# Under `snakemake --executor slurm`: before anything is submitted, Slurm must answer and every
+# partition the jobs ask for (resource slurm_partition, workflow/profiles/slurm) must exist;
+# otherwise one message says which, instead of a failed sbatch per job.
+SLURM_CHECK_TIMEOUT_S = 30
+
+
+def check_slurm():
+    import subprocess
+
+    from snakemake.exceptions import WorkflowError
+
+    plugin = workflow.executor_plugin
+    if plugin is None or plugin.cli_prefix != "slurm":
+        return
+    try:
+        answer = subprocess.run(
+            ["sinfo", "--noheader", "--format=%R"], capture_output=True, text=True, timeout=SLURM_CHECK_TIMEOUT_S
+        )
+    except FileNotFoundError:
+        raise WorkflowError("asrflow: --executor slurm, but sinfo is not on PATH: run Snakemake where Slurm's "
+                            "client commands are installed (a login node)")
+    except subprocess.TimeoutExpired:
+        raise WorkflowError(f"asrflow: Slurm is not reachable: sinfo did not answer within {SLURM_CHECK_TIMEOUT_S} s")
+    if answer.returncode != 0:
+        reason = (answer.stderr.strip().splitlines() or ["no message"])[-1]
+        raise WorkflowError(f"asrflow: Slurm is not reachable (sinfo exited {answer.returncode}: {reason}); "
+                            "is slurmctld running, and SLURM_CONF or /etc/slurm/slurm.conf pointing at it?")
+    partitions = set(answer.stdout.split())
+    missing = {}
+    for job in workflow.dag.needrun_jobs():
+        partition = job.resources.get("slurm_partition")
+        if partition and partition not in partitions:
+            missing.setdefault(partition, set()).add(job.rule.name)
+    if missing:
+        asked = "; ".join(f"{name} (rules {', '.join(sorted(rules))})" for name, rules in sorted(missing.items()))
+        raise WorkflowError(f"asrflow: no such Slurm partition: {asked}. sinfo lists: {', '.join(sorted(partitions))}. "
+                            "Set slurm_partition in the profile's default-resources/set-resources.")
+
+
 onstart:
+    check_slurm()
     LOCK_HOLDER.write_text(json.dumps(_this_process()))
 
 
