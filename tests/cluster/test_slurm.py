@@ -30,7 +30,7 @@ from pipeline.helpers import ToolError, git_init, kill_group, run, set_params, t
 
 from .slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install  # noqa: E402
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]  # end to end: `make test-fast` (-m "not pipeline") leaves them out
 
 # Short training (8 epochs, ~80 steps on yesno), a checkpoint every 20 steps, no checkpoint
 # averaging: the final weights do not depend on which extra checkpoints an interruption wrote.
@@ -220,3 +220,33 @@ def test_a_partition_that_does_not_exist_is_named_before_any_submission(slurm, t
     assert f"asrflow: no such Slurm partition: gpu (rules train). sinfo lists: {PARTITION}." in result.stdout, (
         tail(result.stdout))
     assert not submitted(result.stdout), tail(result.stdout)
+
+
+def test_a_requeued_train_job_resumes_within_the_same_snakemake_run(slurm, reference, tmp_path_factory):
+    """``--slurm-requeue`` (sbatch --requeue) and ``scontrol requeue`` of the running train job:
+    Slurm stops the job and queues it again; its second start runs the train rule again, which
+    resumes from its checkpoint, and the same Snakemake run finishes with the same model."""
+    copy = fresh_copy(tmp_path_factory, "slurm-requeue")
+    train_log = copy / "logs/train.log"
+    console = copy.parent / "snakemake-requeue.log"
+    with open(console, "wb") as out:
+        process = subprocess.Popen([*SLURM_COMMAND, "--slurm-requeue"], cwd=copy, env=slurm_env(slurm, copy),
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def past_step():
+            text = train_log.read_text(errors="replace") if train_log.exists() else ""
+            return any(int(step) > 0 for step in CHECKPOINT_SAVED.findall(text))
+
+        wait_for(past_step, "checkpoint after step 0", process, console)
+        job = wait_for(lambda: running_train_job(slurm), "running train job in squeue", process, console)
+        slurm.client("scontrol", "requeue", job)
+        returncode = process.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    output = console.read_text(errors="replace")
+    assert returncode == 0, tail(output)
+    assert submitted(output)["train"] == job, tail(output)
+    finished = train_log.read_text()
+    assert RESUMED.search(finished), f"the requeued train job did not resume:\n{tail(finished)}"
+    assert_same_weights(copy, reference)
