@@ -30,7 +30,8 @@ from pipeline.helpers import ToolError, git_init, kill_group, run, set_params, t
 
 from .slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install  # noqa: E402
 
-pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]  # end to end: `make test-fast` (-m "not pipeline") leaves them out
+# End to end: also `pipeline`, so `make test-fast` (-m "not pipeline") leaves them out.
+pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
 
 # Short training (8 epochs, ~80 steps on yesno), a checkpoint every 20 steps, no checkpoint
 # averaging: the final weights do not depend on which extra checkpoints an interruption wrote.
