@@ -174,6 +174,7 @@ def cancel_train_during_training(cluster: LocalSlurm, copy: Path, *scancel_optio
     output = console.read_text(errors="replace")
     assert returncode != 0, f"Snakemake succeeded although its train job was cancelled:\n{tail(output)}"
     assert f"SLURM-job '{job}' failed" in output, tail(output)
+    assert f"asrflow: Slurm job {job} (train stage) ended " in output, tail(output)
     return train_log.read_text(errors="replace")
 
 
@@ -251,3 +252,16 @@ def test_a_requeued_train_job_resumes_within_the_same_snakemake_run(slurm, refer
     finished = train_log.read_text()
     assert RESUMED.search(finished), f"the requeued train job did not resume:\n{tail(finished)}"
     assert_same_weights(copy, reference)
+
+
+def test_a_job_over_its_memory_gets_one_message_with_the_job_the_stage_and_slurms_reason(slurm, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-oom")
+    result = run(copy, *SLURM_COMMAND, "--set-resources", "prepare:mem_mb=100", timeout=600, check=False,
+                 env=slurm_env(slurm, copy))
+    assert result.returncode != 0
+    job = submitted(result.stdout)["prepare"]
+    message = re.search(rf"asrflow: Slurm job {job} \(prepare stage\) ended (\w+)(.*)", result.stdout)
+    assert message, tail(result.stdout)
+    print(message.group(0))
+    assert message.group(1) == "OUT_OF_MEMORY", message.group(0)
+    assert "raise mem_mb for prepare" in message.group(2), message.group(0)

@@ -183,5 +183,39 @@ onsuccess:
     LOCK_HOLDER.unlink(missing_ok=True)
 
 
+# Under --executor slurm, a failed job gets one asrflow line: the job, the rule, Slurm's state
+# (FAILED, CANCELLED, OUT_OF_MEMORY, TIMEOUT, ...), Slurm's own words from the job's log, what to do.
+# (\x3a is ":", spelt so that `snakemake --lint` does not take the pattern for a rule)
+SLURM_JOB_FAILED = re.compile(r"Error in rule (\w+)\x3a\n\s+message\x3a SLURM-job '(\d+)' failed, SLURM status is\x3a '(\w+)'")
+SLURM_HINTS = {
+    "OUT_OF_MEMORY": "raise mem_mb for {rule} in the profile's set-resources",
+    "TIMEOUT": "raise runtime (minutes) for {rule} in the profile's set-resources",
+}
+
+
+def explain_slurm_failures(log):
+    try:
+        text = Path(log).read_text(errors="replace")
+    except (OSError, TypeError):
+        return
+    for rule, job, state in SLURM_JOB_FAILED.findall(text):
+        slurm_log = next(Path(".snakemake/slurm_logs").glob(f"rule_{rule}/**/{job}.log"), None)
+        said = []
+        if slurm_log is not None:
+            said = [
+                line.strip()
+                for line in slurm_log.read_text(errors="replace").splitlines()
+                if "slurmstepd" in line or line.lstrip().startswith("***") or "srun: error" in line
+            ]
+        reason = f" ({said[-1]})" if said else ""
+        hint = SLURM_HINTS.get(state, "see logs/{rule}.log").format(rule=rule)
+        print(
+            f"asrflow: Slurm job {job} ({rule} stage) ended {state}{reason}; {hint}, then run the same command "
+            f"again (finished stages are kept, training resumes from its checkpoint). Slurm's log: {slurm_log}",
+            file=sys.stderr,
+        )
+
+
 onerror:
     LOCK_HOLDER.unlink(missing_ok=True)
+    explain_slurm_failures(log)
