@@ -176,6 +176,10 @@ def check_slurm():
 
 onstart:
     check_slurm()
+    if workflow.executor_plugin is not None and workflow.executor_plugin.cli_prefix == "slurm":
+        import atexit
+
+        atexit.register(explain_slurm_failures, log)
     LOCK_HOLDER.write_text(json.dumps(_this_process()))
 
 
@@ -183,14 +187,28 @@ onsuccess:
     LOCK_HOLDER.unlink(missing_ok=True)
 
 
-# Under --executor slurm, a failed job gets one asrflow line: the job, the rule, Slurm's state
-# (FAILED, CANCELLED, OUT_OF_MEMORY, TIMEOUT, ...), Slurm's own words from the job's log, what to do.
+# Under --executor slurm, a failed job gets one asrflow line: the job, the stage, Slurm's state
+# (FAILED, CANCELLED, OUT_OF_MEMORY, TIMEOUT, ...), Slurm's own words from the job's log, what to
+# do. Snakemake runs no onerror hook when a job fails (it raises), so the main process prints
+# these at exit (atexit, registered by onstart).
 # (\x3a is ":", spelt so that `snakemake --lint` does not take the pattern for a rule)
 SLURM_JOB_FAILED = re.compile(r"Error in rule (\w+)\x3a\n\s+message\x3a SLURM-job '(\d+)' failed, SLURM status is\x3a '(\w+)'")
-SLURM_HINTS = {
-    "OUT_OF_MEMORY": "raise mem_mb for {rule} in the profile's set-resources",
-    "TIMEOUT": "raise runtime (minutes) for {rule} in the profile's set-resources",
-}
+SLURM_REASONS = ("exceeded memory limit", "DUE TO TIME LIMIT", "CANCELLED", "Exited with exit code", "killed")
+
+
+def _slurm_said(slurm_log):
+    if slurm_log is None:
+        return ""
+    lines = [
+        line.strip()
+        for line in slurm_log.read_text(errors="replace").splitlines()
+        if "slurmstepd" in line or "srun: error" in line
+    ]
+    for key in SLURM_REASONS:
+        for line in lines:
+            if key in line:
+                return line
+    return lines[-1] if lines else ""
 
 
 def explain_slurm_failures(log):
@@ -200,15 +218,14 @@ def explain_slurm_failures(log):
         return
     for rule, job, state in SLURM_JOB_FAILED.findall(text):
         slurm_log = next(Path(".snakemake/slurm_logs").glob(f"rule_{rule}/**/{job}.log"), None)
-        said = []
-        if slurm_log is not None:
-            said = [
-                line.strip()
-                for line in slurm_log.read_text(errors="replace").splitlines()
-                if "slurmstepd" in line or line.lstrip().startswith("***") or "srun: error" in line
-            ]
-        reason = f" ({said[-1]})" if said else ""
-        hint = SLURM_HINTS.get(state, "see logs/{rule}.log").format(rule=rule)
+        said = _slurm_said(slurm_log)
+        if state == "OUT_OF_MEMORY" or "memory limit" in said:
+            hint = f"raise mem_mb for {rule} in the profile's set-resources"
+        elif state == "TIMEOUT" or "TIME LIMIT" in said:
+            hint = f"raise runtime (minutes) for {rule} in the profile's set-resources"
+        else:
+            hint = f"see logs/{rule}.log"
+        reason = f" ({said})" if said else ""
         print(
             f"asrflow: Slurm job {job} ({rule} stage) ended {state}{reason}; {hint}, then run the same command "
             f"again (finished stages are kept, training resumes from its checkpoint). Slurm's log: {slurm_log}",
@@ -218,4 +235,3 @@ def explain_slurm_failures(log):
 
 onerror:
     LOCK_HOLDER.unlink(missing_ok=True)
-    explain_slurm_failures(log)
