@@ -212,10 +212,13 @@ def _slurm_said(slurm_log):
 
 
 def explain_slurm_failures(log):
-    try:
-        text = Path(log).read_text(errors="replace")
-    except (OSError, TypeError):
-        return
+    """``log``: Snakemake's log file, or the list of them that Snakemake 9 passes."""
+    text = ""
+    for path in log if isinstance(log, (list, tuple)) else [log]:
+        try:
+            text += Path(path).read_text(errors="replace")
+        except (OSError, TypeError):
+            continue
     for rule, job, state in SLURM_JOB_FAILED.findall(text):
         slurm_log = next(Path(".snakemake/slurm_logs").glob(f"rule_{rule}/**/{job}.log"), None)
         said = _slurm_said(slurm_log)
