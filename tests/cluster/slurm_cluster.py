@@ -60,8 +60,10 @@ def install(timeout_s: float = 600) -> None:
     if not binaries_missing():
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise SlurmUnavailable(f"Slurm is not installed ({', '.join(binaries_missing())} missing) and this is not a "
-                               "root shell with apt-get: install slurm-wlm and munge")
+        raise SlurmUnavailable(
+            f"Slurm is not installed ({', '.join(binaries_missing())} missing) and this is not a "
+            "root shell with apt-get: install slurm-wlm and munge"
+        )
     command = ["apt-get", "install", "-y", "-q", *PACKAGES]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -69,8 +71,9 @@ def install(timeout_s: float = 600) -> None:
         subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=timeout_s, env=env)
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     if result.returncode != 0 or binaries_missing():
-        raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed:\n{result.stdout[-2000:]}"
-                               f"{result.stderr[-2000:]}")
+        raise SlurmUnavailable(
+            f"apt-get install {' '.join(PACKAGES)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        )
 
 
 def _free_port() -> int:
@@ -175,8 +178,10 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         """Write the config, start the three daemons, wait (bounded) until the node is idle."""
         missing = binaries_missing()
         if missing:
-            raise SlurmUnavailable(f"Slurm is not installed: {', '.join(missing)} missing "
-                                   "(apt-get install slurm-wlm munge, or run with --install)")
+            raise SlurmUnavailable(
+                f"Slurm is not installed: {', '.join(missing)} missing "
+                "(apt-get install slurm-wlm munge, or run with --install)"
+            )
         self.write_config()
         self._link_system_conf()
         run = self.root / "run"
@@ -184,13 +189,24 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         if not key.exists():
             subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True, timeout=30)
         os.chmod(key, 0o600)
-        self._spawn("munged", "munged", "--foreground", "--force", f"--socket={run}/munge.socket",
-                    f"--key-file={key}", f"--pid-file={run}/munged.pid.own", f"--log-file={self.root}/log/munged.log",
-                    f"--seed-file={self.root}/state/munged.seed")
+        self._spawn(
+            "munged",
+            "munged",
+            "--foreground",
+            "--force",
+            f"--socket={run}/munge.socket",
+            f"--key-file={key}",
+            f"--pid-file={run}/munged.pid.own",
+            f"--log-file={self.root}/log/munged.log",
+            f"--seed-file={self.root}/state/munged.seed",
+        )
         self._wait_for(lambda: (run / "munge.socket").exists(), "munged to open its socket", timeout_s)
         self._spawn("slurmctld", "slurmctld", "-D", "-c", "-f", str(self.conf))
-        self._wait_for(lambda: self.client("scontrol", "ping", check=False).find("UP") >= 0,
-                       "slurmctld to answer scontrol ping", timeout_s)
+        self._wait_for(
+            lambda: self.client("scontrol", "ping", check=False).find("UP") >= 0,
+            "slurmctld to answer scontrol ping",
+            timeout_s,
+        )
         self._spawn("slurmd", "slurmd", "-D", "-f", str(self.conf))
         self._wait_for(self.node_idle, f"node {self.node} to be idle in sinfo", timeout_s)
 
@@ -200,8 +216,10 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         if SYSTEM_CONF.is_symlink() and SYSTEM_CONF.resolve() == self.conf:
             return
         if SYSTEM_CONF.exists() or SYSTEM_CONF.is_symlink():
-            raise SlurmUnavailable(f"{SYSTEM_CONF} already exists ({SYSTEM_CONF.resolve()}): this machine has a Slurm "
-                                   "of its own; run the tests against it instead of a local test cluster")
+            raise SlurmUnavailable(
+                f"{SYSTEM_CONF} already exists ({SYSTEM_CONF.resolve()}): this machine has a Slurm "
+                "of its own; run the tests against it instead of a local test cluster"
+            )
         try:
             SYSTEM_CONF.parent.mkdir(parents=True, exist_ok=True)
             SYSTEM_CONF.symlink_to(self.conf)
@@ -221,13 +239,15 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         while time.monotonic() < deadline:
             for name, process in self.processes.items():
                 if process.poll() is not None:
-                    raise SlurmUnavailable(f"{name} exited {process.returncode} while waiting for {what}:\n"
-                                           f"{self.log_tail(name)}")
+                    raise SlurmUnavailable(
+                        f"{name} exited {process.returncode} while waiting for {what}:\n{self.log_tail(name)}"
+                    )
             if condition():
                 return
             time.sleep(0.5)
-        raise SlurmUnavailable(f"waited {timeout_s:.0f} s for {what} in vain:\n{self.log_tail('slurmctld')}\n"
-                               f"{self.log_tail('slurmd')}")
+        raise SlurmUnavailable(
+            f"waited {timeout_s:.0f} s for {what} in vain:\n{self.log_tail('slurmctld')}\n{self.log_tail('slurmd')}"
+        )
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         texts = []
