@@ -135,12 +135,105 @@ def clear_stale_locks():
 clear_stale_locks()
 
 
+# Under `snakemake --executor slurm`: before anything is submitted, Slurm must answer and every
+# partition the jobs ask for (resource slurm_partition, workflow/profiles/slurm) must exist;
+# otherwise one message says which, instead of a failed sbatch per job.
+SLURM_CHECK_TIMEOUT_S = 30
+
+
+def check_slurm():
+    import subprocess
+
+    from snakemake.exceptions import WorkflowError
+
+    plugin = workflow.executor_plugin
+    if plugin is None or plugin.cli_prefix != "slurm":
+        return
+    try:
+        answer = subprocess.run(
+            ["sinfo", "--noheader", "--format=%R"], capture_output=True, text=True, timeout=SLURM_CHECK_TIMEOUT_S
+        )
+    except FileNotFoundError:
+        raise WorkflowError("asrflow: --executor slurm, but sinfo is not on PATH: run Snakemake where Slurm's "
+                            "client commands are installed (a login node)")
+    except subprocess.TimeoutExpired:
+        raise WorkflowError(f"asrflow: Slurm is not reachable: sinfo did not answer within {SLURM_CHECK_TIMEOUT_S} s")
+    if answer.returncode != 0:
+        reason = (answer.stderr.strip().splitlines() or ["no message"])[-1]
+        raise WorkflowError(f"asrflow: Slurm is not reachable (sinfo exited {answer.returncode}: {reason}); "
+                            "is slurmctld running, and SLURM_CONF or /etc/slurm/slurm.conf pointing at it?")
+    partitions = set(answer.stdout.split())
+    missing = {}
+    for job in workflow.dag.needrun_jobs():
+        partition = job.resources.get("slurm_partition")
+        if partition and partition not in partitions:
+            missing.setdefault(partition, set()).add(job.rule.name)
+    if missing:
+        asked = "; ".join(f"{name} (rules {', '.join(sorted(rules))})" for name, rules in sorted(missing.items()))
+        raise WorkflowError(f"asrflow: no such Slurm partition: {asked}. sinfo lists: {', '.join(sorted(partitions))}. "
+                            "Set slurm_partition in the profile's default-resources/set-resources.")
+
+
 onstart:
+    check_slurm()
+    if workflow.executor_plugin is not None and workflow.executor_plugin.cli_prefix == "slurm":
+        import atexit
+
+        atexit.register(explain_slurm_failures, log)
     LOCK_HOLDER.write_text(json.dumps(_this_process()))
 
 
 onsuccess:
     LOCK_HOLDER.unlink(missing_ok=True)
+
+
+# Under --executor slurm, a failed job gets one asrflow line: the job, the stage, Slurm's state
+# (FAILED, CANCELLED, OUT_OF_MEMORY, TIMEOUT, ...), Slurm's own words from the job's log, what to
+# do. Snakemake runs no onerror hook when a job fails (it raises), so the main process prints
+# these at exit (atexit, registered by onstart).
+# (\x3a is ":", spelt so that `snakemake --lint` does not take the pattern for a rule)
+SLURM_JOB_FAILED = re.compile(r"Error in rule (\w+)\x3a\n\s+message\x3a SLURM-job '(\d+)' failed, SLURM status is\x3a '(\w+)'")
+SLURM_REASONS = ("exceeded memory limit", "DUE TO TIME LIMIT", "CANCELLED", "Exited with exit code", "killed")
+
+
+def _slurm_said(slurm_log):
+    if slurm_log is None:
+        return ""
+    lines = [
+        line.strip()
+        for line in slurm_log.read_text(errors="replace").splitlines()
+        if "slurmstepd" in line or "srun: error" in line
+    ]
+    for key in SLURM_REASONS:
+        for line in lines:
+            if key in line:
+                return line
+    return lines[-1] if lines else ""
+
+
+def explain_slurm_failures(log):
+    """``log``: Snakemake's log file, or the list of them that Snakemake 9 passes."""
+    text = ""
+    for path in log if isinstance(log, (list, tuple)) else [log]:
+        try:
+            text += Path(path).read_text(errors="replace")
+        except (OSError, TypeError):
+            continue
+    for rule, job, state in SLURM_JOB_FAILED.findall(text):
+        slurm_log = next(Path(".snakemake/slurm_logs").glob(f"rule_{rule}/**/{job}.log"), None)
+        said = _slurm_said(slurm_log)
+        if state == "OUT_OF_MEMORY" or "memory limit" in said:
+            hint = f"raise mem_mb for {rule} in the profile's set-resources"
+        elif state == "TIMEOUT" or "TIME LIMIT" in said:
+            hint = f"raise runtime (minutes) for {rule} in the profile's set-resources"
+        else:
+            hint = f"see logs/{rule}.log"
+        reason = f" ({said})" if said else ""
+        print(
+            f"asrflow: Slurm job {job} ({rule} stage) ended {state}{reason}; {hint}, then run the same command "
+            f"again (finished stages are kept, training resumes from its checkpoint). Slurm's log: {slurm_log}",
+            file=sys.stderr,
+        )
 
 
 onerror:

@@ -1,0 +1,87 @@
+"""Multi-node training under Slurm: the README's recipe, ``sbatch workflow/slurm/multinode.sbatch``,
+on a local cluster of two Slurm nodes (two ``slurmd`` with their own names and ports on this
+host, see slurm_cluster.py), one gloo process per node on the CPU. The model is, weight for
+weight, the one ``train.nproc_per_node: 2`` trains on one machine.
+
+Select with ``pytest -m slurm``; skipped like tests/cluster/test_slurm.py where Slurm cannot run.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+import yaml
+
+from .test_slurm import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, run, slurm_env, tail
+
+pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A running two-node Slurm cluster on this host, torn down after the module."""
+    yield from local_cluster(tmp_path_factory, nodes=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def static_rendezvous() -> bool:
+    """Whether the train stage launches several nodes with torchrun's static rendezvous, where
+    ``--node-rank`` decides the global ranks. Under c10d torchrun ignores it ("node_rank is only used
+    for static rdzv_backend") and ranks nodes by (host name, pid), so rank 0, which alone writes
+    checkpoints and the model, can land on any node."""
+    from asrflow.training.config import TrainConfig
+    from asrflow.training.launch import torchrun_command
+
+    return "--rdzv-backend=static" in torchrun_command(TrainConfig(nnodes=2, rdzv_endpoint="head:29500"), [])
+
+
+def test_two_slurm_nodes_train_the_model_of_two_local_processes(two_nodes, tmp_path_factory, request):
+    """The job as shipped (2 nodes, 1 task each): task 0 runs the pipeline, whose train stage is
+    node 0, on the first node; task 1 runs ``python -m stages.train --node-rank 1`` on the second."""
+    if not static_rendezvous():
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=False,
+                reason="c10d rendezvous: rank 0 may land on node 1 (seen 2026-11-23); asrflow/training/launch.py "
+                "needs --rdzv-backend=static for nnodes > 1",
+            )
+        )
+    local = fresh_copy(tmp_path_factory, "two-processes", **{"train.nproc_per_node": 2})
+    run(local, "snakemake", "--cores", "all", timeout=RUN_TIMEOUT_S)
+
+    copy = fresh_copy(tmp_path_factory, "slurm-multinode")
+    port = _free_port()
+    env = {**slurm_env(two_nodes, copy), "ASRFLOW_RDZV_PORT": str(port)}
+    result = run(
+        copy, "sbatch", "--wait", "workflow/slurm/multinode.sbatch", timeout=RUN_TIMEOUT_S, check=False, env=env
+    )
+    job = re.search(r"Submitted batch job (\d+)", result.stdout)
+    assert job, result.stdout
+    job_log = (copy / f"asrflow-multinode-{job.group(1)}.log").read_text(errors="replace")
+    assert result.returncode == 0, f"sbatch --wait exited {result.returncode}:\n{tail(job_log)}"
+    state = two_nodes.client("squeue", "--states=all", "-h", "-j", job.group(1), "-o", "%T|%D").strip()
+    assert state == "COMPLETED|2", state  # state, number of nodes
+    first, second = two_nodes.node_names
+
+    endpoint = f"{two_nodes.host}:{port}"  # the first node's NodeAddr: this host
+    assert "2 training nodes (tasks)" in job_log, tail(job_log)
+    assert f"rendezvous at {endpoint}" in job_log, tail(job_log)
+    params = yaml.safe_load((copy / "params.yaml").read_text())["train"]
+    assert (params["nnodes"], params["rdzv_endpoint"], params["nproc_per_node"]) == (2, endpoint, 1)
+    assert f"asrflow: node 0 on {first} " in job_log and f"asrflow: node 1 on {second} " in job_log, tail(job_log)
+    node0 = (copy / "logs/train.log").read_text(errors="replace")  # node 0's train stage, under Snakemake
+    assert "--nnodes=2" in node0 and "--node-rank=0" in node0, tail(node0)
+    assert "rank 0 of 2 joined the gloo process group" in node0, tail(node0)
+    assert "rank 1 of 2 joined the gloo process group" in job_log, tail(job_log)  # node 1, srun's output
+    # rank 0, on node 0, alone writes checkpoints; node 1 (its lines in the job log) writes none
+    assert "[rank 0] [asrflow.training.checkpoint_manager] saved checkpoint" in node0, tail(node0)
+    assert not [line for line in job_log.splitlines() if "[rank 1]" in line and "saved checkpoint" in line]
+    assert (copy / "exp/eval/metrics.json").is_file()  # the pipeline went on to evaluate on node 0
+    assert_same_weights(copy, local)

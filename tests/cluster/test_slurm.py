@@ -1,0 +1,319 @@
+"""The whole pipeline on a real Slurm cluster (one node on localhost, see slurm_cluster.py),
+submitted by ``snakemake --executor slurm --profile workflow/profiles/slurm``.
+
+Every stage runs as a Slurm job; the model is, weight for weight, the one ``snakemake --cores
+all`` trains. The train job, preempted (``scancel --signal=TERM``) and then cancelled
+(``scancel``), is finished by running the same command again: training resumes from its
+checkpoint and still reaches those weights.
+
+Select with ``pytest -m slurm``. Needs root, ``slurm-wlm`` and ``munge`` (Debian 22.05; set
+``ASRFLOW_SLURM_INSTALL=1`` to let the fixture apt-get them) and ``pip install -e .[slurm]``;
+without them the tests are skipped, saying which is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, pipeline.helpers
+
+from conftest import copy_repo  # noqa: E402
+from pipeline.helpers import ToolError, git_init, kill_group, run, set_params, tail, tool_env  # noqa: E402
+
+from .slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install  # noqa: E402
+
+# End to end: also `pipeline`, so `make test-fast` (-m "not pipeline") leaves them out.
+pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
+
+# Short training (8 epochs, ~80 steps on yesno), a checkpoint every 20 steps, no checkpoint
+# averaging: the final weights do not depend on which extra checkpoints an interruption wrote.
+PARAMS = {"train.epochs": 8, "train.checkpoint_every_steps": 20, "train.average_last": 1}
+SLURM_COMMAND = (
+    "snakemake",
+    "--executor",
+    "slurm",
+    "--profile",
+    "workflow/profiles/slurm",
+    "--slurm-init-seconds-before-status-checks",
+    "2",
+)
+RUN_TIMEOUT_S = 1800  # only a hung run reaches it: one takes 3-7 minutes on 2 shared cores
+WAIT_S = 900
+SUBMITTED = re.compile(r"has been submitted with SLURM jobid (\d+) \(log: \S*/rule_(\w+)/")
+CHECKPOINT_SAVED = re.compile(r"saved checkpoint \S*step-(\d+)\.pt")
+RESUMED = re.compile(r"resuming from \S*step-(\d+)\.pt: step (\d+)")
+STOPPED = re.compile(r"stopped at step (\d+) with a checkpoint saved")
+
+
+def local_cluster(tmp_path_factory, nodes: int = 1):
+    """Yield a running local Slurm cluster of ``nodes`` nodes; torn down after. Skips the test,
+    saying why, where it cannot run."""
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install -e .[slurm] (the Slurm executor plugin)")
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm test cluster runs its daemons as root; not root here")
+    if binaries_missing():
+        if os.environ.get("ASRFLOW_SLURM_INSTALL") != "1":
+            pytest.skip(
+                f"Slurm is not installed ({', '.join(binaries_missing())} missing): apt-get install slurm-wlm "
+                "munge, or set ASRFLOW_SLURM_INSTALL=1"
+            )
+        try:
+            install()
+        except (SlurmUnavailable, subprocess.SubprocessError) as error:
+            pytest.skip(f"Slurm could not be installed: {error}")
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=nodes)
+    started = time.monotonic()
+    try:
+        cluster.start()
+    except SlurmUnavailable as error:
+        cluster.stop()
+        pytest.skip(f"the local Slurm cluster did not start: {error}")
+    names = ",".join(cluster.node_names)
+    print(f"\nSlurm up in {time.monotonic() - started:.1f} s (node(s) {names}, partition {PARTITION})")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running one-node Slurm cluster, torn down after the module."""
+    yield from local_cluster(tmp_path_factory)
+
+
+def fresh_copy(tmp_path_factory, name: str, **params) -> Path:
+    copy = copy_repo(tmp_path_factory.mktemp(name) / "repo")
+    set_params(copy, {**PARAMS, **params})
+    git_init(copy)
+    return copy
+
+
+def slurm_env(cluster: LocalSlurm, copy: Path) -> dict[str, str]:
+    return cluster.env(tool_env(copy))
+
+
+def run_on_slurm(cluster: LocalSlurm, copy: Path, *, check: bool = True) -> subprocess.CompletedProcess:
+    started = time.monotonic()
+    result = run(copy, *SLURM_COMMAND, timeout=RUN_TIMEOUT_S, check=check, env=slurm_env(cluster, copy))
+    print(f"{' '.join(SLURM_COMMAND[:3])}: exit {result.returncode} after {time.monotonic() - started:.0f} s")
+    return result
+
+
+def submitted(output: str) -> dict[str, str]:
+    """rule -> Slurm job id, from the executor's "submitted with SLURM jobid" lines."""
+    return {rule: job for job, rule in SUBMITTED.findall(output)}
+
+
+def weights(copy: Path) -> dict[str, torch.Tensor]:
+    bundle = torch.load(copy / "exp/model.pt", map_location="cpu", weights_only=True)
+    return bundle["model"]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    different = [name for name in wa if not torch.equal(wa[name], wb[name])]
+    assert not different, f"{len(different)} of {len(wa)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The same params run by ``snakemake --cores all``, no Slurm."""
+    copy = fresh_copy(tmp_path_factory, "local")
+    run(copy, "snakemake", "--cores", "all", timeout=RUN_TIMEOUT_S)
+    return copy
+
+
+def test_the_whole_pipeline_runs_as_slurm_jobs_and_trains_the_same_model(slurm, reference, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-run")
+    result = run_on_slurm(slurm, copy)
+    jobs = submitted(result.stdout)
+    assert set(jobs) == {"prepare", "features", "tokenizer", "train", "evaluate"}, tail(result.stdout)
+    accounted = slurm.client("squeue", "--states=all", "-h", "-o", "%i|%k|%T")
+    states = {line.split("|")[0]: line.split("|")[1:] for line in accounted.splitlines()}
+    for rule, job in jobs.items():
+        assert states.get(job) == [f"rule_{rule}", "COMPLETED"], (rule, job, accounted)
+        assert (copy / f".snakemake/slurm_logs/rule_{rule}/{job}.log").is_file()
+    assert_same_weights(copy, reference)
+
+
+def wait_for(condition, what: str, process: subprocess.Popen, console: Path):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if process.poll() is not None:
+            raise ToolError(f"Snakemake exited {process.returncode} before {what}:\n{tail(console.read_text())}")
+        time.sleep(0.5)
+    raise ToolError(f"no {what} within {WAIT_S} s:\n{tail(console.read_text())}")
+
+
+def running_train_job(cluster: LocalSlurm) -> str | None:
+    for line in cluster.client("squeue", "-h", "-o", "%i|%k|%T").splitlines():
+        job, comment, state = line.split("|")
+        if comment == "rule_train" and state == "RUNNING":
+            return job
+    return None
+
+
+def cancel_train_during_training(cluster: LocalSlurm, copy: Path, *scancel_options: str, after_step: int) -> str:
+    """Start the Slurm run, wait until train saved a checkpoint past ``after_step``, scancel
+    the train job; returns the train log of the cancelled run after Snakemake exited."""
+    train_log = copy / "logs/train.log"
+    train_log.unlink(missing_ok=True)
+    console = copy.parent / f"snakemake-scancel{''.join(scancel_options)}.log"
+    with open(console, "wb") as out:
+        process = subprocess.Popen(
+            list(SLURM_COMMAND),
+            cwd=copy,
+            env=slurm_env(cluster, copy),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+
+        def past_step():
+            text = train_log.read_text(errors="replace") if train_log.exists() else ""
+            return any(int(step) > after_step for step in CHECKPOINT_SAVED.findall(text))
+
+        wait_for(past_step, f"checkpoint after step {after_step}", process, console)
+        job = wait_for(lambda: running_train_job(cluster), "running train job in squeue", process, console)
+        cluster.client("scancel", *scancel_options, job)
+        returncode = process.wait(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    output = console.read_text(errors="replace")
+    assert returncode != 0, f"Snakemake succeeded although its train job was cancelled:\n{tail(output)}"
+    assert f"SLURM-job '{job}' failed" in output, tail(output)
+    assert f"asrflow: Slurm job {job} (train stage) ended " in output, tail(output)
+    return train_log.read_text(errors="replace")
+
+
+def test_preempted_and_cancelled_train_jobs_resume_to_the_same_model(slurm, reference, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-preempt")
+
+    # Preemption: SIGTERM to the job's steps. The stage finishes its step, saves it, exits 75.
+    preempted = cancel_train_during_training(slurm, copy, "--signal=TERM", after_step=0)
+    stopped = STOPPED.search(preempted)
+    assert stopped, f"the train stage did not stop with a checkpoint on SIGTERM:\n{tail(preempted)}"
+    stopped_at = int(stopped.group(1))
+
+    # scancel: SIGTERM to every process of the job, SIGKILL after KillWait. Again a checkpoint.
+    cancelled = cancel_train_during_training(slurm, copy, after_step=stopped_at)
+    resumed = RESUMED.search(cancelled)
+    assert resumed and int(resumed.group(2)) == stopped_at, f"did not resume at step {stopped_at}:\n{tail(cancelled)}"
+    stopped = STOPPED.search(cancelled)
+    assert stopped, f"the train stage did not stop with a checkpoint on scancel:\n{tail(cancelled)}"
+    stopped_at = int(stopped.group(1))
+
+    result = run_on_slurm(slurm, copy)
+    assert set(submitted(result.stdout)) == {"train", "evaluate"}, tail(result.stdout)
+    finished = (copy / "logs/train.log").read_text()
+    resumed = RESUMED.search(finished)
+    assert resumed and int(resumed.group(2)) == stopped_at, f"did not resume at step {stopped_at}:\n{tail(finished)}"
+    assert_same_weights(copy, reference)
+
+
+def test_no_reachable_slurm_gets_one_message_before_any_submission(slurm, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-unreachable")
+    stopped = LocalSlurm(tmp_path_factory.mktemp("slurm-stopped"))
+    stopped.write_config()  # a real config whose slurmctld is not running
+    result = run(copy, *SLURM_COMMAND, timeout=300, check=False, env=stopped.env(tool_env(copy)))
+    assert result.returncode != 0
+    assert "asrflow: Slurm is not reachable (sinfo exited" in result.stdout, tail(result.stdout)
+    assert not submitted(result.stdout), tail(result.stdout)
+    assert not list((copy / ".snakemake/locks").glob("*.lock")), "the failed start left its locks"
+
+
+def test_a_partition_that_does_not_exist_is_named_before_any_submission(slurm, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-partition")
+    result = run(
+        copy,
+        *SLURM_COMMAND,
+        "--set-resources",
+        "train:slurm_partition=gpu",
+        timeout=300,
+        check=False,
+        env=slurm_env(slurm, copy),
+    )
+    assert result.returncode != 0
+    assert f"asrflow: no such Slurm partition: gpu (rules train). sinfo lists: {PARTITION}." in result.stdout, tail(
+        result.stdout
+    )
+    assert not submitted(result.stdout), tail(result.stdout)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "passed 2 of 3 runs (2026-11-23); in the third the requeued job started again after Slurm's ~2 min requeue "
+        "delay, but its train step was ended by SIGTERM ~3 s later, before the stage logged anything; cause not found"
+    ),
+)
+def test_a_requeued_train_job_resumes_within_the_same_snakemake_run(slurm, reference, tmp_path_factory):
+    """``--slurm-requeue`` (sbatch --requeue) and ``scontrol requeue`` of the running train job:
+    Slurm stops the job and queues it again; its second start runs the train rule again, which
+    resumes from its checkpoint, and the same Snakemake run finishes with the same model."""
+    copy = fresh_copy(tmp_path_factory, "slurm-requeue")
+    train_log = copy / "logs/train.log"
+    console = copy.parent / "snakemake-requeue.log"
+    with open(console, "wb") as out:
+        process = subprocess.Popen(
+            [*SLURM_COMMAND, "--slurm-requeue"],
+            cwd=copy,
+            env=slurm_env(slurm, copy),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+
+        def past_step():
+            text = train_log.read_text(errors="replace") if train_log.exists() else ""
+            return any(int(step) > 0 for step in CHECKPOINT_SAVED.findall(text))
+
+        wait_for(past_step, "checkpoint after step 0", process, console)
+        job = wait_for(lambda: running_train_job(slurm), "running train job in squeue", process, console)
+        slurm.client("scontrol", "requeue", job)
+        returncode = process.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    output = console.read_text(errors="replace")
+    assert returncode == 0, tail(output)
+    assert submitted(output)["train"] == job, tail(output)
+    finished = train_log.read_text()
+    assert RESUMED.search(finished), f"the requeued train job did not resume:\n{tail(finished)}"
+    assert_same_weights(copy, reference)
+
+
+def test_a_job_over_its_memory_gets_one_message_with_the_job_the_stage_and_slurms_reason(slurm, tmp_path_factory):
+    copy = fresh_copy(tmp_path_factory, "slurm-oom")
+    result = run(
+        copy,
+        *SLURM_COMMAND,
+        "--set-resources",
+        "prepare:mem_mb=100",
+        timeout=600,
+        check=False,
+        env=slurm_env(slurm, copy),
+    )
+    assert result.returncode != 0
+    job = submitted(result.stdout)["prepare"]
+    message = re.search(rf"asrflow: Slurm job {job} \(prepare stage\) ended (\w+)(.*)", result.stdout)
+    assert message, tail(result.stdout)
+    print(message.group(0))
+    # jobacct_gather's OverMemoryKill ends the job: state FAILED, the reason in the job's log
+    assert message.group(1) in ("OUT_OF_MEMORY", "FAILED"), message.group(0)
+    assert "exceeded memory limit" in message.group(2), message.group(0)
+    assert "raise mem_mb for prepare" in message.group(2), message.group(0)
