@@ -42,17 +42,10 @@ def static_rendezvous() -> bool:
     return "--rdzv-backend=static" in torchrun_command(TrainConfig(nnodes=2, rdzv_endpoint="head:29500"), [])
 
 
-def test_two_slurm_nodes_train_the_model_of_two_local_processes(two_nodes, tmp_path_factory, request):
+def test_two_slurm_nodes_train_the_model_of_two_local_processes(two_nodes, tmp_path_factory):
     """The job as shipped (2 nodes, 1 task each): task 0 runs the pipeline, whose train stage is
     node 0, on the first node; task 1 runs ``python -m stages.train --node-rank 1`` on the second."""
-    if not static_rendezvous():
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=False,
-                reason="c10d rendezvous: rank 0 may land on node 1 (seen 2026-11-23); asrflow/training/launch.py "
-                "needs --rdzv-backend=static for nnodes > 1",
-            )
-        )
+    assert static_rendezvous(), "asrflow/training/launch.py must use --rdzv-backend=static for nnodes > 1"
     local = fresh_copy(tmp_path_factory, "two-processes", **{"train.nproc_per_node": 2})
     run(local, "snakemake", "--cores", "all", timeout=RUN_TIMEOUT_S)
 
