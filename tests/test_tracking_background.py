@@ -13,8 +13,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from asrflow import tracking
+from asrflow.background_tracker import BackgroundTracker
 from asrflow.errors import AsrflowError
-from asrflow.tracking import LOGGED_THROUGH_TAG, BackgroundTracker
+from asrflow.tracking import LOGGED_THROUGH_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.003, "epochs": 2}}

@@ -25,13 +25,14 @@ from dataclasses import asdict, replace
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from asrflow.background_tracker import BackgroundTracker
 from asrflow.data.features import FeatureConfig
 from asrflow.data.workers import unpack_batch
 from asrflow.logs import StepProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
 from asrflow.source import source_digest
-from asrflow.tracking import BackgroundTracker, NullTracker
+from asrflow.tracking import NullTracker
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig
