@@ -108,26 +108,14 @@ class PlannedBatches:
 
 
 def build(config, features, seed: int, vocab_size: int):
-    """The model and optimizer the Trainer builds, seeded the same way."""
-    import torch
-
-    from asrflow.model.conformer_ctc import ModelConfig, build_model
+    """The model and optimizer the Trainer builds (params.yaml's whole model shape), seeded the same way."""
+    from asrflow.model.conformer_ctc import build_model
     from asrflow.training.rng import seed_everything
+    from asrflow.training.schedule import build_optimizer
 
     seed_everything(seed)
-    model = build_model(
-        ModelConfig(
-            input_dim=features.num_mel_bins,
-            vocab_size=vocab_size,
-            d_model=config.d_model,
-            num_heads=config.num_heads,
-            ffn_dim=config.ffn_dim,
-            num_layers=config.num_layers,
-            conv_kernel_size=config.conv_kernel_size,
-            dropout=config.dropout,
-        )
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    model = build_model(config.model(features.num_mel_bins, vocab_size))
+    optimizer = build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     model.train()
     return model, optimizer
 

@@ -1,8 +1,15 @@
-"""Learning-rate schedule: linear warmup, then inverse square-root decay."""
+"""The optimizer (AdamW) and its learning-rate schedule: linear warmup, then inverse square-root decay."""
 
 from __future__ import annotations
 
 import torch
+
+
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters, in its fused kernel (CPU and CUDA): one pass over all
+    parameters instead of a loop of small ones, 0.9 ms a step against 4.7 ms for the default
+    on the default model at 1 CPU thread (issue 12)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:

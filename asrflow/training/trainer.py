@@ -46,7 +46,7 @@ from asrflow.training.precision import device_capability, precision_change_tags,
 from asrflow.training.progress import LossHistory, PlanPosition, Progress, RandomState
 from asrflow.training.resume import build_fingerprint, training_params
 from asrflow.training.rng import seed_everything
-from asrflow.training.schedule import apply_lr_scale, build_scheduler
+from asrflow.training.schedule import apply_lr_scale, build_optimizer, build_scheduler
 from asrflow.training.step import StepResult, train_step
 from asrflow.training.step_log import report_step, step_metrics
 from asrflow.training.train_data import TrainData
@@ -106,7 +106,7 @@ class Trainer:
         self.model_config = config.model(self.features.num_mel_bins, self.data.tokenizer.vocab_size)
         self.model = build_model(self.model_config).to(self.device)
         self.precision = resolve_precision(config.precision, self.device.type, device_capability(self.device))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = build_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
         self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard.for_run(config, self.paths.bad_batches, writes_records=self.dist.is_main)
