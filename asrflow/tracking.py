@@ -879,10 +879,14 @@ class RunTracker:
         return log_bundle(bundle_path, run_id=self.run_id, tracking_uri=self.tracking_uri, **kwargs)
 
     def model_ids(self) -> list[str]:
-        """The ids of the MLflow models logged by this run (oldest first)."""
+        """The ids of the MLflow models logged by this run, oldest first (by creation time: MLflow
+        lists a run's model outputs in no promised order)."""
         run = self._client.get_run(self.run_id)
         outputs = run.outputs.model_outputs if run.outputs else []
-        return [output.model_id for output in outputs]
+        created = {
+            output.model_id: self._client.get_logged_model(output.model_id).creation_timestamp for output in outputs
+        }
+        return sorted(created, key=lambda model_id: (created[model_id], model_id))
 
     def start_system_metrics(self, interval_s: float = 10.0, resume: bool = False) -> None:
         """Start MLflow's system-metrics monitor for this run (``system/*`` metrics every ``interval_s``).

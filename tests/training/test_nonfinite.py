@@ -92,9 +92,14 @@ def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
 
 
 def _fast_wer_run(data: Path, exp: Path, **overrides) -> tuple[dict, float]:
+    """A run that learns yesno in 6 epochs. It keeps the wide [d_model, d_model] front end without the
+    norm: at this seed, lr and length the shipped narrow one stays on CTC's blank plateau (which seeds
+    leave it is bench.yesno_seeds' open question, bench/RESULTS.md), and this test is about the NaN step."""
     summary = _train(
         data,
         exp,
+        subsampling_channels=None,
+        subsampling_norm=False,
         lr=0.01,
         spec_augment=False,
         dropout=0.0,
