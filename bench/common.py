@@ -260,6 +260,59 @@ def yesno_data(work: Path) -> Path:
     return root
 
 
+def cut_entry(
+    cut_id: str,
+    duration: float,
+    *,
+    text: str,
+    storage_path: str,
+    storage_key: str,
+    source: str,
+    speaker: str | None = None,
+) -> dict:
+    """One line of a features-stage train manifest (a Lhotse ``MonoCut`` with stored fbank) as a
+    dict: the metadata of a cut whose audio and features need not exist, for scale tests."""
+    supervision = {
+        "id": cut_id,
+        "recording_id": cut_id,
+        "start": 0.0,
+        "duration": duration,
+        "channel": 0,
+        "text": text,
+    }
+    if speaker is not None:
+        supervision["speaker"] = speaker
+    return {
+        "id": cut_id,
+        "start": 0.0,
+        "duration": duration,
+        "channel": 0,
+        "supervisions": [supervision],
+        "features": {
+            "type": "kaldi-fbank",
+            "num_frames": int(round(duration * 100)),
+            "num_features": 80,
+            "frame_shift": 0.01,
+            "sampling_rate": 16000,
+            "start": 0.0,
+            "duration": duration,
+            "storage_type": "lilcom_chunky",
+            "storage_path": storage_path,
+            "storage_key": storage_key,
+            "channels": 0,
+        },
+        "recording": {
+            "id": cut_id,
+            "sources": [{"type": "file", "channels": [0], "source": source}],
+            "sampling_rate": 16000,
+            "num_samples": int(duration * 16000),
+            "duration": duration,
+            "channel_ids": [0],
+        },
+        "type": "MonoCut",
+    }
+
+
 def synth_utterance(rng, duration_s: float) -> tuple[object, str]:
     """``duration_s`` seconds of tone-burst "words" in noise (float32 array), and its transcript."""
     import numpy as np

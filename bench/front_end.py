@@ -32,6 +32,8 @@ CANDIDATES = [
 #: One batch: utterances x frames (10 ms) x mel bins; target tokens per utterance.
 BATCH = (8, 600, 80)
 TARGET_TOKENS = 20
+#: Output classes (blank included) of every model: yesno's BPE size.
+VOCAB_SIZE = 13
 
 
 def _batch(vocab_size: int):
@@ -88,12 +90,11 @@ def models(quick: bool) -> dict[str, tuple[object, float]]:
     shape["dropout"] = train.dropout
     if quick:
         shape.update(TINY_MODEL)
-    vocab = 13
     found: dict[str, tuple[object, float]] = {}
     for name, channels, norm in CANDIDATES[:2] if quick else CANDIDATES:
         torch.manual_seed(0)
         config = ModelConfig(
-            input_dim=BATCH[2], vocab_size=vocab, subsampling_channels=channels, subsampling_norm=norm, **shape
+            input_dim=BATCH[2], vocab_size=VOCAB_SIZE, subsampling_channels=channels, subsampling_norm=norm, **shape
         )
         model = build_model(config)
         found[name] = (model, _front_end_flops(model.subsampling, 1000))
@@ -101,7 +102,7 @@ def models(quick: bool) -> dict[str, tuple[object, float]]:
     if problem is None:
         sys.path.insert(0, str(PEER_DIR))
         torch.manual_seed(0)
-        peer = _speechbrain_model(shape, BATCH[2], vocab)
+        peer = _speechbrain_model(shape, BATCH[2], VOCAB_SIZE)
         found["speechbrain 1.1.2"] = (peer, _front_end_flops(peer.cnn, 1000))
     else:
         emit({"benchmark": "front_end", "status": "peer unavailable", "reason": problem})
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     out = [emit({"benchmark": "machine", **machine()})]
     built = models(args.quick)
-    steppers = {name: _stepper(model, _batch(13)) for name, (model, _) in built.items()}
+    batch = _batch(VOCAB_SIZE)  # the same batch for every model
+    steppers = {name: _stepper(model, batch) for name, (model, _) in built.items()}
     for step in steppers.values():
         step()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in steppers}

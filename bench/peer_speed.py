@@ -307,12 +307,15 @@ def sweep(
 ) -> tuple[dict, dict]:
     """Run a few steps at each candidate setting; the fastest asrflow and SpeechBrain settings, and every figure."""
     figures: dict[str, list] = {"asrflow": [], "speechbrain": []}
-    for threads, workers in ASRFLOW_CANDIDATES:
+    candidates = [("asrflow", threads, workers) for threads, workers in ASRFLOW_CANDIDATES]
+    candidates += [("speechbrain", threads, 0) for threads in PEER_CANDIDATES] if peer else []
+    for side, threads, workers in candidates:
+        name = f"sweep-{side}-{threads}-{workers}"
         options = side_options(
-            "asrflow",
+            side,
             data,
             batches,
-            work / f"sweep-{threads}-{workers}",
+            work / name,
             config=config,
             features=features,
             params_file=params_file,
@@ -322,26 +325,8 @@ def sweep(
             workers=workers,
             max_steps=SWEEP_STEPS,
         )
-        log = work / f"sweep-asrflow-{threads}-{workers}.log"
-        rate = summary(run_side("asrflow", options, log))["median_step_audio_s_per_s"]
-        figures["asrflow"].append({"num_threads": threads, "num_workers": workers, "audio_s_per_s": rate})
-    for threads in PEER_CANDIDATES if peer else []:
-        options = side_options(
-            "speechbrain",
-            data,
-            batches,
-            work / f"sweep-sb-{threads}",
-            config=config,
-            features=features,
-            params_file=params_file,
-            seed=seed,
-            vocab_size=vocab_size,
-            threads=threads,
-            workers=0,
-            max_steps=SWEEP_STEPS,
-        )
-        rate = summary(run_side("speechbrain", options, work / f"sweep-sb-{threads}.log"))["median_step_audio_s_per_s"]
-        figures["speechbrain"].append({"num_threads": threads, "num_workers": 0, "audio_s_per_s": rate})
+        rate = summary(run_side(side, options, work / f"{name}.log"))["median_step_audio_s_per_s"]
+        figures[side].append({"num_threads": threads, "num_workers": workers, "audio_s_per_s": rate})
     best = {side: max(rows, key=lambda r: r["audio_s_per_s"] or 0) for side, rows in figures.items() if rows}
     return best, figures
 

@@ -36,7 +36,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import emit, parse_args, ratio, rounded, workdir
+from bench.common import cut_entry, emit, parse_args, ratio, rounded, workdir
 
 #: Cuts in the manifest, per mode.
 CUTS = {"full": 1_000_000, "quick": 20_000}
@@ -60,51 +60,16 @@ def write_manifest(path: Path, count: int, seed: int = 0) -> None:
     rows.sort()
     with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as out:
         for cut_id, duration, i in rows:
-            frames = int(round(duration * 100))
-            out.write(
-                json.dumps(
-                    {
-                        "id": cut_id,
-                        "start": 0.0,
-                        "duration": duration,
-                        "channel": 0,
-                        "supervisions": [
-                            {
-                                "id": cut_id,
-                                "recording_id": cut_id,
-                                "start": 0.0,
-                                "duration": duration,
-                                "channel": 0,
-                                "text": f"WORD{i % 97} WORD{i % 89} WORD{i % 83}",
-                                "speaker": cut_id[:4],
-                            }
-                        ],
-                        "features": {
-                            "type": "kaldi-fbank",
-                            "num_frames": frames,
-                            "num_features": 80,
-                            "frame_shift": 0.01,
-                            "sampling_rate": 16000,
-                            "start": 0.0,
-                            "duration": duration,
-                            "storage_type": "lilcom_chunky",
-                            "storage_path": "data/fbank/train_feats.lca",
-                            "storage_key": str(i * 5000),
-                            "channels": 0,
-                        },
-                        "recording": {
-                            "id": cut_id,
-                            "sources": [{"type": "file", "channels": [0], "source": f"corpus/{cut_id}.flac"}],
-                            "sampling_rate": 16000,
-                            "num_samples": int(duration * 16000),
-                            "duration": duration,
-                            "channel_ids": [0],
-                        },
-                        "type": "MonoCut",
-                    }
-                )
-                + "\n"
+            entry = cut_entry(
+                cut_id,
+                duration,
+                text=f"WORD{i % 97} WORD{i % 89} WORD{i % 83}",
+                storage_path="data/fbank/train_feats.lca",
+                storage_key=str(i * 5000),
+                source=f"corpus/{cut_id}.flac",
+                speaker=cut_id[:4],
             )
+            out.write(json.dumps(entry) + "\n")
 
 
 def peak_rss_mb() -> float:

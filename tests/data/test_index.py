@@ -18,6 +18,7 @@ from lhotse.testing.dummies import dummy_cut
 from asrflow.data.batches import TrainingBatches, plan_digest, plan_epoch
 from asrflow.data.index import CutIndex, plan_positions
 from asrflow.errors import AsrflowError
+from bench.common import cut_entry
 
 
 def _entries(count: int, seed: int = 0, *, storage: str = "fbank/feats.lca") -> list[dict]:
@@ -27,46 +28,15 @@ def _entries(count: int, seed: int = 0, *, storage: str = "fbank/feats.lca") -> 
     entries = []
     for i in range(count):
         cut_id = f"{i % 251:04d}-{i // 251:03d}-{i:06d}"
-        frames = int(round(durations[i] * 100))
         entries.append(
-            {
-                "id": cut_id,
-                "start": 0.0,
-                "duration": float(durations[i]),
-                "channel": 0,
-                "supervisions": [
-                    {
-                        "id": cut_id,
-                        "recording_id": cut_id,
-                        "start": 0.0,
-                        "duration": float(durations[i]),
-                        "channel": 0,
-                        "text": f"word{i % 7} word{i % 11}",
-                    }
-                ],
-                "features": {
-                    "type": "kaldi-fbank",
-                    "num_frames": frames,
-                    "num_features": 80,
-                    "frame_shift": 0.01,
-                    "sampling_rate": 16000,
-                    "start": 0.0,
-                    "duration": float(durations[i]),
-                    "storage_type": "lilcom_chunky",
-                    "storage_path": storage,
-                    "storage_key": str(i * 977),
-                    "channels": 0,
-                },
-                "recording": {
-                    "id": cut_id,
-                    "sources": [{"type": "file", "channels": [0], "source": f"a/{cut_id}.wav"}],
-                    "sampling_rate": 16000,
-                    "num_samples": int(durations[i] * 16000),
-                    "duration": float(durations[i]),
-                    "channel_ids": [0],
-                },
-                "type": "MonoCut",
-            }
+            cut_entry(
+                cut_id,
+                float(durations[i]),
+                text=f"word{i % 7} word{i % 11}",
+                storage_path=storage,
+                storage_key=str(i * 977),
+                source=f"a/{cut_id}.wav",
+            )
         )
     entries.sort(key=lambda entry: entry["id"])
     return entries

@@ -9,9 +9,15 @@ from asrflow.data.filters import ctc_frames_needed, output_frames
 from asrflow.model.conformer_ctc import ConvFrameNorm, ModelConfig, build_model, subsampled_lengths
 
 
+def small_config(**fields) -> ModelConfig:
+    """A small model (80 bins, 9 classes, d_model 32, 2 heads, 2 layers, kernel 7); ``fields`` replace these."""
+    shape = dict(input_dim=80, vocab_size=9, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, conv_kernel_size=7)
+    return ModelConfig(**{**shape, **fields})
+
+
 def test_output_shapes_and_lengths():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(input_dim=80, vocab_size=9, d_model=32, num_heads=2, ffn_dim=64, num_layers=1))
+    model = build_model(small_config(num_layers=1, conv_kernel_size=15))
     features = torch.randn(3, 101, 80)
     lengths = torch.tensor([101, 57, 20])
     log_probs, out_lens = model(features, lengths)
@@ -24,22 +30,6 @@ def test_output_shapes_and_lengths():
 FRONT_ENDS = [(None, False), ((8, 32), True)]
 
 
-def two_layer_config(channels, norm: bool, **extra) -> ModelConfig:
-    """A small 2-layer model (d_model 32, kernel 7) with the given front end."""
-    return ModelConfig(
-        input_dim=80,
-        vocab_size=9,
-        d_model=32,
-        num_heads=2,
-        ffn_dim=64,
-        num_layers=2,
-        conv_kernel_size=7,
-        subsampling_channels=channels,
-        subsampling_norm=norm,
-        **extra,
-    )
-
-
 @pytest.mark.parametrize(("channels", "norm"), FRONT_ENDS)
 def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
     """Padded to twice its length next to a longer utterance, an utterance's every output
@@ -48,7 +38,7 @@ def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
     the last kernel_size // 2 frames see the padding and two layers of attention spread the
     difference over all frames: about 4e-3 nats here.)"""
     torch.manual_seed(0)
-    model = build_model(two_layer_config(channels, norm)).eval()
+    model = build_model(small_config(subsampling_channels=channels, subsampling_norm=norm)).eval()
     utterance = torch.randn(1, 400, 80)
     alone, alone_lens = model(utterance, torch.tensor([400]))
     padded_input = torch.cat([torch.cat([utterance, torch.randn(1, 400, 80)], dim=1), torch.randn(1, 800, 80)])
@@ -61,7 +51,7 @@ def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
 @pytest.mark.parametrize(("channels", "norm"), FRONT_ENDS)
 def test_training_gradients_do_not_depend_on_padding(channels, norm):
     torch.manual_seed(0)
-    model = build_model(two_layer_config(channels, norm, dropout=0.0))
+    model = build_model(small_config(subsampling_channels=channels, subsampling_norm=norm, dropout=0.0))
     utterance = torch.randn(1, 300, 80)
     grads = []
     for features, lengths in (
@@ -83,18 +73,7 @@ def test_ctc_frame_requirements():
 
 
 def test_subsampling_channels_set_the_front_end_width():
-    small = build_model(
-        ModelConfig(
-            input_dim=80,
-            vocab_size=10,
-            d_model=48,
-            num_heads=2,
-            ffn_dim=96,
-            num_layers=1,
-            conv_kernel_size=7,
-            subsampling_channels=[16, 8],
-        )
-    )
+    small = build_model(small_config(vocab_size=10, d_model=48, ffn_dim=96, num_layers=1, subsampling_channels=[16, 8]))
     convs = [m for m in small.subsampling.conv if isinstance(m, torch.nn.Conv2d)]
     assert [c.out_channels for c in convs] == [16, 8]
     assert small.subsampling.out.in_features == 8 * 19  # 19 = ((80-1)//2-1)//2 frequency bins left
@@ -105,13 +84,12 @@ def test_subsampling_channels_set_the_front_end_width():
 
 def test_subsampling_norm_normalises_each_frame_of_both_convolutions():
     model = build_model(
-        ModelConfig(
-            input_dim=80,
+        small_config(
             vocab_size=10,
             d_model=48,
-            num_heads=2,
             ffn_dim=96,
             num_layers=1,
+            conv_kernel_size=15,
             subsampling_channels=[8, 32],
             subsampling_norm=True,
         )
