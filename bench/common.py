@@ -14,6 +14,7 @@ lists the words the audio holds. It is only meant for throughput and padding fig
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -214,6 +215,10 @@ def repo_params() -> dict:
     return load_params(REPO / "params.yaml")
 
 
+def _data_sections(params: dict) -> dict:
+    return {"seed": params.get("seed", 42), "features": params.get("features"), "tokenizer": params.get("tokenizer")}
+
+
 def _done(folder: Path) -> bool:
     return (folder / ".done").is_file()
 
@@ -222,11 +227,12 @@ def _mark_done(folder: Path) -> None:
     (folder / ".done").write_text("")
 
 
-def prepare_features_tokenizer(root: Path, prepare_config, num_jobs: int = 0) -> Path:
+def prepare_features_tokenizer(root: Path, prepare_config, num_jobs: int = 0, params: dict | None = None) -> Path:
     """prepare + features + tokenizer into ``root/{manifests,fbank,lang}``, as the stages do.
 
-    Features and tokenizer use params.yaml's sections (with ``num_jobs`` from here). The
-    cuts point at features with absolute paths, so the folder works from any working directory.
+    Features and tokenizer use the sections of ``params`` (default: params.yaml), with
+    ``num_jobs`` from here. The cuts point at features with absolute paths, so the folder
+    works from any working directory.
     """
     from dataclasses import replace
 
@@ -236,7 +242,7 @@ def prepare_features_tokenizer(root: Path, prepare_config, num_jobs: int = 0) ->
     from asrflow.params import build_config
     from asrflow.tokenizer import TokenizerConfig, train_tokenizer
 
-    params = repo_params()
+    params = params or repo_params()
     features = replace(build_config(FeatureConfig, params.get("features"), "features"), num_jobs=num_jobs)
     prepare_corpus(prepare_config, root / "manifests", seed=int(params.get("seed", 42)))
     compute_features(root / "manifests", root / "fbank", features)
@@ -245,17 +251,24 @@ def prepare_features_tokenizer(root: Path, prepare_config, num_jobs: int = 0) ->
     return root
 
 
-def yesno_data(work: Path) -> Path:
-    """The shipped yesno corpus prepared, with features and tokenizer (cached in ``work``)."""
+def yesno_data(work: Path, params: dict | None = None) -> Path:
+    """The shipped yesno corpus prepared, with features and tokenizer (cached in ``work``).
+
+    ``params`` (default: params.yaml) gives the features and tokenizer sections; data built
+    with other sections than params.yaml's is cached in a folder of its own.
+    """
     from asrflow.data.prepare import PrepareConfig
 
     root = work / "yesno"
+    if params is not None and _data_sections(params) != _data_sections(repo_params()):
+        digest = hashlib.sha256(json.dumps(_data_sections(params), sort_keys=True).encode()).hexdigest()
+        root = work / f"yesno-{digest[:10]}"
     if _done(root):
         return root
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     with one_thread_per_process():
-        prepare_features_tokenizer(root, PrepareConfig(corpus_dir=str(YESNO_DIR)), num_jobs=1)
+        prepare_features_tokenizer(root, PrepareConfig(corpus_dir=str(YESNO_DIR)), num_jobs=1, params=params)
     _mark_done(root)
     return root
 

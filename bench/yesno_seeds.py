@@ -2,8 +2,10 @@
 
 For each seed, params.yaml with that ``seed`` (and any ``--set section.key=value``) trains
 on the shipped yesno corpus (``python -m stages.train``, then ``python -m stages.evaluate``,
-each a process of its own as the pipeline runs them; features and tokenizer prepared once).
-The seed draws the model's initial weights, the batch order and the augmentation.
+each a process of its own as the pipeline runs them). The seed draws the model's initial
+weights, the batch order, the augmentation and, as in the pipeline, which train utterances
+the prepare stage moves to dev; prepare, features and tokenizer run once per seed and per
+``features.*`` / ``tokenizer.*`` override, cached in ``--workdir``.
 
 Record ``yesno_seed`` per seed: ``test_wer``, ``train_s`` (the train stage's wall time),
 ``left_plateau_at_step`` (the first logged step whose train loss per token is below 0.5:
@@ -99,9 +101,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     seeds = args.seeds[:1] if args.quick else args.seeds
     out = [emit({"benchmark": "machine", **machine()})]
     with workdir(args.workdir) as work:
-        data = yesno_data(work)
         for seed in seeds:
             params = seeded_params(seed, args.overrides, args.quick)
+            data = yesno_data(work, params)
             record = {"benchmark": "yesno_seed", "seed": seed, "overrides": args.overrides}
             try:
                 record.update(status="ok", **run_seed(data, work / f"seed-{seed}", params))

@@ -52,6 +52,7 @@ class TrainConfig:
     dropout: float = 0.1
     subsampling_channels: list[int] | None = None
     subsampling_norm: bool = True
+    blank_bias_init: float | None = 3.0
     max_duration_s: float = 120.0
     num_buckets: int = 30
     num_workers: int | str = "auto"

@@ -7,6 +7,7 @@ import torch
 
 from asrflow.data.filters import ctc_frames_needed, output_frames
 from asrflow.model.conformer_ctc import ConvFrameNorm, ModelConfig, build_model, subsampled_lengths
+from asrflow.tokenizer import BLANK_ID
 
 
 def small_config(**fields) -> ModelConfig:
@@ -24,6 +25,16 @@ def test_output_shapes_and_lengths():
     assert log_probs.shape == (3, int(subsampled_lengths(torch.tensor(101))), 9)
     assert out_lens.tolist() == subsampled_lengths(lengths).tolist() == [24, 13, 4]
     assert torch.allclose(log_probs.exp().sum(-1), torch.ones(3, log_probs.size(1)), atol=1e-5)
+
+
+def test_blank_bias_init_sets_only_the_blank_logit_bias():
+    torch.manual_seed(0)
+    drawn = build_model(small_config()).head.bias.detach().clone()
+    torch.manual_seed(0)
+    biased = build_model(small_config(blank_bias_init=3.0)).head.bias.detach()
+    assert biased[BLANK_ID] == 3.0
+    assert torch.equal(biased[1:], drawn[1:])  # the other classes keep the same draw
+    assert drawn[BLANK_ID].abs() < 1.0  # default: drawn like the others (|bias| <= 1/sqrt(d_model))
 
 
 #: (subsampling_channels, subsampling_norm): the old wide front end, and the narrow normalised default.
