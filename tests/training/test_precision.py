@@ -85,6 +85,7 @@ def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
     """
     config = tiny_train_config(
         precision=precision,
+        blank_bias_init=None,  # drawn: the loss starts far above the plateau, so 18 steps show a clear drop
         epochs=2,
         checkpoint_every_steps=100,
         validate_every_steps=0,
