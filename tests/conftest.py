@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +34,37 @@ def write_shipped_params(folder: Path, changes: dict[str, object]) -> Path:
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
+
+
+_TEMPLATE_DB: Path | None = None
+
+
+def fresh_mlflow_store(directory: Path) -> str:
+    """``sqlite:///<directory>/mlflow.db``: an empty MLflow store with its schema already made.
+
+    Creating the schema (MLflow's migrations) costs seconds; it is done once per process
+    into a template that each caller gets a copy of.
+    """
+    global _TEMPLATE_DB
+    if _TEMPLATE_DB is None or not _TEMPLATE_DB.is_file():
+        os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+        from mlflow.tracking import MlflowClient
+
+        folder = tempfile.mkdtemp(prefix="asrflow-mlflow-template-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        template = Path(folder) / "mlflow.db"
+        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+        _TEMPLATE_DB = template
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_TEMPLATE_DB, directory / "mlflow.db")
+    return f"sqlite:///{(directory / 'mlflow.db').resolve()}"
+
+
+@pytest.fixture
+def uri(tmp_path: Path) -> str:
+    """An empty MLflow store in the test's folder (:func:`fresh_mlflow_store`)."""
+    return fresh_mlflow_store(tmp_path)
 
 
 @pytest.fixture(autouse=True)

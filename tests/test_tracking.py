@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import fresh_mlflow_store
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
@@ -28,20 +28,6 @@ from asrflow.tracking import (
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("train/loss", "train/lr")
-
-
-@pytest.fixture(scope="session")
-def empty_store(tmp_path_factory) -> Path:
-    """A fresh MLflow SQLite database, created (migrated) once and copied for each test."""
-    path = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
-@pytest.fixture
-def uri(tmp_path: Path, empty_store: Path) -> str:
-    shutil.copyfile(empty_store, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path}/mlflow.db"
 
 
 @pytest.fixture
@@ -98,24 +84,23 @@ class CrashingTracker(RunTracker):
 
 
 # --------------------------------------------------------------------------- store and URIs
-def test_default_tracking_uri_and_env_override(monkeypatch, tmp_path, empty_store):
-    shutil.copyfile(empty_store, tmp_path / "other.db")
+def test_default_tracking_uri_and_env_override(monkeypatch, tmp_path):
+    other = fresh_mlflow_store(tmp_path / "other")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert default_tracking_uri() == "sqlite:///mlflow.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other.db")
-    assert default_tracking_uri() == f"sqlite:///{tmp_path}/other.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
+    assert default_tracking_uri() == other
     tracker = RunTracker.start(run_name="train")
     tracker.end()
-    assert tracker.tracking_uri == f"sqlite:///{tmp_path}/other.db"
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/other.db")
+    assert tracker.tracking_uri == other
+    client = MlflowClient(tracking_uri=other)
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
 
 
-def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path, empty_store):
+def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     work = tmp_path / "work"
-    work.mkdir()
-    shutil.copyfile(empty_store, work / "mlflow.db")
+    fresh_mlflow_store(work)
     monkeypatch.chdir(work)
     (work / "notes.txt").write_text("hello")
     tracker = RunTracker.start(experiment="my exp", run_name="train")
@@ -134,12 +119,11 @@ def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path, empty
     assert Path(local).read_text() == "hello"
 
 
-def test_relative_store_follows_cwd(monkeypatch, tmp_path, empty_store):
+def test_relative_store_follows_cwd(monkeypatch, tmp_path):
     """MLflow caches stores by URI: a relative sqlite URI must not stick to the first cwd."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        shutil.copyfile(empty_store, tmp_path / name / "mlflow.db")
+        fresh_mlflow_store(tmp_path / name)
         monkeypatch.chdir(tmp_path / name)
         tracker = RunTracker.start(tracking_uri="sqlite:///mlflow.db")
         tracker.end()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -19,19 +18,6 @@ from asrflow.tracking import LOGGED_THROUGH_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.003, "epochs": 2}}
-
-
-@pytest.fixture(scope="session")
-def empty_store(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
-@pytest.fixture
-def uri(tmp_path: Path, empty_store: Path) -> str:
-    shutil.copyfile(empty_store, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path}/mlflow.db"
 
 
 def start(uri: str, run_id: str | None = None) -> BackgroundTracker:

@@ -39,19 +39,6 @@ REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.001, "epochs": 40, "d_model": 144}, "evaluate": {"decoder": "greedy"}}
 
 
-@pytest.fixture(scope="session")
-def empty_store(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
-    return path
-
-
-@pytest.fixture
-def uri(tmp_path: Path, empty_store: Path) -> str:
-    shutil.copyfile(empty_store, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path}/mlflow.db"
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

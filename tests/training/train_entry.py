@@ -30,17 +30,14 @@ Three test hooks observe the loop without changing what it computes:
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -48,6 +45,8 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 sys.path[:0] = [str(TESTS), str(REPO)]
+
+from conftest import fresh_mlflow_store  # noqa: E402, F401  (imported from here by the training tests)
 
 from asrflow.training.observers import TrainObserver  # noqa: E402
 
@@ -241,31 +240,6 @@ def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, 
     return Trainer(
         config, features, seed=seed, all_params=all_params, paths=train_paths(data, exp), tracking_uri=tracking_uri
     ).run()
-
-
-_TEMPLATE_DB: Path | None = None
-
-
-def fresh_mlflow_store(directory: Path) -> str:
-    """``sqlite:///<directory>/mlflow.db``: an empty MLflow store with its schema already made.
-
-    Creating the schema (MLflow's migrations) costs seconds; it is done once per process
-    into a template that each caller gets a copy of.
-    """
-    global _TEMPLATE_DB
-    if _TEMPLATE_DB is None or not _TEMPLATE_DB.is_file():
-        os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
-        from mlflow.tracking import MlflowClient
-
-        folder = tempfile.mkdtemp(prefix="asrflow-mlflow-template-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        template = Path(folder) / "mlflow.db"
-        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
-        _TEMPLATE_DB = template
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(_TEMPLATE_DB, directory / "mlflow.db")
-    return f"sqlite:///{(directory / 'mlflow.db').resolve()}"
 
 
 if __name__ == "__main__":
