@@ -99,9 +99,12 @@ def slurm_env(cluster: LocalSlurm, copy: Path) -> dict[str, str]:
     return cluster.env(tool_env(copy))
 
 
-def run_on_slurm(cluster: LocalSlurm, copy: Path, *, check: bool = True) -> subprocess.CompletedProcess:
+def run_on_slurm(
+    cluster: LocalSlurm, copy: Path, *extra_args: str, check: bool = True, timeout_s: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    """``SLURM_COMMAND`` (plus ``extra_args``) in ``copy`` against ``cluster``."""
     started = time.monotonic()
-    result = run(copy, *SLURM_COMMAND, timeout=RUN_TIMEOUT_S, check=check, env=slurm_env(cluster, copy))
+    result = run(copy, *SLURM_COMMAND, *extra_args, timeout=timeout_s, check=check, env=slurm_env(cluster, copy))
     print(f"{' '.join(SLURM_COMMAND[:3])}: exit {result.returncode} after {time.monotonic() - started:.0f} s")
     return result
 
@@ -237,15 +240,7 @@ def test_no_reachable_slurm_gets_one_message_before_any_submission(slurm, tmp_pa
 
 def test_a_partition_that_does_not_exist_is_named_before_any_submission(slurm, tmp_path_factory):
     copy = fresh_copy(tmp_path_factory, "slurm-partition")
-    result = run(
-        copy,
-        *SLURM_COMMAND,
-        "--set-resources",
-        "train:slurm_partition=gpu",
-        timeout=300,
-        check=False,
-        env=slurm_env(slurm, copy),
-    )
+    result = run_on_slurm(slurm, copy, "--set-resources", "train:slurm_partition=gpu", check=False, timeout_s=300)
     assert result.returncode != 0
     assert f"asrflow: no such Slurm partition: gpu (rules train). sinfo lists: {PARTITION}." in result.stdout, tail(
         result.stdout
@@ -299,15 +294,7 @@ def test_a_requeued_train_job_resumes_within_the_same_snakemake_run(slurm, refer
 
 def test_a_job_over_its_memory_gets_one_message_with_the_job_the_stage_and_slurms_reason(slurm, tmp_path_factory):
     copy = fresh_copy(tmp_path_factory, "slurm-oom")
-    result = run(
-        copy,
-        *SLURM_COMMAND,
-        "--set-resources",
-        "prepare:mem_mb=100",
-        timeout=600,
-        check=False,
-        env=slurm_env(slurm, copy),
-    )
+    result = run_on_slurm(slurm, copy, "--set-resources", "prepare:mem_mb=100", check=False, timeout_s=600)
     assert result.returncode != 0
     job = submitted(result.stdout)["prepare"]
     message = re.search(rf"asrflow: Slurm job {job} \(prepare stage\) ended (\w+)(.*)", result.stdout)
