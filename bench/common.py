@@ -216,7 +216,7 @@ def repo_params() -> dict:
 
 
 def _data_sections(params: dict) -> dict:
-    return {"seed": params.get("seed", 42), "features": params.get("features"), "tokenizer": params.get("tokenizer")}
+    return {key: params.get(key) for key in ("seed", "prepare", "features", "tokenizer")}
 
 
 def _done(folder: Path) -> bool:
@@ -254,8 +254,9 @@ def prepare_features_tokenizer(root: Path, prepare_config, num_jobs: int = 0, pa
 def yesno_data(work: Path, params: dict | None = None) -> Path:
     """The shipped yesno corpus prepared, with features and tokenizer (cached in ``work``).
 
-    ``params`` (default: params.yaml) gives the features and tokenizer sections; data built
-    with other sections than params.yaml's is cached in a folder of its own.
+    ``params`` (default: params.yaml) gives the seed and the prepare (its ``corpus_dir``
+    aside), features and tokenizer sections; data built with other values than
+    params.yaml's is cached in a folder of its own.
     """
     from asrflow.data.prepare import PrepareConfig
 
@@ -268,7 +269,8 @@ def yesno_data(work: Path, params: dict | None = None) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     with one_thread_per_process():
-        prepare_features_tokenizer(root, PrepareConfig(corpus_dir=str(YESNO_DIR)), num_jobs=1, params=params)
+        section = {**(params or repo_params())["prepare"], "corpus_dir": str(YESNO_DIR)}
+        prepare_features_tokenizer(root, PrepareConfig.from_section(section), num_jobs=1, params=params)
     _mark_done(root)
     return root
 

@@ -41,6 +41,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -55,6 +57,8 @@ from asrflow.errors import AsrflowError
 STORAGE_KEYS = ("storage_path", "storage_key")
 #: Cuts read between two conversions to numpy arrays (and memory checks) while building.
 BUILD_CHUNK = 100_000
+#: Prefix of the scratch folders that hold index stores; the owner's process id follows it.
+STORE_PREFIX = "asrflow-cut-index-"
 #: Building stops with an error when less memory than this is left (bytes).
 MIN_FREE_BYTES = 256 * 1024 * 1024
 
@@ -82,6 +86,32 @@ def _check_memory(manifest: Path, cuts_read: int) -> None:
 
 
 _STORAGE_FIELD = re.compile(rb'"storage_(?:path|key)": ?(?:"(?:[^"\\]|\\.)*"|[-+.0-9eE]+|null)')
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def store_folder(root: str | Path | None = None) -> tempfile.TemporaryDirectory:
+    """A scratch folder for an index's line store, removed when the returned object is.
+
+    Its name holds this process' id (``asrflow-cut-index-<pid>-*`` under ``root``, by default
+    the system's temporary folder). A process killed outright (SIGKILL, the OOM killer, a
+    preempted job) never removes its folder, and each holds an uncompressed copy of the
+    train manifest; so this first removes the folders of processes that no longer exist.
+    """
+    root = Path(root or tempfile.gettempdir())
+    for folder in root.glob(f"{STORE_PREFIX}*-*"):
+        owner = folder.name[len(STORE_PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not _process_alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{STORE_PREFIX}{os.getpid()}-", dir=root)
 
 
 def _content_digest(line: bytes) -> bytes:

@@ -7,7 +7,6 @@ batch plan, datasets and data loader from :meth:`TrainData.build`.
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from lhotse.dataset import GlobalMVN
 from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, steps_in_plan
 from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
-from asrflow.data.index import CutIndex, data_digest
+from asrflow.data.index import CutIndex, data_digest, store_folder
 from asrflow.data.manifests import cuts_path, load_cuts
 from asrflow.data.workers import init_worker, pack_batch
 from asrflow.errors import AsrflowError
@@ -87,7 +86,7 @@ class TrainData:
         max_speed = max(SPEED_FACTORS) if config.speed_perturb else 1.0
         # The train cuts as a compact index (ids, durations, offsets into an uncompressed copy of the
         # manifest): no process, data workers included, holds every cut.
-        store = tempfile.TemporaryDirectory(prefix="asrflow-cut-index-")
+        store = store_folder()
         full_index = CutIndex.build(cuts_path(fbank_dir, "train"), Path(store.name) / "train.jsonl")
         train_cuts, removed = filter_ctc_feasible_index(full_index, tokenizer, features.frame_shift_s, max_speed)
         train_cuts.store_owner = store  # the folder lives as long as the index that reads it

@@ -9,6 +9,10 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +20,7 @@ from lhotse import CutSet
 from lhotse.testing.dummies import dummy_cut
 
 from asrflow.data.batches import TrainingBatches, plan_digest, plan_epoch
-from asrflow.data.index import CutIndex, plan_positions
+from asrflow.data.index import CutIndex, plan_positions, store_folder
 from asrflow.errors import AsrflowError
 from bench.common import cut_entry
 
@@ -171,3 +175,32 @@ def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_pa
     ):
         CutIndex.build(tmp_path / "train_cuts.jsonl.gz", tmp_path / "store" / "train.jsonl")
     assert list((tmp_path / "store").iterdir()) == []
+
+
+def test_a_killed_trainers_index_store_is_removed_by_the_next_one(tmp_path):
+    """SIGKILL skips every clean-up: the next store_folder removes the dead process' folder
+    (an uncompressed manifest copy) and leaves a living process' folder alone."""
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, sys\n"
+            "from asrflow.data.index import store_folder\n"
+            "folder = store_folder(sys.argv[1])\n"
+            "print(folder.name, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    dead_folder = Path(killed.stdout.strip())
+    assert dead_folder.is_dir()
+    living = store_folder(tmp_path)
+    later = store_folder(tmp_path)
+    assert not dead_folder.exists()
+    assert Path(living.name).is_dir() and Path(later.name).is_dir()
+    living.cleanup()
+    later.cleanup()
+    assert list(tmp_path.iterdir()) == []
