@@ -255,15 +255,13 @@ def yesno_data(work: Path, params: dict | None = None) -> Path:
     """The shipped yesno corpus prepared, with features and tokenizer (cached in ``work``).
 
     ``params`` (default: params.yaml) gives the seed and the prepare (its ``corpus_dir``
-    aside), features and tokenizer sections; data built with other values than
-    params.yaml's is cached in a folder of its own.
+    aside), features and tokenizer sections; each set of their values is cached in a folder
+    of its own (so a changed params.yaml never reuses stale data).
     """
     from asrflow.data.prepare import PrepareConfig
 
-    root = work / "yesno"
-    if params is not None and _data_sections(params) != _data_sections(repo_params()):
-        digest = hashlib.sha256(json.dumps(_data_sections(params), sort_keys=True).encode()).hexdigest()
-        root = work / f"yesno-{digest[:10]}"
+    sections = _data_sections(params or repo_params())
+    root = work / f"yesno-{hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:10]}"
     if _done(root):
         return root
     shutil.rmtree(root, ignore_errors=True)
@@ -395,12 +393,38 @@ def generate_corpus(
     return {"utterances": num_utterances, "audio_s": total_s}
 
 
+def data_features(data: Path):
+    """The ``FeatureConfig`` that ``data/fbank`` was computed with (its ``config.json``): what a
+    trainer on ``data`` must be given."""
+    from asrflow.data.features import CONFIG_FILE, FeatureConfig
+
+    return FeatureConfig(**json.loads((data / "fbank" / CONFIG_FILE).read_text()))
+
+
+def params_for(data: Path, params: dict | None = None) -> dict:
+    """``params`` (default: params.yaml) with the ``features`` section ``data`` was computed with."""
+    from dataclasses import asdict
+
+    params = dict(params or repo_params())
+    params["features"] = {**params["features"], **asdict(data_features(data)), "num_jobs": 0}
+    return params
+
+
+def generated_features() -> dict:
+    """The features section of a 16 kHz corpus (presets/real-corpus.yaml's), for generated corpora:
+    params.yaml's are yesno's (8 kHz)."""
+    from asrflow.params import load_params
+
+    return load_params(REPO / "presets" / "real-corpus.yaml")["features"]
+
+
 def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterances: int = 2) -> Path:
-    """A generated corpus of ``num_utterances`` (1-15 s), prepared with features and tokenizer.
+    """A generated corpus of ``num_utterances`` (1-15 s, 16 kHz), prepared with features and tokenizer.
 
     ``dev_utterances`` of them go to dev, 2 to test. Cached in ``work/generated-<n>`` (with
-    ``-dev<k>`` unless k is 2); features use all cores (``num_jobs: 0``) above 500
-    utterances, one thread per process.
+    ``-dev<k>`` unless k is 2); features are a 16 kHz corpus's (:func:`generated_features`;
+    train on them with :func:`data_features` / :func:`params_for`) and use all cores
+    (``num_jobs: 0``) above 500 utterances, one thread per process.
     """
     from asrflow.data.prepare import PrepareConfig
 
@@ -425,7 +449,8 @@ def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterance
         splits={"train": "train", "dev": "dev", "test": "test"},
     )
     with one_thread_per_process():  # small corpora: one process (spawning workers costs more)
-        prepare_features_tokenizer(root, config, num_jobs=0 if num_utterances > 500 else 1)
+        params = {**repo_params(), "features": generated_features()}
+        prepare_features_tokenizer(root, config, num_jobs=0 if num_utterances > 500 else 1, params=params)
     _mark_done(root)
     return root
 

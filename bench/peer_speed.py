@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -73,6 +74,7 @@ from pathlib import Path
 
 from bench.common import (
     REPO,
+    data_features,
     emit,
     generated_data,
     machine,
@@ -379,9 +381,12 @@ def measure(
     params_file: Path,
 ) -> tuple[dict, dict | None]:
     """One corpus: the record to print, and the settings chosen (from the sweep, when one ran)."""
-    params, config, features = configs(quick, epochs, params_file)
+    params, config, _ = configs(quick, epochs, params_file)
+    features = data_features(data)  # generated: a 16 kHz corpus's; yesno: params.yaml's
     seed = int(params.get("seed", 0))
-    batches = work / f"peer-batches-{params_file.stem}-{corpus}-{epochs}-{max_steps}"
+    # Cached per params content and data folder: a changed params.yaml never reuses stale batches.
+    key = hashlib.sha256(params_file.read_bytes() + str(data).encode()).hexdigest()[:10]
+    batches = work / f"peer-batches-{corpus}-{epochs}-{max_steps}-{key}"
     if not (batches / ".done").is_file():
         shutil.rmtree(batches, ignore_errors=True)
         info = dump_batches(data, batches, config, features, seed=seed, max_steps=max_steps)

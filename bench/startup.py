@@ -53,7 +53,18 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench.common import REPO, emit, generated_data, load_average, parse_args, repo_params, rounded, workdir, yesno_data
+from bench.common import (
+    REPO,
+    emit,
+    generated_data,
+    load_average,
+    params_for,
+    parse_args,
+    repo_params,
+    rounded,
+    workdir,
+    yesno_data,
+)
 from bench.peer_speed import _tree_pss
 
 #: Log markers of the breakdown: name -> (logger, text the message starts with or holds).
@@ -89,13 +100,16 @@ def log_marks(text: str) -> dict[str, float]:
     return found
 
 
-def write_params(run_dir: Path, train: dict, code: Path = REPO) -> Path:
-    """params.yaml of the repository ``code`` with ``train`` keys overridden, in ``run_dir``."""
+def write_params(run_dir: Path, train: dict, code: Path = REPO, data: Path | None = None) -> Path:
+    """params.yaml of the repository ``code`` with ``train`` keys overridden, in ``run_dir``;
+    with ``data``, its features section is the one ``data`` was computed with."""
     import yaml
 
     from asrflow.params import load_params
 
     params = load_params(code / "params.yaml") if code != REPO else repo_params()
+    if data is not None:
+        params = params_for(data, params)
     params["train"] = {**params["train"], **train}
     path = run_dir / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
@@ -236,7 +250,7 @@ def measure_workers(
             run_dir = work / "startup-workers" / f"{corpus}-w{workers}-t{threads}{suffix}"
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            write_params(run_dir, {"epochs": 100, **train, "num_workers": workers, "num_threads": threads})
+            write_params(run_dir, {"epochs": 100, **train, "num_workers": workers, "num_threads": threads}, data=data)
             result = launch(run_dir, data, stop_when=_STEP_LINE.format(steps), log=run_dir / "train.log")
             records.append(
                 emit(

@@ -49,6 +49,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.common import (
+    data_features,
     emit,
     generated_data,
     machine,
@@ -242,7 +243,8 @@ def measure(
     """One corpus: returns the records to print."""
     import torch
 
-    params, config, features = configs(quick, num_threads)
+    params, config, _ = configs(quick, num_threads)
+    features = data_features(data)
     seed = int(params.get("seed", 0))
     torch.set_num_threads(config.num_threads)
     exp = work / f"train-throughput-{corpus}"

@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
+from conftest import write_shipped_params
 
-from asrflow.data.features import CMVN_FILE, FeatureConfig, compute_features, load_cmvn
+from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, compute_features, load_cmvn
 from asrflow.data.manifests import load_cuts
-from asrflow.errors import AsrflowError
+from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 
 
 def test_yesno_features_are_80_dim_at_the_target_rate(yesno_data):
@@ -173,3 +174,30 @@ def test_an_unsorted_manifest_is_refused_by_name(tmp_path):
     with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz: cut 'a' comes after 'b'.*re-run prepare"):
         compute_features(tmp_path / "manifests", tmp_path / "fbank", FeatureConfig(num_jobs=1))
     assert not (tmp_path / "fbank").exists()
+
+
+def test_training_on_features_computed_with_other_settings_is_refused_by_name(yesno_data, tmp_path, capsys):
+    """The shipped params (8 kHz, 40 bins) against features computed at 16 kHz / 80 bins:
+    one error naming both keys, before anything is written."""
+    from stages import train
+
+    params = write_shipped_params(tmp_path, {})
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(
+            ["--params", str(params), "--fbank", str(yesno_data / "fbank"), "--lang", str(yesno_data / "lang")]
+            + ["--exp", str(tmp_path / "exp")]
+        )
+    assert exit_info.value.code == EXIT_USER_ERROR
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert "features.sampling_rate = 8000 but 16000 there" in errors[0]
+    assert "features.num_mel_bins = 40 but 80 there" in errors[0]
+    assert "Run the features stage again" in errors[0]
+    assert not (tmp_path / "exp").exists()
+
+
+def test_features_of_the_same_settings_pass_and_an_older_folder_is_not_checked(yesno_data, tmp_path):
+    check_same_features(FeatureConfig(num_jobs=3, on_the_fly=False), yesno_data / "fbank")  # num_jobs: how, not what
+    with pytest.raises(AsrflowError, match=r"features.frame_shift_s = 0.02 but 0.01 there"):
+        check_same_features(FeatureConfig(frame_shift_s=0.02), yesno_data / "fbank")
+    check_same_features(FeatureConfig(num_mel_bins=40), tmp_path)  # no config.json: written before the check

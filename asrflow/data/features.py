@@ -44,6 +44,10 @@ from asrflow.params import check_at_least, check_positive
 logger = logging.getLogger("asrflow.features")
 
 CMVN_FILE = "cmvn.json"
+#: The FeatureConfig a features folder was computed with (JSON), written beside its cuts.
+CONFIG_FILE = "config.json"
+#: FeatureConfig fields that shape the features a model sees (the others only say how they were computed).
+SHAPING_FIELDS = ("sampling_rate", "num_mel_bins", "frame_shift_s", "frame_length_s")
 #: Seconds of audio in a split that justify one more feature-extraction process: one
 #: process extracts about 850 audio seconds per second, and starting one (a fresh Python
 #: importing torch and Lhotse) costs about 2.5 s (bench/RESULTS.md, features).
@@ -128,8 +132,36 @@ def compute_features(manifests_dir: str | Path, output_dir: str | Path, config: 
             counts[split] = _split_features(
                 manifests_dir, split, tmp_dir=tmp_dir, final_dir=output_dir, config=config, workers=workers
             )
-        (tmp_dir / "config.json").write_text(json.dumps(asdict(config), indent=1) + "\n")
+        (tmp_dir / CONFIG_FILE).write_text(json.dumps(asdict(config), indent=1) + "\n")
     return counts
+
+
+def check_same_features(config: FeatureConfig, features_dir: str | Path) -> None:
+    """Refuse to train with ``config`` on features computed with other settings.
+
+    The model's input size and frame rate come from ``config`` (params.yaml's ``features``
+    section); features computed at another rate or bin count would fail deep inside the
+    model, or worse, train on the wrong frame rate. A folder without :data:`CONFIG_FILE`
+    (written by older versions) is not checked.
+
+    Raises:
+        AsrflowError: naming each differing key, its two values and what to do.
+    """
+    path = Path(features_dir) / CONFIG_FILE
+    if not path.is_file():
+        return
+    computed = json.loads(path.read_text())
+    differing = [
+        f"features.{key} = {getattr(config, key)!r} but {computed[key]!r} there"
+        for key in SHAPING_FIELDS
+        if key in computed and computed[key] != getattr(config, key)
+    ]
+    if differing:
+        raise AsrflowError(
+            f"the features in {Path(features_dir)} were computed with other settings than params.yaml's: "
+            f"{'; '.join(differing)}. Run the features stage again (dvc repro, or snakemake), or give "
+            "the params those features were computed with"
+        )
 
 
 class ExtractionWorkers:

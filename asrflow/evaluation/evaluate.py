@@ -11,6 +11,7 @@ from pathlib import Path
 from lhotse import CutSet
 
 from asrflow.bundle import Bundle, load_bundle
+from asrflow.data.features import check_same_features
 from asrflow.data.manifests import cut_text, cuts_path, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
 from asrflow.evaluation.metrics import score_corpus
@@ -121,6 +122,7 @@ def evaluate(
     """Decode ``fbank_dir``'s test split with ``config.decoder``, write the report into ``out_dir``,
     log it to the training's MLflow run (``tracking_uri``, else MLflow's default store)."""
     bundle = load_bundle(model_path)
+    check_same_features(bundle.features, fbank_dir)
     cuts = load_cuts(fbank_dir, "test").to_eager()
     refs = {cut.id: cut_text(cut) for cut in cuts}
     hyps, rtf = decode_split(bundle, cuts, config)

@@ -15,7 +15,7 @@ import torch
 from lhotse.dataset import GlobalMVN
 
 from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, steps_in_plan
-from asrflow.data.features import CMVN_FILE, FeatureConfig, load_cmvn
+from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
 from asrflow.data.index import CutIndex, data_digest, store_folder
 from asrflow.data.manifests import cuts_path, load_cuts
@@ -77,6 +77,7 @@ class TrainData:
     ) -> TrainData:
         """Read the features and tokenizer stages' outputs and make this rank's data."""
         _check_options(config, features)
+        check_same_features(features, fbank_dir)
         tokenizer_path = Path(lang_dir) / MODEL_FILE
         if not tokenizer_path.is_file():
             raise AsrflowError(f"{tokenizer_path} not found: run the tokenizer stage first")
