@@ -53,7 +53,8 @@ A peer that cannot be installed is reported as ``"status": "peer unavailable"`` 
 reason, and no ratio; ``--quick`` still exits 0 then.
 
 Usage: ``python -m bench.peer_speed [--quick] [--workdir DIR] [--epochs N] [--corpora generated yesno]
-[--params FILE]``.
+[--params FILE] [--settings 2x0 2x0]`` (``--settings``: each side's THREADSxWORKERS instead of the
+sweep, for re-measuring at settings a sweep on a busy machine did not pick).
 """
 
 from __future__ import annotations
@@ -468,6 +469,17 @@ def measure(
     return record, settings
 
 
+def fixed_settings(values: list[str]) -> dict:
+    """``["2x0", "1x0"]`` -> each side's ``num_threads`` and ``num_workers``."""
+    settings = {}
+    for side, value in zip(SIDES, values, strict=True):
+        threads, _, workers = value.partition("x")
+        if not (threads.isdigit() and workers.isdigit() and int(threads) > 0):
+            raise SystemExit(f"--settings {value}: give THREADSxWORKERS, e.g. 2x0")
+        settings[side] = {"num_threads": int(threads), "num_workers": int(workers)}
+    return settings
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
@@ -491,13 +503,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "e.g. presets/real-corpus.yaml)",
         )
 
+        parser.add_argument(
+            "--settings",
+            nargs=2,
+            metavar=("ASRFLOW", "SPEECHBRAIN"),
+            default=None,
+            help="THREADSxWORKERS of each side, e.g. 2x0 2x0: no sweep (default: sweep and take the fastest)",
+        )
+
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"
     out = []
     peer_problem = install_peer()
     with workdir(args.workdir) as work:
         out.append(emit({"benchmark": "machine", **machine()}))
-        settings = None
+        settings = fixed_settings(args.settings) if args.settings else None
         for corpus, epochs, max_steps in PLANS[mode]:
             if args.corpora and corpus not in args.corpora:
                 continue
