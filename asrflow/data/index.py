@@ -36,6 +36,7 @@ and features give the same digest whatever the job layout or manifest order.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import json
@@ -57,8 +58,9 @@ from asrflow.errors import AsrflowError
 STORAGE_KEYS = ("storage_path", "storage_key")
 #: Cuts read between two conversions to numpy arrays (and memory checks) while building.
 BUILD_CHUNK = 100_000
-#: Prefix of the scratch folders that hold index stores; the owner's process id follows it.
+#: Prefix of the scratch folders that hold index stores, and the lock file their owner holds.
 STORE_PREFIX = "asrflow-cut-index-"
+STORE_LOCK = ".owner.lock"
 #: Building stops with an error when less memory than this is left (bytes).
 MIN_FREE_BYTES = 256 * 1024 * 1024
 
@@ -88,30 +90,51 @@ def _check_memory(manifest: Path, cuts_read: int) -> None:
 _STORAGE_FIELD = re.compile(rb'"storage_(?:path|key)": ?(?:"(?:[^"\\]|\\.)*"|[-+.0-9eE]+|null)')
 
 
-def _process_alive(pid: int) -> bool:
+class _StoreFolder(tempfile.TemporaryDirectory):
+    """A temporary folder whose owner holds an exclusive ``flock`` on its :data:`STORE_LOCK` file
+    for as long as it lives. The kernel drops the lock when the owner dies however it dies, so
+    a lock that can be taken marks a folder nobody owns (whatever PID namespace the owner ran in)."""
+
+    def __init__(self, root: Path):
+        super().__init__(prefix=STORE_PREFIX, dir=root)
+        # Locked before it gets its name: no other process ever sees the file unlocked.
+        handle = tempfile.NamedTemporaryFile(dir=self.name, delete=False)  # noqa: SIM115 (held while the folder lives)
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        os.rename(handle.name, Path(self.name) / STORE_LOCK)
+        self._lock = handle
+
+    def cleanup(self) -> None:
+        self._lock.close()
+        super().cleanup()
+
+
+def _owned(folder: Path) -> bool:
+    """Whether a living process holds ``folder``'s lock (a folder without one is being made)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
+        handle = (folder / STORE_LOCK).open("rb")
+    except FileNotFoundError:
         return True
-    return True
+    with handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False
 
 
 def store_folder(root: str | Path | None = None) -> tempfile.TemporaryDirectory:
     """A scratch folder for an index's line store, removed when the returned object is.
 
-    Its name holds this process' id (``asrflow-cut-index-<pid>-*`` under ``root``, by default
-    the system's temporary folder). A process killed outright (SIGKILL, the OOM killer, a
-    preempted job) never removes its folder, and each holds an uncompressed copy of the
-    train manifest; so this first removes the folders of processes that no longer exist.
+    A process killed outright (SIGKILL, the OOM killer, a preempted job) never removes its
+    folder, and each holds an uncompressed copy of the train manifest; so this first removes
+    the ``asrflow-cut-index-*`` folders under ``root`` (default: the system's temporary
+    folder) that no living process holds (see :class:`_StoreFolder`).
     """
     root = Path(root or tempfile.gettempdir())
-    for folder in root.glob(f"{STORE_PREFIX}*-*"):
-        owner = folder.name[len(STORE_PREFIX) :].split("-", 1)[0]
-        if owner.isdigit() and not _process_alive(int(owner)):
+    for folder in root.glob(f"{STORE_PREFIX}*"):
+        if folder.is_dir() and not _owned(folder):
             shutil.rmtree(folder, ignore_errors=True)
-    return tempfile.TemporaryDirectory(prefix=f"{STORE_PREFIX}{os.getpid()}-", dir=root)
+    return _StoreFolder(root)
 
 
 def _content_digest(line: bytes) -> bytes:

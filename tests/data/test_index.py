@@ -178,8 +178,9 @@ def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_pa
 
 
 def test_a_killed_trainers_index_store_is_removed_by_the_next_one(tmp_path):
-    """SIGKILL skips every clean-up: the next store_folder removes the dead process' folder
-    (an uncompressed manifest copy) and leaves a living process' folder alone."""
+    """SIGKILL skips every clean-up, but the kernel drops the dead process' lock: the next
+    store_folder removes its folder (an uncompressed manifest copy) and leaves the folders of
+    a living process (this one) alone."""
     killed = subprocess.run(
         [
             sys.executable,

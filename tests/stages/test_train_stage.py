@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 from conftest import write_shipped_params
 
 from asrflow.bundle import load_bundle
+from asrflow.data.features import FeatureConfig
 from asrflow.errors import EXIT_USER_ERROR
 from stages.train import main
 
@@ -30,7 +33,9 @@ TINY = {
 
 @pytest.fixture
 def tiny_params(tmp_path):
-    return write_shipped_params(tmp_path, {f"train.{key}": value for key, value in TINY.items()})
+    """The shipped params with the TINY run and the features of conftest's ``yesno_data`` (the defaults)."""
+    features = {f"features.{key}": value for key, value in asdict(FeatureConfig()).items()}
+    return write_shipped_params(tmp_path, {**features, **{f"train.{key}": value for key, value in TINY.items()}})
 
 
 def error_lines(stderr: str) -> list[str]:
