@@ -106,3 +106,19 @@ def test_bytecode_caches_are_not_code_changes(snakemake_run, dvc_run):
             for cache in [*copy.glob("asrflow/**/__pycache__"), *copy.glob("stages/__pycache__")]:
                 shutil.rmtree(cache, ignore_errors=True)
     assert seen == {"snakemake": set(), "dvc": set()}
+
+
+@pytest.mark.parametrize(("path", "expected"), [("exp/model.pt", FROM_TRAIN), ("data/lang", FROM_TOKENIZER)])
+def test_a_missing_output_reruns_its_stage_and_downstream(snakemake_run, dvc_run, *, path, expected):
+    """A stage that failed or was stopped leaves its output missing (Snakemake removes it before
+    the job; DVC too): the next run must make it again, although everything downstream is
+    present and up to date."""
+    copies = (snakemake_run.copy, dvc_run.copy)
+    try:
+        for copy in copies:
+            (copy / path).rename(copy / f"{path}.aside")
+        seen = would_run(snakemake_run, dvc_run)
+    finally:
+        for copy in copies:
+            (copy / f"{path}.aside").rename(copy / path)
+    assert seen == {"snakemake": expected, "dvc": expected}, f"with {path} missing"

@@ -73,6 +73,21 @@ def stage_outputs(stage):
     return outputs
 
 
+def every_output():
+    """Every stage's outputs (persisted ones aside): the pipeline's targets. Snakemake re-makes
+    a missing file only when a target needs it, and a file whose consumers are all up to date
+    is not needed: with metrics.json alone as the target, a train stage that failed or was
+    stopped (Snakemake removes its model first) left "Nothing to be done" and no model.
+    DVC checks every stage's outs the same way."""
+    return [
+        path
+        for stage in DVC_STAGES.values()
+        for out in stage.get("outs", [])
+        for path, options in [next(iter(out.items())) if isinstance(out, dict) else (out, {})]
+        if not options.get("persist")
+    ]
+
+
 def stage_params(stage):
     """The params.yaml sections and keys the stage declares, so a change re-runs it."""
     return {_name(key): config[key] for key in DVC_STAGES[stage]["params"]}
