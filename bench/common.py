@@ -260,14 +260,15 @@ def yesno_data(work: Path, params: dict | None = None) -> Path:
     """
     from asrflow.data.prepare import PrepareConfig
 
-    sections = _data_sections(params or repo_params())
+    params = params or repo_params()
+    sections = _data_sections(params)
     root = work / f"yesno-{hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:10]}"
     if _done(root):
         return root
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     with one_thread_per_process():
-        section = {**(params or repo_params())["prepare"], "corpus_dir": str(YESNO_DIR)}
+        section = {**params["prepare"], "corpus_dir": str(YESNO_DIR)}
         prepare_features_tokenizer(root, PrepareConfig.from_section(section), num_jobs=1, params=params)
     _mark_done(root)
     return root

@@ -148,14 +148,13 @@ def peer_env() -> dict[str, str]:
 
 
 def configs(quick: bool, epochs: int, params_file: Path):
-    """``params_file``, its TrainConfig (tiny model with ``quick``; ``epochs``) and FeatureConfig."""
-    from asrflow.data.features import FeatureConfig
+    """``params_file`` and its TrainConfig (tiny model with ``quick``; ``epochs``). The features
+    are those each corpus was computed with (:func:`bench.common.data_features`)."""
     from asrflow.params import build_config, load_params
     from asrflow.training.config import TrainConfig
 
     params = load_params(params_file)
     train = build_config(TrainConfig, params.get("train"), "train")
-    features = build_config(FeatureConfig, params.get("features"), "features")
     train = replace(
         train,
         epochs=epochs,
@@ -166,7 +165,7 @@ def configs(quick: bool, epochs: int, params_file: Path):
         average_last=1,
         **(TINY_MODEL if quick else {}),
     )
-    return params, train, features
+    return params, train
 
 
 def dump_batches(data: Path, out: Path, config, features, *, seed: int, max_steps: int | None) -> dict:
@@ -382,7 +381,7 @@ def measure(
     params_file: Path,
 ) -> tuple[dict, dict | None]:
     """One corpus: the record to print, and the settings chosen (from the sweep, when one ran)."""
-    params, config, _ = configs(quick, epochs, params_file)
+    params, config = configs(quick, epochs, params_file)
     features = data_features(data)  # generated: a 16 kHz corpus's; yesno: params.yaml's
     seed = int(params.get("seed", 0))
     # Cached per params content and data folder: a changed params.yaml never reuses stale batches.

@@ -76,19 +76,18 @@ TINY_MODEL = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "co
 
 
 def configs(quick: bool, num_threads: int | None = None):
-    """params.yaml, and its TrainConfig (tiny model with ``quick``) and FeatureConfig."""
-    from asrflow.data.features import FeatureConfig
+    """params.yaml and its TrainConfig (tiny model with ``quick``). The features are those each
+    corpus was computed with (:func:`bench.common.data_features`)."""
     from asrflow.params import build_config
     from asrflow.training.config import TrainConfig
 
     params = repo_params()
     train = build_config(TrainConfig, params.get("train"), "train")
-    features = build_config(FeatureConfig, params.get("features"), "features")
     # Enough epochs for any step count (the loop is stopped), one process.
     train = replace(train, epochs=1000, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}))
     if num_threads:
         train = replace(train, num_threads=num_threads)
-    return params, train, features
+    return params, train
 
 
 class PlannedBatches:
@@ -243,7 +242,7 @@ def measure(
     """One corpus: returns the records to print."""
     import torch
 
-    params, config, _ = configs(quick, num_threads)
+    params, config = configs(quick, num_threads)
     features = data_features(data)
     seed = int(params.get("seed", 0))
     torch.set_num_threads(config.num_threads)

@@ -5,7 +5,7 @@ on the shipped yesno corpus (``python -m stages.train``, then ``python -m stages
 each a process of its own as the pipeline runs them). The seed draws the model's initial
 weights, the batch order, the augmentation and, as in the pipeline, which train utterances
 the prepare stage moves to dev; prepare, features and tokenizer run once per seed and per
-``features.*`` / ``tokenizer.*`` override, cached in ``--workdir``.
+``prepare.*`` / ``features.*`` / ``tokenizer.*`` override, cached in ``--workdir``.
 
 Record ``yesno_seed`` per seed: ``test_wer``, ``train_s`` (the train stage's wall time),
 ``left_plateau_at_step`` (the first logged step whose train loss per token is below 0.5:

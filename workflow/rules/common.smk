@@ -7,11 +7,15 @@ from pathlib import Path
 import yaml
 
 DVC_STAGES = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]
-PRODUCED = {
-    (next(iter(out)) if isinstance(out, dict) else out)
-    for stage in DVC_STAGES.values()
-    for out in stage.get("outs", [])
-}
+
+
+def _outs(stage):
+    """``(path, options)`` of each of ``stage``'s dvc.yaml outs (``options`` such as ``persist``)."""
+    for out in DVC_STAGES[stage].get("outs", []):
+        yield next(iter(out.items())) if isinstance(out, dict) else (out, {})
+
+
+PRODUCED = {path for stage in DVC_STAGES for path, _ in _outs(stage)}
 
 
 def _resolve(text):
@@ -59,8 +63,7 @@ def stage_outputs(stage):
     """Named outputs; persisted outs (checkpoints) are left to the stage, never deleted;
     those in REPORTED are marked for Snakemake's report."""
     outputs = {}
-    for out in DVC_STAGES[stage]["outs"]:
-        path, options = next(iter(out.items())) if isinstance(out, dict) else (out, {})
+    for path, options in _outs(stage):
         if options.get("persist"):
             continue
         if path in REPORTED:
@@ -79,13 +82,7 @@ def every_output():
     is not needed: with metrics.json alone as the target, a train stage that failed or was
     stopped (Snakemake removes its model first) left "Nothing to be done" and no model.
     DVC checks every stage's outs the same way."""
-    return [
-        path
-        for stage in DVC_STAGES.values()
-        for out in stage.get("outs", [])
-        for path, options in [next(iter(out.items())) if isinstance(out, dict) else (out, {})]
-        if not options.get("persist")
-    ]
+    return [path for stage in DVC_STAGES for path, options in _outs(stage) if not options.get("persist")]
 
 
 def stage_params(stage):
