@@ -43,6 +43,7 @@ Usage: ``python -m bench.train_throughput [--quick] [--workdir DIR] [--num-threa
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from dataclasses import replace
@@ -120,15 +121,20 @@ def build(config, features, seed: int, vocab_size: int):
     return model, optimizer
 
 
-def bare_step(model, optimizer, micro_batches: list[dict]) -> float:
-    """Forward, CTC loss, backward over the micro-batches, then the optimizer step; wall seconds."""
+def bare_step(model, optimizer, micro_batches: list[dict], precision=None) -> float:
+    """Forward, CTC loss, backward over the micro-batches, then the optimizer step; wall seconds.
+
+    ``precision``: a :class:`~asrflow.training.precision.PrecisionPolicy` whose autocast the
+    forward pass runs under, as the train loop's does (None: fp32).
+    """
     from asrflow.training.step import ctc_loss_sum
 
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     tokens = micro_batches[0]["step_tokens"]
     for batch in micro_batches:
-        log_probs, out_lens = model(batch["features"], batch["feature_lens"])  # (N, T', V), (N,)
+        with precision.autocast() if precision is not None else contextlib.nullcontext():
+            log_probs, out_lens = model(batch["features"], batch["feature_lens"])  # (N, T', V), (N,)
         (ctc_loss_sum(log_probs, out_lens, batch) / tokens).backward()
     optimizer.step()
     return time.perf_counter() - start

@@ -2,14 +2,17 @@
 
 ``auto`` picks bfloat16 autocast on CUDA devices of compute capability 8.0 or higher
 (Ampere and newer have bf16 tensor cores and fp32's exponent range, so no loss scaling),
-and fp32 on older GPUs (V100, T4: fp16's range of about +-65504 overflows in long runs)
-and on the CPU. ``fp16`` always runs with a dynamic gradient scaler.
+and fp32 on older GPUs (V100, T4: fp16's range of about +-65504 overflows in long runs).
+On the CPU it picks bf16 where the CPU has native bf16 instructions (``avx512_bf16`` or
+``amx_bf16`` in /proc/cpuinfo), and fp32 elsewhere. Measured with ``bench.cpu_precision``
+(bench/RESULTS.md): on an AVX-512 BF16 CPU bf16 steps ran 1.09-1.13x fp32's audio seconds
+per second with params.yaml's model and 1.75x with the real-corpus preset's; on a CPU
+without them (AVX2) bf16 trained yesno at 6.5 audio s/s against about 40 in fp32, because
+the bf16 matmuls are emulated. fp16 is never automatic on the CPU (5-10x slower than fp32
+on both) and always runs with a dynamic gradient scaler.
 
-On the CPU ``auto`` stays fp32: on the development machine (AMD EPYC, AVX2, no AVX-512
-BF16) bf16 autocast trained yesno at 6.5 audio s/s and fp16 at 4.8 against about 40 in
-fp32 (issue 12); CPUs without native bf16 matmuls emulate it. Whatever the precision, the
-model's CTC head (its log-softmax) and the CTC loss run in fp32
-(:meth:`asrflow.model.conformer_ctc.ConformerCtc.output`), so reduced precision never
+Whatever the precision, the model's CTC head (its log-softmax) and the CTC loss run in
+fp32 (:meth:`asrflow.model.conformer_ctc.ConformerCtc.output`), so reduced precision never
 rounds the log-probabilities the loss sees.
 """
 
@@ -18,12 +21,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from asrflow.errors import AsrflowError
 
 CHOICES = ("auto", "fp32", "bf16", "fp16")
+#: /proc/cpuinfo flags of native bf16 matrix instructions (AVX-512 BF16: Cooper Lake, Zen 4 and later; AMX).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -53,13 +59,20 @@ class PrecisionPolicy:
         return torch.amp.GradScaler(self.device_type, enabled=self.uses_scaler)
 
 
-def resolve_precision(requested: str, device_type: str, capability: tuple[int, int] | None) -> PrecisionPolicy:
+def resolve_precision(
+    requested: str,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    cpu_bf16_flags: tuple[str, ...] = (),
+) -> PrecisionPolicy:
     """Apply the policy.
 
     Args:
         requested: ``train.precision`` (auto, fp32, bf16 or fp16).
         device_type: ``"cuda"`` or ``"cpu"``.
         capability: the CUDA compute capability (major, minor), or None off CUDA.
+        cpu_bf16_flags: the CPU's native bf16 instruction sets (:func:`native_bf16_cpu_flags`);
+            only read for ``auto`` on the CPU.
     """
     if requested not in CHOICES:
         raise AsrflowError(f"params.yaml: train.precision = {requested!r}; use one of {', '.join(CHOICES)}")
@@ -72,7 +85,18 @@ def resolve_precision(requested: str, device_type: str, capability: tuple[int, i
     if device_type == "cuda":
         cap = f"{capability[0]}.{capability[1]}" if capability else "unknown"
         return PrecisionPolicy("fp32", device_type, f"auto: GPU compute capability {cap} < 8.0 lacks bf16")
-    return PrecisionPolicy("fp32", device_type, "auto: fp32 on the CPU")
+    if cpu_bf16_flags:
+        return PrecisionPolicy("bf16", device_type, f"auto: the CPU has native bf16 ({', '.join(cpu_bf16_flags)})")
+    return PrecisionPolicy("fp32", device_type, "auto: fp32 on a CPU without native bf16 (it would be emulated)")
+
+
+def native_bf16_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The native bf16 instruction sets this CPU lists (:data:`NATIVE_BF16_FLAGS`); () when none or unreadable."""
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:
+        return ()
+    return tuple(flag for flag in NATIVE_BF16_FLAGS if flag in flags)
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

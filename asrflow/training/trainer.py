@@ -42,7 +42,12 @@ from asrflow.training.final_model import write_final_model
 from asrflow.training.guards import NonFiniteGuard, RollbackNeeded
 from asrflow.training.observers import TrainObserver
 from asrflow.training.paths import TrainPaths
-from asrflow.training.precision import device_capability, precision_change_tags, resolve_precision
+from asrflow.training.precision import (
+    device_capability,
+    native_bf16_cpu_flags,
+    precision_change_tags,
+    resolve_precision,
+)
 from asrflow.training.progress import LossHistory, PlanPosition, Progress, RandomState
 from asrflow.training.resume import build_fingerprint, training_params
 from asrflow.training.rng import seed_everything
@@ -105,7 +110,12 @@ class Trainer:
         )
         self.model_config = config.model(self.features.num_mel_bins, self.data.tokenizer.vocab_size)
         self.model = build_model(self.model_config).to(self.device)
-        self.precision = resolve_precision(config.precision, self.device.type, device_capability(self.device))
+        self.precision = resolve_precision(
+            config.precision,
+            self.device.type,
+            device_capability(self.device),
+            native_bf16_cpu_flags() if self.device.type == "cpu" else (),
+        )
         self.optimizer = build_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
         self.scaler = self.precision.grad_scaler()

@@ -36,8 +36,16 @@ from asrflow.training.trainer import Trainer
 from asrflow.training.watchdog import write_stacks
 
 #: Shared by every run that is compared: 2 epochs (6 + 5 steps with 2 ranks), checkpoints every 4 steps.
+#: fp32 whatever ``auto`` picks on this CPU: the tolerances below are float32's (under bf16 autocast
+#: the same summation-order noise is rounded to 8 mantissa bits and grows past them in 11 steps).
 BASE = dict(
-    epochs=2, max_duration_s=12.0, checkpoint_every_steps=4, validate_every_steps=4, keep_last=50, average_last=1
+    epochs=2,
+    max_duration_s=12.0,
+    checkpoint_every_steps=4,
+    validate_every_steps=4,
+    keep_last=50,
+    average_last=1,
+    precision="fp32",
 )
 DDP = dict(BASE, accum_grad=2)
 # DDP vs one process: float32 sums in another order (each rank's sum, gloo's all-reduce, DDP's
@@ -365,5 +373,7 @@ def test_a_killed_data_worker_ends_the_job_with_a_clear_message(yesno_data, tmp_
     job = jobs(yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_KILL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
     code, log = _ends_cleanly(job)
     assert code != 0, log
-    assert re.search(r"\[rank 1\] .*stopping: a data worker died \((DataLoader worker|ConnectionResetError)", log), log
+    # The DataLoader's own error, or the pipe's (the worker killed mid-transfer): both are named.
+    worker_died = r"\[rank 1\] .*stopping: a data worker died \((DataLoader worker|ConnectionResetError|EOFError)"
+    assert re.search(worker_died, log), log
     assert re.search(r"\[rank 0\] .*stopping: a collective with the other ranks failed", log), log

@@ -94,10 +94,13 @@ def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
 def _fast_wer_run(data: Path, exp: Path, **overrides) -> tuple[dict, float]:
     """A run that learns yesno in 6 epochs (about 100 steps): the wide [d_model, d_model] front end
     without the norm, lr 0.01 and a drawn blank bias. The shipped recipe needs about 100 steps at
-    24 s batches just to leave CTC's plateau (bench/RESULTS.md), and this test is about the NaN step."""
+    24 s batches just to leave CTC's plateau (bench/RESULTS.md), and this test is about the NaN step.
+    In fp32 whatever ``auto`` picks: the 5-point WER tolerance is fp32's run-to-run spread of this
+    unconverged model (7-13 % WER); bf16's rounding makes the two runs drift further apart."""
     summary = _train(
         data,
         exp,
+        precision="fp32",
         subsampling_channels=None,
         subsampling_norm=False,
         blank_bias_init=None,

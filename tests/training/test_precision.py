@@ -21,31 +21,37 @@ from train_entry import fresh_mlflow_store
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
-from asrflow.training.precision import resolve_precision
+from asrflow.training.precision import native_bf16_cpu_flags, resolve_precision
 from asrflow.training.trainer import Trainer
+
+AVX512_BF16 = ("avx512_bf16",)
 
 
 @pytest.mark.parametrize(
-    ("requested", "device_type", "capability", "name", "scaler"),
+    ("requested", "device_type", "capability", "cpu_bf16", "name", "scaler"),
     [
-        ("auto", "cuda", (9, 0), "bf16", False),  # H100
-        ("auto", "cuda", (8, 0), "bf16", False),  # A100
-        ("auto", "cuda", (8, 6), "bf16", False),  # RTX 30xx
-        ("auto", "cuda", (7, 5), "fp32", False),  # T4
-        ("auto", "cuda", (7, 0), "fp32", False),  # V100
-        ("auto", "cuda", (6, 1), "fp32", False),  # P40
-        ("auto", "cuda", None, "fp32", False),
-        ("auto", "cpu", None, "fp32", False),
-        ("fp32", "cuda", (9, 0), "fp32", False),
-        ("bf16", "cpu", None, "bf16", False),
-        ("bf16", "cuda", (7, 0), "bf16", False),  # explicit choices are obeyed
-        ("fp16", "cuda", (9, 0), "fp16", True),
-        ("fp16", "cuda", (7, 0), "fp16", True),
-        ("fp16", "cpu", None, "fp16", True),
+        ("auto", "cuda", (9, 0), (), "bf16", False),  # H100
+        ("auto", "cuda", (8, 0), (), "bf16", False),  # A100
+        ("auto", "cuda", (8, 6), (), "bf16", False),  # RTX 30xx
+        ("auto", "cuda", (7, 5), (), "fp32", False),  # T4
+        ("auto", "cuda", (7, 0), (), "fp32", False),  # V100
+        ("auto", "cuda", (6, 1), (), "fp32", False),  # P40
+        ("auto", "cuda", None, (), "fp32", False),
+        ("auto", "cpu", None, (), "fp32", False),  # AVX2: bf16 would be emulated (6x slower)
+        ("auto", "cpu", None, AVX512_BF16, "bf16", False),  # native bf16: 1.1-1.75x fp32
+        ("auto", "cpu", None, ("avx512_bf16", "amx_bf16"), "bf16", False),
+        ("auto", "cuda", (7, 0), AVX512_BF16, "fp32", False),  # the CPU's flags do not decide for a GPU
+        ("fp32", "cuda", (9, 0), (), "fp32", False),
+        ("fp32", "cpu", None, AVX512_BF16, "fp32", False),
+        ("bf16", "cpu", None, (), "bf16", False),
+        ("bf16", "cuda", (7, 0), (), "bf16", False),  # explicit choices are obeyed
+        ("fp16", "cuda", (9, 0), (), "fp16", True),
+        ("fp16", "cuda", (7, 0), (), "fp16", True),
+        ("fp16", "cpu", None, AVX512_BF16, "fp16", True),
     ],
 )
-def test_resolve_precision_table(requested, device_type, capability, name, scaler):
-    policy = resolve_precision(requested, device_type, capability)
+def test_resolve_precision_table(requested, device_type, capability, cpu_bf16, name, scaler):
+    policy = resolve_precision(requested, device_type, capability, cpu_bf16)
     assert policy.name == name
     assert policy.device_type == device_type
     assert policy.uses_scaler is scaler
@@ -55,6 +61,34 @@ def test_resolve_precision_table(requested, device_type, capability, name, scale
     assert policy.reason  # logged and tagged in MLflow: says why
     if requested == "auto":
         assert policy.reason.startswith("auto")
+    if requested == "auto" and device_type == "cpu" and cpu_bf16:
+        assert all(flag in policy.reason for flag in cpu_bf16)
+
+
+def test_native_bf16_flags_are_read_from_cpuinfo(tmp_path):
+    zen4 = tmp_path / "zen4"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\n")
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx2 fma avx512_vnni_x\n")
+    sapphire = tmp_path / "sapphire"
+    sapphire.write_text("flags\t\t: avx512f amx_tile amx_bf16 amx_int8 avx512_bf16\n")
+    assert native_bf16_cpu_flags(zen4) == ("avx512_bf16",)
+    assert native_bf16_cpu_flags(avx2) == ()
+    assert native_bf16_cpu_flags(sapphire) == ("avx512_bf16", "amx_bf16")
+    assert native_bf16_cpu_flags(tmp_path / "missing") == ()  # not Linux: fp32, never a crash
+
+
+def test_the_trainer_resolves_auto_from_this_cpu(yesno_data, tmp_path):
+    """``auto`` on this machine trains in what its CPU flags say: bf16 with native bf16, else fp32."""
+    config = tiny_train_config(precision="auto", epochs=1, validate_every_steps=0)
+    summary = Trainer(
+        config,
+        FeatureConfig(),
+        seed=42,
+        paths=train_paths(yesno_data, tmp_path),
+        tracking_uri=fresh_mlflow_store(tmp_path),
+    ).run()
+    assert summary["precision"] == ("bf16" if native_bf16_cpu_flags() else "fp32")
 
 
 @pytest.mark.parametrize("bad", ["fp64", "AUTO", "", "float16"])
