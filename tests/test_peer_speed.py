@@ -59,3 +59,20 @@ def test_unavailable_peer_is_reported_and_quick_exits_zero(tmp_path):
         assert "speechbrain==0.0.0.dev0" in record["reason"]
         assert "ratio" not in record and "speechbrain" not in record
         assert record["asrflow"]["audio_s_per_s"] > 0
+
+
+def test_the_sweep_picks_each_side_by_its_best_round():
+    """A load spike in one round does not decide: 2 threads lost round 1 to a spike and wins on its best round."""
+    from bench.peer_speed import pick_settings
+
+    best, figures = pick_settings(
+        {
+            ("asrflow", 1, 0): [150.0, 152.0],
+            ("asrflow", 2, 0): [180.0, None],  # round 2 gave no figure
+            ("speechbrain", 1, 0): [82.8, 81.0],
+            ("speechbrain", 2, 0): [60.0, 113.0],
+        }
+    )
+    assert best["asrflow"]["num_threads"] == 2 and best["asrflow"]["audio_s_per_s"] == 180.0
+    assert best["speechbrain"]["num_threads"] == 2 and best["speechbrain"]["audio_s_per_s"] == 113.0
+    assert [row["audio_s_per_s_of_each_round"] for row in figures["speechbrain"]] == [[82.8, 81.0], [60.0, 113.0]]
