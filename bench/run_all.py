@@ -32,6 +32,7 @@ from bench.common import REPO, emit, load_average, machine, workdir
 MODULES = [
     ("padding", "bench.padding"),
     ("train_throughput", "bench.train_throughput"),  # also prints matmul_fp32 and data_wait
+    ("cpu_precision", "bench.cpu_precision"),  # fp32 / bf16 / fp16 steps: what precision auto picks on this CPU
     ("features_speed", "bench.features_speed"),
     ("decode_rtf", "bench.decode_rtf"),
     ("pipeline_overhead", "bench.pipeline_overhead"),

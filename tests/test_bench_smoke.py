@@ -29,6 +29,7 @@ FIGURES = {
         "mfu_bare",
     ],
     "data_wait": ["data_wait_fraction"],
+    "cpu_precision": ["audio_s_per_s", "ratio_to_fp32"],
     "padding": ["padding_ratio", "baseline_random_padding_ratio", "ratio"],
     "features_speed": ["audio_s_per_s", "speedup", "input_rates"],
     "scale": [
