@@ -61,7 +61,7 @@ def cases(work: Path, quick: bool, steps: int) -> list[tuple[str, Path, object, 
     ]
 
 
-def measure(name: str, data: Path, config, timed: int, threads: int) -> list[dict]:
+def measure(name: str, data: Path, config, *, timed: int, threads: int) -> list[dict]:
     """Every precision's step time on the same ``timed`` batches (plus one warm-up); one record each."""
     import torch
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = [emit({"benchmark": "machine", **machine(), "cpu_bf16": list(flags), "auto_picks": auto.name})]
     with workdir(args.workdir) as work:
         for name, data, config, timed in cases(work, args.quick, args.steps):
-            out += [emit(record) for record in measure(name, data, config, timed, args.threads)]
+            out += [emit(record) for record in measure(name, data, config, timed=timed, threads=args.threads)]
     return out
 
 
