@@ -9,13 +9,13 @@ AdamW) on the same planned batches, the precisions in turn, batch after batch, s
 precision sees the same load. The first batch of each is a warm-up and is not timed.
 
 Record ``cpu_precision`` per case and precision: ``audio_s_per_s`` (audio seconds of the
-timed batches / their summed step seconds) and ``ratio_to_fp32``; ``cpu_bf16`` says
-whether the CPU has native bf16 instructions (``avx512_bf16``, ``amx_bf16`` in
-/proc/cpuinfo): without them bf16 is emulated and can only be slower. The ``machine``
-record says what ``train.precision: auto`` picks on this CPU (``auto_picks``).
+timed batches / their summed step seconds) and ``ratio_to_fp32``. The ``machine`` record
+says whether the CPU has native bf16 instructions (``cpu_bf16``: ``avx512_bf16``,
+``amx_bf16`` in /proc/cpuinfo; without them bf16 is emulated and can only be slower) and
+what ``train.precision: auto`` picks on this CPU (``auto_picks``).
 
 Usage: ``python -m bench.cpu_precision [--quick] [--workdir DIR] [--steps N]``
-(about 5 minutes on 2 cores; ``--quick``: a tiny model, 2 batches, generated corpus only).
+(about 3 minutes on 2 cores; ``--quick``: a tiny model, 2 batches, generated corpus only).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def measure(name: str, data: Path, config, *, timed: int, threads: int) -> list[
     import torch
 
     from asrflow.model.conformer_ctc import count_parameters
-    from asrflow.training.precision import native_bf16_cpu_flags, resolve_precision
+    from asrflow.training.precision import resolve_precision
     from bench.train_throughput import PlannedBatches, bare_step, build
 
     torch.set_num_threads(threads)
@@ -74,7 +74,8 @@ def measure(name: str, data: Path, config, *, timed: int, threads: int) -> list[
     planned = PlannedBatches(data, config, features, seed=0)
     vocab_size = planned.tokenizer.vocab_size
     runs = {
-        name: (resolve_precision(name, "cpu", None), *build(config, features, 0, vocab_size)) for name in PRECISIONS
+        precision: (resolve_precision(precision, "cpu", None), *build(config, features, 0, vocab_size))
+        for precision in PRECISIONS
     }
     seconds = dict.fromkeys(PRECISIONS, 0.0)
     audio_s = 0.0
@@ -97,7 +98,6 @@ def measure(name: str, data: Path, config, *, timed: int, threads: int) -> list[
             "audio_s_timed": rounded(audio_s),
             "audio_s_per_s": rounded(audio_s / spent),
             "ratio_to_fp32": rounded(ratio(audio_s / spent, fp32_rate)),
-            "cpu_bf16": list(native_bf16_cpu_flags()),
         }
         for precision, spent in seconds.items()
     ]
