@@ -321,9 +321,9 @@ def sweep(
     candidates = [("asrflow", threads, workers) for threads, workers in ASRFLOW_CANDIDATES]
     candidates += [("speechbrain", threads, 0) for threads in PEER_CANDIDATES] if peer else []
     rates: dict[tuple, list] = {candidate: [] for candidate in candidates}
-    for candidate in (c for _ in range(SWEEP_ROUNDS) for c in candidates):
+    for round_index, candidate in ((r, c) for r in range(SWEEP_ROUNDS) for c in candidates):
         side, threads, workers = candidate
-        name = f"sweep-{side}-{threads}-{workers}"
+        name = f"sweep-{side}-{threads}-{workers}-round{round_index}"  # each round keeps its own log
         options = side_options(
             side,
             data,
