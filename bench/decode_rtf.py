@@ -37,8 +37,8 @@ FALLBACK_EPOCHS = 5
 
 def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
     """A model file to decode with, and where it came from."""
-    from asrflow.bundle import load_bundle
     from asrflow.errors import AsrflowError
+    from asrflow.serving.bundle import load_bundle
 
     repo_model = REPO / "exp" / "model.pt"
     try:
@@ -59,10 +59,10 @@ def untrained(data: Path, work: Path) -> Path:
     """A bundle of params.yaml's model with its initial weights."""
     import torch
 
-    from asrflow.bundle import save_bundle
     from asrflow.data.features import CMVN_FILE, FeatureConfig, cmvn_stats, load_cmvn
     from asrflow.model.conformer_ctc import build_model
     from asrflow.params import build_config
+    from asrflow.serving.bundle import save_bundle
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
     from asrflow.training.config import TrainConfig
 
@@ -120,7 +120,7 @@ def trained(data: Path, work: Path) -> Path:
 def encoder_seconds(bundle, cuts, max_batch_duration_s: float) -> float:
     """Seconds of features + encoder over the batches ``decode_split`` makes."""
     from asrflow.evaluation.evaluate import decoding_batches
-    from asrflow.inference import cut_features, log_probs
+    from asrflow.serving.inference import cut_features, log_probs
 
     start = time.perf_counter()
     for batch in decoding_batches(cuts, max_batch_duration_s):
@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(__doc__.splitlines()[0], argv)
     import torch
 
-    from asrflow.bundle import load_bundle
     from asrflow.data.manifests import cut_text, load_cuts
     from asrflow.evaluation.evaluate import EvaluateConfig, decode_split
     from asrflow.evaluation.metrics import score_corpus
     from asrflow.params import build_config
+    from asrflow.serving.bundle import load_bundle
 
     mode = "quick" if args.quick else "full"
     config = build_config(EvaluateConfig, repo_params().get("evaluate"), "evaluate")

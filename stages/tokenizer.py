@@ -11,7 +11,7 @@ import logging
 
 from asrflow.data.manifests import cut_text, load_cuts
 from asrflow.errors import exit_on_user_error
-from asrflow.io import atomic_path
+from asrflow.files import atomic_path
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params
 from asrflow.tokenizer import Tokenizer, TokenizerConfig, train_tokenizer

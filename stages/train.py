@@ -26,11 +26,11 @@ from pathlib import Path
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError, exit_on_user_error
+from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_command
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
-from asrflow.tracking import check_tracking_uri
+from asrflow.tracking.tracker import check_tracking_uri
 from asrflow.training.config import TrainConfig
-from asrflow.training.launch import check_launch, needs_torchrun, torchrun_command
 from asrflow.training.paths import TrainPaths
 from asrflow.training.trainer import Trainer
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from lhotse import CutSet
 
-from asrflow.bundle import load_bundle
-from asrflow.cli import main
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import AsrflowError
-from asrflow.export import export_model
-from asrflow.inference import cut_features, log_probs
+from asrflow.serving.bundle import load_bundle
+from asrflow.serving.cli import main
+from asrflow.serving.export import export_model
+from asrflow.serving.inference import cut_features, log_probs
 
 #: The session's trained model, ``yesno_model``: one fixture however many modules use it.
 pytest_plugins = ["trained_model"]

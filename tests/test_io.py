@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from asrflow.io import UNLOCKED_STALE_AFTER_S, atomic_path
+from asrflow.files import UNLOCKED_STALE_AFTER_S, atomic_path
 
 REPO = Path(__file__).resolve().parents[1]
 
 WRITER = """
 import sys, time
-from asrflow.io import atomic_path
+from asrflow.files import atomic_path
 with atomic_path(sys.argv[1]) as tmp:
     tmp.mkdir()
     (tmp / "feats.bin").write_bytes(b"x" * 100_000)

@@ -22,14 +22,14 @@ from mlflow.tracking import MlflowClient
 from test_mlflow_ui import free_port, stop
 from trained_model import split_files
 
-from asrflow.bundle import load_bundle
 from asrflow.data.manifests import cuts_path
 from asrflow.errors import AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.evaluation.metrics import score_corpus
-from asrflow.mlflow_dataset import manifest_digest
-from asrflow.mlflow_model import log_bundle
-from asrflow.tracking import RunTracker
+from asrflow.serving.bundle import load_bundle
+from asrflow.serving.pyfunc import log_bundle
+from asrflow.tracking.datasets import manifest_digest
+from asrflow.tracking.tracker import RunTracker
 
 #: The session's trained model, ``yesno_model``: one fixture however many modules use it.
 pytest_plugins = ["trained_model"]
@@ -74,7 +74,7 @@ def test_logged_model_is_linked_to_the_run_with_signature_and_requirements(logge
     requirements = (local / "requirements.txt").read_text().split()
     assert any(line.startswith("torch==") for line in requirements)
     assert any(line.startswith("lhotse==") for line in requirements)
-    assert (local / "code" / "asrflow" / "bundle.py").is_file()
+    assert (local / "code" / "asrflow" / "serving" / "bundle.py").is_file()
     versions = client.search_model_versions("name='yesno-asr'")
     assert [str(version.version) for version in versions] == ["1"]
 

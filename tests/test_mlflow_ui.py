@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asrflow.params import flatten
-from asrflow.tracking import RunTracker
+from asrflow.tracking.tracker import RunTracker
 
 STARTUP_TIMEOUT_S = 60
 

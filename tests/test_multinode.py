@@ -1,4 +1,4 @@
-"""asrflow.multinode: a cluster job's rendezvous written into params.yaml, in place."""
+"""asrflow.launch.multinode: a cluster job's rendezvous written into params.yaml, in place."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import yaml
 from conftest import REPO
 
 from asrflow.errors import AsrflowError
-from asrflow.multinode import main, set_rendezvous
+from asrflow.launch.multinode import main, set_rendezvous
 
 
 def test_the_shipped_params_get_both_keys_and_keep_every_other_line(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from asrflow.source import import_closure
+from asrflow.code_digest import import_closure
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Tests for asrflow.tracking against a real SQLite MLflow store in a temporary folder."""
+"""Tests for asrflow.tracking.tracker against a real SQLite MLflow store in a temporary folder."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
 from asrflow.params import flatten
-from asrflow.tracking import (
+from asrflow.tracking.tracker import (
     LOGGED_THROUGH_TAG,
     REOPENED_END_STATUS_TAG,
     RunTracker,
@@ -390,7 +390,7 @@ def test_resume_twice_from_same_checkpoint(uri, client):
 
 CHILD = r"""
 import json, os, signal, sys
-from asrflow.tracking import RunTracker
+from asrflow.tracking.tracker import RunTracker
 
 uri, mode, ckpt = sys.argv[1:4]
 

@@ -11,10 +11,10 @@ import mlflow.utils.validation as limits
 import pytest
 from mlflow.tracking import MlflowClient
 
-from asrflow import tracking
-from asrflow.background_tracker import BackgroundTracker
 from asrflow.errors import AsrflowError
-from asrflow.tracking import LOGGED_THROUGH_TAG
+from asrflow.tracking import tracker as tracking
+from asrflow.tracking.background import BackgroundTracker
+from asrflow.tracking.tracker import LOGGED_THROUGH_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.003, "epochs": 2}}

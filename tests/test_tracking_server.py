@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from test_mlflow_ui import free_port, stop, wait_healthy
 
-from asrflow.tracking import LOGGED_THROUGH_TAG, RunTracker
+from asrflow.tracking.tracker import LOGGED_THROUGH_TAG, RunTracker
 
 pytestmark = pytest.mark.serve
 

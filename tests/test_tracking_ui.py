@@ -18,8 +18,8 @@ from lhotse.audio import AudioSource
 from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
-from asrflow.mlflow_dataset import ManifestDataset, combined_digest, manifest_digest
-from asrflow.tracking import (
+from asrflow.tracking.datasets import ManifestDataset, combined_digest, manifest_digest
+from asrflow.tracking.tracker import (
     DATA_DIGEST_TAG,
     DVC_EXP_TAG,
     EXPERIMENT_KIND,

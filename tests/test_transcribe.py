@@ -21,8 +21,8 @@ import torch
 import torchaudio.functional as AF
 import trained_model
 
-from asrflow.cli import main
 from asrflow.evaluation.metrics import score_corpus
+from asrflow.serving.cli import main
 
 #: The session's trained model, ``yesno_model``: one fixture however many modules use it.
 pytest_plugins = ["trained_model"]
@@ -125,7 +125,7 @@ def test_formats_and_rates_give_the_original_transcript(workdir, train_files, mo
 
 def test_stereo_is_averaged_to_mono(workdir, train_files, monkeypatch, capsys):
     """Two equal channels are the mono signal: the same samples after the downmix, the same transcript."""
-    from asrflow.inference import audio_cut
+    from asrflow.serving.inference import audio_cut
 
     monkeypatch.chdir(workdir)
     original = train_files[0]
@@ -150,7 +150,7 @@ def test_bad_files_are_named_and_the_good_one_is_still_transcribed(workdir, refs
     bad = [missing, corrupt, empty, no_samples]
 
     script = Path(sys.executable).with_name("asrflow")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "asrflow.cli"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "asrflow.serving.cli"]
     paths = [missing, good, corrupt, empty, no_samples]
     result = subprocess.run(
         [*command, "transcribe", "--model", str(workdir / "model.pt"), *map(str, paths)],
@@ -179,9 +179,9 @@ def test_missing_model_is_a_usage_error(tmp_path, capsys):
 
 
 def test_help_documents_commands_and_exit_codes(capsys):
-    from asrflow import cli
     from asrflow.decoding.ctc import DECODER_KINDS
-    from asrflow.export import FORMATS
+    from asrflow.serving import cli
+    from asrflow.serving.export import FORMATS
 
     assert cli.DECODERS == DECODER_KINDS and cli.EXPORT_FORMATS == FORMATS
     with pytest.raises(SystemExit) as exit_info:

@@ -39,10 +39,10 @@ MAX_DEV_WER = 0.05
 
 def dev_wer(model_path: Path, fbank_dir: Path) -> float:
     """Greedy word error rate of a bundle on the dev split of ``fbank_dir`` (stored features)."""
-    from asrflow.bundle import load_bundle
     from asrflow.data.manifests import cut_text, load_cuts
     from asrflow.evaluation.evaluate import EvaluateConfig, decode_split
     from asrflow.evaluation.metrics import score_corpus
+    from asrflow.serving.bundle import load_bundle
 
     cuts = load_cuts(fbank_dir, "dev").to_eager()
     hyps, _ = decode_split(load_bundle(model_path), cuts, EvaluateConfig(decoder="greedy", beam_size=1))

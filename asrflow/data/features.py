@@ -37,7 +37,7 @@ from lhotse.lazy import Dillable, LazySlicer
 from asrflow.data.audio import to_mono_at_rate
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
-from asrflow.io import atomic_path
+from asrflow.files import atomic_path
 from asrflow.logs import progress
 from asrflow.params import check_at_least, check_positive
 

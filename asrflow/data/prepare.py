@@ -65,7 +65,7 @@ from asrflow.data.importers import UNSPLIT, ImportedSplit, import_folder, import
 from asrflow.data.text import TextConfig
 from asrflow.data.validation import Rejection, ValidationRules, validate_split
 from asrflow.errors import AsrflowError
-from asrflow.io import atomic_path
+from asrflow.files import atomic_path
 from asrflow.params import build_config, require_mapping
 
 logger = logging.getLogger("asrflow")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from lhotse import CutSet
 
-from asrflow.bundle import Bundle, load_bundle
 from asrflow.data.features import check_same_features
 from asrflow.data.manifests import cut_text, cuts_path, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
@@ -21,9 +20,10 @@ from asrflow.evaluation.report import (
     wer_by_duration_figure,
     write_report,
 )
-from asrflow.inference import cut_features, log_probs
 from asrflow.logs import progress
 from asrflow.params import check_at_least, check_choice, check_positive, param_error
+from asrflow.serving.bundle import Bundle, load_bundle
+from asrflow.serving.inference import cut_features, log_probs
 from asrflow.tokenizer import BLANK_ID
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def _log_to_training_run(
     """
     from mlflow.tracking import MlflowClient
 
-    from asrflow.tracking import RunTracker
+    from asrflow.tracking.tracker import RunTracker
 
     tracker = RunTracker.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
     try:

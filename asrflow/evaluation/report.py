@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 
 from asrflow.evaluation.metrics import CorpusScore, ErrorCounts
-from asrflow.io import atomic_path, write_json, write_jsonl
+from asrflow.files import atomic_path, write_json, write_jsonl
 
 METRICS_FILE = "metrics.json"
 PER_UTTERANCE_FILE = "per_utterance.jsonl"

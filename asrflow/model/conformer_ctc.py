@@ -146,7 +146,7 @@ class ConformerBlock(nn.Module):
     Takes over the layer's submodules under their names, so state dicts are torchaudio's.
     ``distinct_key_value`` passes key and value to the attention as tensors distinct from
     the query: the same function, but PyTorch then projects them in three matmuls instead
-    of one packed one, whose time axis the ONNX exporter would freeze (see asrflow.export).
+    of one packed one, whose time axis the ONNX exporter would freeze (see asrflow.serving.export).
     """
 
     def __init__(self, layer: nn.Module, channels: int, distinct_key_value: bool = False):

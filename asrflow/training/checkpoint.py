@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from asrflow.io import fsync_dir
+from asrflow.files import fsync_dir
 
 logger = logging.getLogger(__name__)
 

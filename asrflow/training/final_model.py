@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from asrflow.bundle import save_bundle
 from asrflow.data.features import cmvn_stats, load_cmvn
-from asrflow.io import atomic_path
+from asrflow.files import atomic_path
+from asrflow.serving.bundle import save_bundle
 from asrflow.tokenizer import MODEL_FILE
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.distributed import DistInfo

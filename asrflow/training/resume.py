@@ -6,7 +6,7 @@ Two things are compared with what the checkpoint recorded:
   meaningless (model shape, features, tokenizer, train data, seed, batch plan settings);
 * the **training params**: every ``train:`` key outside
   :data:`~asrflow.training.config.OPERATIONAL_KEYS`, and ``code_digest``, the digest of
-  the training code (:func:`asrflow.source.source_digest` of the trainer). So a finished
+  the training code (:func:`asrflow.code_digest.source_digest` of the trainer). So a finished
   run that DVC or Snakemake re-runs because its code changed trains again, while an
   unfinished one resumes under the new code with a warning.
 

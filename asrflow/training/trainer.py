@@ -5,7 +5,7 @@
   rollback target, resume decision; a checkpoint is the dict of the registered components' states;
 * :class:`~asrflow.training.guards.NonFiniteGuard`: skipped steps, rollbacks;
 * :mod:`~asrflow.training.progress`: step count, plan position, loss history, random state;
-* the tracker (MLflow on rank 0, :class:`~asrflow.tracking.NullTracker` elsewhere);
+* the tracker (MLflow on rank 0, :class:`~asrflow.tracking.tracker.NullTracker` elsewhere);
 * observers (:mod:`asrflow.training.observers`): the one extension point.
 
 The order inside a step is what makes resume exact: the stop flag is read right before the
@@ -25,14 +25,14 @@ from dataclasses import asdict, replace
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from asrflow.background_tracker import BackgroundTracker
+from asrflow.code_digest import source_digest
 from asrflow.data.features import FeatureConfig
 from asrflow.data.workers import unpack_batch
 from asrflow.logs import StepProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
-from asrflow.source import source_digest
-from asrflow.tracking import NullTracker
+from asrflow.tracking.background import BackgroundTracker
+from asrflow.tracking.tracker import NullTracker
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig

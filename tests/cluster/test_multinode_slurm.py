@@ -36,8 +36,8 @@ def static_rendezvous() -> bool:
     ``--node-rank`` decides the global ranks. Under c10d torchrun ignores it ("node_rank is only used
     for static rdzv_backend") and ranks nodes by (host name, pid), so rank 0, which alone writes
     checkpoints and the model, can land on any node."""
+    from asrflow.launch.torchrun import torchrun_command
     from asrflow.training.config import TrainConfig
-    from asrflow.training.launch import torchrun_command
 
     return "--rdzv-backend=static" in torchrun_command(TrainConfig(nnodes=2, rdzv_endpoint="head:29500"), [])
 
@@ -45,7 +45,7 @@ def static_rendezvous() -> bool:
 def test_two_slurm_nodes_train_the_model_of_two_local_processes(two_nodes, tmp_path_factory):
     """The job as shipped (2 nodes, 1 task each): task 0 runs the pipeline, whose train stage is
     node 0, on the first node; task 1 runs ``python -m stages.train --node-rank 1`` on the second."""
-    assert static_rendezvous(), "asrflow/training/launch.py must use --rdzv-backend=static for nnodes > 1"
+    assert static_rendezvous(), "asrflow/launch/torchrun.py must use --rdzv-backend=static for nnodes > 1"
     local = fresh_copy(tmp_path_factory, "two-processes", **{"train.nproc_per_node": 2})
     run(local, "snakemake", "--cores", "all", timeout=RUN_TIMEOUT_S)
 

@@ -11,7 +11,6 @@ import pytest
 from mlflow.tracking import MlflowClient
 from trained_model import yesno_model  # noqa: F401  (fixture)
 
-from asrflow.bundle import load_bundle
 from asrflow.data.manifests import load_cuts
 from asrflow.decoding.ctc import greedy_decode, prefix_beam_search
 from asrflow.errors import AsrflowError
@@ -23,7 +22,8 @@ from asrflow.evaluation.evaluate import (
     decoding_batches,
     evaluate,
 )
-from asrflow.inference import cut_features, log_probs
+from asrflow.serving.bundle import load_bundle
+from asrflow.serving.inference import cut_features, log_probs
 from asrflow.tokenizer import BLANK_ID
 
 

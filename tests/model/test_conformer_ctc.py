@@ -117,8 +117,8 @@ def test_subsampling_norm_normalises_each_frame_of_both_convolutions():
 
 def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_data, tmp_path):
     """Bundles written before the fields existed had d_model channels in both convolutions, no norm."""
-    from asrflow.bundle import load_bundle, save_bundle
     from asrflow.data.features import FeatureConfig
+    from asrflow.serving.bundle import load_bundle, save_bundle
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
     tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)

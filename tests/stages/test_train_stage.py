@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import write_shipped_params
 
-from asrflow.bundle import load_bundle
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import EXIT_USER_ERROR
+from asrflow.serving.bundle import load_bundle
 from stages.train import main
 
 #: A model and run small enough to train in a few CPU-seconds (conftest's tiny model, one epoch).

@@ -19,8 +19,8 @@ import pytest
 from conftest import REPO
 from train_entry import fresh_mlflow_store
 
+from asrflow.launch.torchrun import torchrun_command
 from asrflow.training.config import TrainConfig
-from asrflow.training.launch import torchrun_command
 
 ENTRY = Path(__file__).with_name("ddp_entry.py")
 SEED = 42

@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 import yaml
 
 from asrflow.errors import AsrflowError
+from asrflow.launch.torchrun import check_launch
 from asrflow.training.config import TrainConfig
 from asrflow.training.distributed import DistInfo, check_same_everywhere
-from asrflow.training.launch import check_launch
 from stages import train as train_stage
 
 

@@ -24,7 +24,7 @@ Store
 
 Start-up
     MLflow is imported where it is used, not by this module. The training loop uses
-    :class:`asrflow.background_tracker.BackgroundTracker`, which opens its
+    :class:`asrflow.tracking.background.BackgroundTracker`, which opens its
     :class:`RunTracker` in a thread after the first step and replays the calls made before,
     in order (see its docstring).
 
@@ -744,7 +744,7 @@ class RunTracker:
         """Write metrics now, bypassing the buffer (for evaluate; not for the training loop).
 
         ``model_id`` attaches them to a logged model (its page shows them), ``dataset`` (an
-        MLflow dataset, e.g. :class:`asrflow.mlflow_dataset.ManifestDataset`) says what they
+        MLflow dataset, e.g. :class:`asrflow.tracking.datasets.ManifestDataset`) says what they
         were measured on.
         """
         from mlflow.entities import Metric
@@ -833,7 +833,7 @@ class RunTracker:
 
         Args:
             manifests: context (``train``, ``dev``, ``test``) -> a ``<split>_cuts.jsonl.gz``
-                path or a :class:`asrflow.mlflow_dataset.ManifestDataset`.
+                path or a :class:`asrflow.tracking.datasets.ManifestDataset`.
 
         Each gets its digest, source and profile (utterances, hours); a dataset already
         logged with that context is not logged again (so a resumed run may call this
@@ -842,7 +842,7 @@ class RunTracker:
         """
         from mlflow.entities import DatasetInput, InputTag
 
-        from asrflow.mlflow_dataset import ManifestDataset, combined_digest
+        from asrflow.tracking.datasets import ManifestDataset, combined_digest
 
         datasets = {
             context: item if isinstance(item, ManifestDataset) else ManifestDataset(item, name=context)
@@ -870,11 +870,11 @@ class RunTracker:
     def log_model(self, bundle_path: str | os.PathLike, **kwargs: Any) -> Any:
         """Log a model bundle as this run's MLflow model (a ``pyfunc`` that transcribes audio).
 
-        See :func:`asrflow.mlflow_model.log_bundle` for the arguments (``name``,
+        See :func:`asrflow.serving.pyfunc.log_bundle` for the arguments (``name``,
         ``registered_model_name``, ``step``); returns MLflow's ``ModelInfo`` (``model_id``,
         ``model_uri``).
         """
-        from asrflow.mlflow_model import log_bundle
+        from asrflow.serving.pyfunc import log_bundle
 
         return log_bundle(bundle_path, run_id=self.run_id, tracking_uri=self.tracking_uri, **kwargs)
 

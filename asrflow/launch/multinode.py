@@ -5,7 +5,7 @@ job got, which one is first), known only once the job runs. The Slurm recipe
 (``workflow/slurm/multinode.sbatch``) calls this on the job's first node, before any stage
 starts::
 
-    python -m asrflow.multinode --params params.yaml --nnodes 2 --endpoint node17:29500
+    python -m asrflow.launch.multinode --params params.yaml --nnodes 2 --endpoint node17:29500
 
 The two keys are edited in place, line by line inside the ``train:`` section, so the file's
 comments and order stay as they are; a key already holding its value is left untouched (the

@@ -14,7 +14,7 @@ from lhotse.dataset import GlobalMVN
 
 from asrflow.data.features import FeatureConfig, cmvn_from_dict
 from asrflow.errors import AsrflowError
-from asrflow.io import atomic_path
+from asrflow.files import atomic_path
 from asrflow.model.conformer_ctc import ConformerCtc, ModelConfig, build_model
 from asrflow.tokenizer import Tokenizer
 

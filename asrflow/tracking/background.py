@@ -1,7 +1,7 @@
 """MLflow opened off the training's critical path: :class:`BackgroundTracker` (issue 12).
 
 The trainer's rank-0 tracker. It keeps the training loop's calls, in order, until a
-:class:`asrflow.tracking.RunTracker` has been opened in a thread of its own, then hands
+:class:`asrflow.tracking.tracker.RunTracker` has been opened in a thread of its own, then hands
 them over; see the class for what waits and what does not.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from asrflow.errors import AsrflowError, first_line
-from asrflow.tracking import RUN_KEY_TAG, STATE_VERSION, RunTracker, check_tracking_uri, now_ms
+from asrflow.tracking.tracker import RUN_KEY_TAG, STATE_VERSION, RunTracker, check_tracking_uri, now_ms
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A :class:`ManifestDataset` names one split's ``<split>_cuts.jsonl.gz``: its source is the
 file, its digest the SHA-256 of the file's *decompressed* content (gzip headers carry a
 time stamp, so the compressed bytes of identical manifests differ), and its profile the
-number of utterances and hours of audio. :meth:`asrflow.tracking.RunTracker.log_datasets`
+number of utterances and hours of audio. :meth:`asrflow.tracking.tracker.RunTracker.log_datasets`
 logs them as run inputs with the context ``train``, ``dev`` or ``test``.
 """
 

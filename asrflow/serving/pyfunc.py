@@ -34,7 +34,7 @@ from mlflow.types.schema import Array
 
 from asrflow.errors import AsrflowError
 
-logger = logging.getLogger("asrflow.mlflow_model")
+logger = logging.getLogger("asrflow.serving.pyfunc")
 
 #: Name of the logged model (and its folder in a run's artifacts).
 MODEL_NAME = "model"
@@ -96,7 +96,7 @@ class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
     """The pyfunc: audio files or waveforms in, transcripts out (see the module docstring)."""
 
     def load_context(self, context) -> None:
-        from asrflow.bundle import load_bundle
+        from asrflow.serving.bundle import load_bundle
 
         self.bundle = load_bundle(context.artifacts[BUNDLE_ARTIFACT])
         self._decoders: dict[str, Any] = {}
@@ -137,7 +137,7 @@ def transcribe(bundle, paths: list[str], decode, batch_seconds: float = BATCH_SE
     from lhotse import CutSet
 
     from asrflow.data.manifests import pack_by_duration
-    from asrflow.inference import audio_cut, cut_features, log_probs
+    from asrflow.serving.inference import audio_cut, cut_features, log_probs
 
     cuts = []
     for index, path in enumerate(paths):
@@ -206,7 +206,7 @@ def log_bundle(
 ) -> Any:
     """Log the bundle at ``bundle_path`` as run ``run_id``'s MLflow model; returns MLflow's ``ModelInfo``.
 
-    The model is built from code (:mod:`asrflow.mlflow_model_code`, nothing pickled) and
+    The model is built from code (:mod:`asrflow.serving.pyfunc_code`, nothing pickled) and
     carries the bundle, the ``asrflow`` package (``code/``), :data:`SIGNATURE` and
     :func:`pip_requirements`; it is linked to the run (with the run's metrics at
     ``step`` copied to it). ``registered_model_name``: also register a version under it.
@@ -216,14 +216,14 @@ def log_bundle(
     bundle_path = Path(bundle_path)
     if not bundle_path.is_file():
         raise AsrflowError(f"model file {bundle_path} not found: train a model first")
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # the whole asrflow package travels with the model
     with _use_tracking_uri(tracking_uri):
         info = Model.log(
             artifact_path=None,
             name=name,
             flavor=mlflow.pyfunc,
             run_id=run_id,
-            python_model=str(package / "mlflow_model_code.py"),
+            python_model=str(Path(__file__).resolve().with_name("pyfunc_code.py")),
             artifacts={BUNDLE_ARTIFACT: str(bundle_path.resolve())},
             code_paths=[str(package)],
             signature=SIGNATURE,

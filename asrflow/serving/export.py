@@ -1,7 +1,7 @@
 """Export a model bundle's encoder to ONNX or TorchScript for serving without asrflow.
 
 The exported graph maps normalised fbank ``features`` ``(N, T, F)`` (float32, what
-:func:`asrflow.inference.cut_features` returns: CMVN already applied) and ``lengths``
+:func:`asrflow.serving.inference.cut_features` returns: CMVN already applied) and ``lengths``
 ``(N,)`` (int64, valid frames) to ``log_probs`` ``(N, T', V)`` (natural-log CTC
 posteriors, blank = 0) and ``out_lens`` ``(N,)`` (int64, valid 40 ms frames), with ``N``
 and ``T`` free. Everything a caller needs to build the input and read the output (token
@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from asrflow.bundle import Bundle, load_bundle
 from asrflow.data.features import cmvn_stats
 from asrflow.errors import AsrflowError
-from asrflow.io import atomic_path
+from asrflow.files import atomic_path
 from asrflow.model.conformer_ctc import ConformerCtc
+from asrflow.serving.bundle import Bundle, load_bundle
 from asrflow.tokenizer import BLANK_ID
 
 logger = logging.getLogger(__name__)

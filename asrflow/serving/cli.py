@@ -10,7 +10,7 @@ Subcommands:
 
 ``asrflow export --model exp/model.pt --format onnx|torchscript --out FILE``
     Writes the encoder (normalised fbank in, CTC log-probabilities out) for serving; see
-    :mod:`asrflow.export`.
+    :mod:`asrflow.serving.export`.
 
 Exit codes: 0 success; 1 some audio files failed (the rest were transcribed); 2 a usage
 error or a problem with the model file (nothing was done).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError, first_line
 
-#: Choices of --decoder and export --format (asrflow.decoding.ctc.DECODER_KINDS and asrflow.export.FORMATS;
+#: Choices of --decoder and export --format (asrflow.decoding.ctc.DECODER_KINDS and asrflow.serving.export.FORMATS;
 #: repeated here so that ``--help`` answers without importing torch).
 DECODERS = ("greedy", "beam")
 EXPORT_FORMATS = ("onnx", "torchscript")
@@ -159,7 +159,7 @@ def _one_line(path: str, error: Exception) -> str:
 
 def _read_audio(paths: Sequence[str]) -> Iterator[tuple[str, object | None, str | None]]:
     """``(path, cut, None)`` for each readable file, ``(path, None, message)`` for the others."""
-    from asrflow.inference import audio_cut
+    from asrflow.serving.inference import audio_cut
 
     for index, path in enumerate(paths):
         reason = _unreadable_reason(path)
@@ -197,7 +197,7 @@ def transcribe_files(
     from lhotse import CutSet
 
     from asrflow.data.manifests import pack_by_duration
-    from asrflow.inference import cut_features, log_probs
+    from asrflow.serving.inference import cut_features, log_probs
 
     def run(cuts: list) -> list[str]:
         features, lengths = cut_features(bundle, CutSet.from_cuts(cuts))  # (N, T, F), (N,)
@@ -244,8 +244,8 @@ def transcribe_files(
 
 def run_transcribe(args: argparse.Namespace) -> int:
     """``asrflow transcribe``: print transcripts, report bad files; return the exit code."""
-    from asrflow.bundle import load_bundle
     from asrflow.decoding.ctc import build_decoder
+    from asrflow.serving.bundle import load_bundle
     from asrflow.tokenizer import BLANK_ID
 
     if args.lm is not None and args.decoder != "beam":
@@ -276,7 +276,7 @@ def run_transcribe(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- export
 def run_export(args: argparse.Namespace) -> int:
     """``asrflow export``: write the encoder as ONNX or TorchScript."""
-    from asrflow.export import export_model
+    from asrflow.serving.export import export_model
 
     out = export_model(args.model, args.format, args.out)
     print(f"wrote {out} ({args.format}, {out.stat().st_size / 1e6:.1f} MB)")

@@ -7,9 +7,9 @@ from lhotse import CutSet, Recording
 from lhotse.dataset import OnTheFlyFeatures
 from lhotse.dataset.collation import collate_features
 
-from asrflow.bundle import Bundle
 from asrflow.data.audio import to_mono
 from asrflow.errors import AsrflowError
+from asrflow.serving.bundle import Bundle
 
 
 def cut_features(bundle: Bundle, cuts: CutSet) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,1 @@
+"""Starting training on several processes: torchrun on one machine, Slurm across machines."""

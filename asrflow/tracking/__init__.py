@@ -1,0 +1,1 @@
+"""Experiment tracking: the run's metric log and its MLflow writer."""
