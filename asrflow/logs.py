@@ -5,7 +5,7 @@ the terminal would show nothing for the minutes a stage takes. So the rules (see
 ``workflow/rules/common.smk``) hand the stage Snakemake's own stderr as a spare file
 descriptor (``ASRFLOW_PROGRESS_FD``), and :func:`setup_logging` adds a terminal handler on
 it that shows only: where the log file is, the lines of the :data:`PROGRESS_LOGGER` logger
-(:class:`StepProgress`, :func:`progress`), lines logged with ``extra={"terminal": True}``
+(:class:`TerminalProgress`, :func:`progress`), lines logged with ``extra={"terminal": True}``
 (where the MLflow run is), and warnings and errors. The log file keeps every line. Under
 DVC, which shows a stage's output as it comes, there is no log file and nothing changes.
 """
@@ -99,14 +99,14 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-class StepProgress:
+class TerminalProgress:
     """One line of training progress at most every ``every_s`` seconds, on :data:`PROGRESS_LOGGER`.
 
     ``step 120/400 (30%) epoch 12: loss 0.8123, 64.2 audio s/s, ETA 2m10s``. The ETA is
     (steps left) x (seconds per step since this process started training): a resumed run
     measures only its own steps. Use one instance per run, on the main rank only::
 
-        progress = StepProgress(total_steps, start_step=global_step)
+        progress = TerminalProgress(total_steps, start_step=global_step)
         ... after each optimizer step:
         progress.update(step, epoch, loss, audio_s_per_s)
     """

@@ -90,8 +90,7 @@ def trained(data: Path, work: Path) -> Path:
     """Train params.yaml's model on yesno for a few epochs with the Trainer."""
     from asrflow.data.features import FeatureConfig
     from asrflow.params import build_config
-    from asrflow.training.config import TrainConfig
-    from asrflow.training.paths import TrainPaths
+    from asrflow.training.config import TrainConfig, TrainPaths
     from asrflow.training.trainer import Trainer
 
     params = repo_params()

@@ -603,10 +603,9 @@ def child_asrflow(options: dict, launched: float) -> dict:
 
     from asrflow.data.features import FeatureConfig
     from asrflow.params import load_params
-    from asrflow.training.config import TrainConfig
+    from asrflow.training.config import TrainConfig, TrainPaths
     from asrflow.training.distributed import DistInfo
     from asrflow.training.observers import TrainObserver
-    from asrflow.training.paths import TrainPaths
     from asrflow.training.step import ctc_loss_sum
     from asrflow.training.trainer import EXIT_INTERRUPTED, Trainer
 

@@ -77,8 +77,8 @@ MARKERS = {
     "first_step": ("asrflow.progress", "step "),
 }
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ (?:\[rank \S+\] )?\[([^\]]+)\] (.*)$", re.MULTILINE)
-#: The step-log line of optimizer step N (every 10 steps; asrflow.training.step_log).
-_STEP_LINE = "[asrflow.training.step_log] step {} epoch"
+#: The step-log line of optimizer step N (every 10 steps; asrflow.training.monitoring).
+_STEP_LINE = "[asrflow.training.monitoring] step {} epoch"
 #: Generated corpus size for the workers part (full, quick).
 GENERATED = {"full": 2000, "quick": 40}
 #: Steps timed in the workers part (a multiple of 10: the step log's interval).

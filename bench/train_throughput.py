@@ -111,8 +111,8 @@ class PlannedBatches:
 def build(config, features, seed: int, vocab_size: int):
     """The model and optimizer the Trainer builds (params.yaml's whole model shape), seeded the same way."""
     from asrflow.model.conformer_ctc import build_model
-    from asrflow.training.rng import seed_everything
-    from asrflow.training.schedule import build_optimizer
+    from asrflow.training.run_state import seed_everything
+    from asrflow.training.step import build_optimizer
 
     seed_everything(seed)
     model = build_model(config.model(features.num_mel_bins, vocab_size))
@@ -170,8 +170,8 @@ def run_paired(
     """The Trainer, with a bare step after each of its steps; per-step records, and FLOPs/audio s."""
     import torch
 
+    from asrflow.training.config import TrainPaths
     from asrflow.training.observers import TrainObserver
-    from asrflow.training.paths import TrainPaths
     from asrflow.training.trainer import EXIT_INTERRUPTED, Trainer
 
     planned = PlannedBatches(data, config, features, seed)
@@ -211,7 +211,7 @@ def run_paired(
                     "hook_s": time.perf_counter() - now,
                 }
             )
-            steps = trainer.progress.global_step
+            steps = trainer.counters.global_step
             spent = time.perf_counter() - started[0]
             if steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s):
                 trainer.request_stop()  # the next step is the last one, then a checkpoint (as on SIGTERM)

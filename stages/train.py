@@ -30,8 +30,7 @@ from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_comma
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
 from asrflow.tracking.tracker import check_tracking_uri
-from asrflow.training.config import TrainConfig
-from asrflow.training.paths import TrainPaths
+from asrflow.training.config import TrainConfig, TrainPaths
 from asrflow.training.trainer import Trainer
 
 #: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).

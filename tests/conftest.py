@@ -130,7 +130,7 @@ def tiny_train_config(**overrides):
 
 def train_paths(data: Path, exp: Path):
     """TrainPaths reading ``data`` (from :func:`yesno_data`) and writing under ``exp``."""
-    from asrflow.training.paths import TrainPaths
+    from asrflow.training.config import TrainPaths
 
     return TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 from conftest import REPO, copy_repo
 
-from asrflow.logs import PROGRESS_LOGGER, StepProgress, TerminalFilter, format_duration
+from asrflow.logs import PROGRESS_LOGGER, TerminalFilter, TerminalProgress, format_duration
 
 CHILD = r"""
 import logging
-from asrflow.logs import StepProgress, setup_logging
+from asrflow.logs import TerminalProgress, setup_logging
 setup_logging()
 logging.getLogger("asrflow.train").info("detail only for the log file")
 logging.getLogger("asrflow.tracking.tracker").info("MLflow run abc", extra={"terminal": True})
-progress = StepProgress(total_steps=10, every_s=3600)
+progress = TerminalProgress(total_steps=10, every_s=3600)
 for step in range(1, 11):
     progress.update(step, epoch=0, loss=1.0 / step, audio_s_per_s=50.0)
 logging.getLogger("asrflow.guard").warning("a warning")
@@ -27,16 +27,16 @@ logging.getLogger("asrflow.guard").warning("a warning")
 
 
 def test_step_progress_line_and_eta():
-    progress = StepProgress(total_steps=400, start_step=100, every_s=30)
+    progress = TerminalProgress(total_steps=400, start_step=100, every_s=30)
     line = progress.line(150, 12, 0.81234, 64.25, now=progress._started + 100)
     # 50 steps in 100 s: 250 steps left take 500 s.
     assert line == "step 150/400 (38%) epoch 12: loss 0.8123, 64.2 audio s/s, ETA 8m20s"
-    assert StepProgress().line(7, 0, 2.0, 1.0) == "step 7 epoch 0: loss 2.0000, 1.0 audio s/s"
+    assert TerminalProgress().line(7, 0, 2.0, 1.0) == "step 7 epoch 0: loss 2.0000, 1.0 audio s/s"
     assert format_duration(12) == "12s" and format_duration(4000) == "1h06m"
 
 
 def test_step_progress_is_rate_limited(caplog):
-    progress = StepProgress(total_steps=100, every_s=3600)
+    progress = TerminalProgress(total_steps=100, every_s=3600)
     with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
         shown = [progress.update(step, 0, 1.0, 10.0) for step in range(1, 101)]
     assert shown.count(True) == 2 and shown[0] and shown[-1]  # the first and the last step

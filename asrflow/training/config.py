@@ -1,8 +1,10 @@
-"""The ``train:`` section of params.yaml, as one typed config (every key documented there)."""
+"""What a training run is told: the ``train:`` section of params.yaml as one typed config (every key
+documented there), and the folders it reads and writes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from asrflow.data.batches import AugmentConfig
 from asrflow.errors import AsrflowError
@@ -208,4 +210,29 @@ class TrainConfig:
             time_mask_ratio=self.time_mask_ratio,
             speed_perturb=self.speed_perturb,
             noise_snr_db=(float(self.noise_snr_db[0]), float(self.noise_snr_db[1])),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainPaths:
+    """Inputs (features, tokenizer) and outputs (model bundle, checkpoints, plots) of the train stage."""
+
+    fbank_dir: Path = Path("data/fbank")
+    lang_dir: Path = Path("data/lang")
+    model_path: Path = Path("exp/model.pt")
+    checkpoint_dir: Path = Path("exp/checkpoints")
+    loss_csv: Path = Path("exp/plots/train_loss.csv")
+    bad_batches: Path = Path("exp/bad_batches.jsonl")
+
+    @classmethod
+    def under(cls, exp_dir: str | Path, *, fbank_dir: str | Path, lang_dir: str | Path) -> TrainPaths:
+        """Paths that read ``fbank_dir`` and ``lang_dir`` and write everything under ``exp_dir``."""
+        exp = Path(exp_dir)
+        return cls(
+            fbank_dir=Path(fbank_dir),
+            lang_dir=Path(lang_dir),
+            model_path=exp / "model.pt",
+            checkpoint_dir=exp / "checkpoints",
+            loss_csv=exp / "plots" / "train_loss.csv",
+            bad_batches=exp / "bad_batches.jsonl",
         )

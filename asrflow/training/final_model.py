@@ -18,9 +18,9 @@ from asrflow.files import atomic_path
 from asrflow.serving.bundle import save_bundle
 from asrflow.tokenizer import MODEL_FILE
 from asrflow.training import checkpoint as ckpt
+from asrflow.training.config import TrainPaths
 from asrflow.training.distributed import DistInfo
-from asrflow.training.paths import TrainPaths
-from asrflow.training.progress import LossHistory
+from asrflow.training.run_state import LossHistory
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def log_final_run(
 def write_final_model(trainer, summary: dict) -> None:
     """Rank 0, after the final checkpoint: the model bundle (averaged or last weights, by dev loss), the loss
     plot, and the run's end in MLflow. Reads the finished ``trainer``'s public state only."""
-    recent = trainer.checkpoints.late_checkpoints(trainer.progress.global_step, trainer.config.average_last)
+    recent = trainer.checkpoints.late_checkpoints(trainer.counters.global_step, trainer.config.average_last)
     last = {name: tensor.detach().cpu().clone() for name, tensor in trainer.model.state_dict().items()}
     data = trainer.data
     weights, choice = final_weights(last, recent, functools.partial(dev_loss_of, trainer) if data.dev_batches else None)
@@ -114,7 +114,7 @@ def write_final_model(trainer, summary: dict) -> None:
         trainer.tracker,
         paths=trainer.paths,
         all_params=trainer.all_params,
-        step=trainer.progress.global_step,
+        step=trainer.counters.global_step,
         metrics={"train/final_best_dev_loss": trainer.checkpoints.best_dev_loss, **final},
         register_model_name=trainer.config.register_model_name,
     )

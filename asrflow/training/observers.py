@@ -2,7 +2,7 @@
 
 Pass observers to :class:`~asrflow.training.trainer.Trainer` (``observers=[...]``); each
 method below is called, in list order, at the point named. Observers read the trainer's
-public attributes (``progress``, ``position``, ``dist``, ``model``, ``data``, ...) and may
+public attributes (``counters``, ``position``, ``dist``, ``model``, ``data``, ...) and may
 call ``trainer.request_stop()``; they must not change what a step computes (the exactness
 of resume depends on it). Tests use them to pause, fail or stall a rank; benchmarks to time
 steps.
@@ -29,4 +29,4 @@ class TrainObserver:
         and the step's all-reduce (a stop requested here makes this step the last)."""
 
     def after_step(self, trainer: Trainer, result: StepResult) -> None:
-        """Step ``trainer.progress.global_step`` is recorded (metrics, guard); validation and checkpoint follow."""
+        """Step ``trainer.counters.global_step`` is recorded (metrics, guard); validation and checkpoint follow."""

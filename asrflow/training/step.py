@@ -1,4 +1,5 @@
-"""One optimizer step: forward/backward over the accumulated micro-batches, then the update.
+"""The optimizer, its learning-rate schedule, and one optimizer step: forward/backward over the
+accumulated micro-batches, then the update.
 
 Loss normalisation: the step's loss is the sum of per-utterance CTC losses (nats) over
 every micro-batch on every rank, divided by the number of target tokens in all of them
@@ -49,6 +50,32 @@ class StepResult:
     elapsed_s: float = 0.0
     data_wait_s: float = 0.0
     cut_ids: tuple[str, ...] = ()
+
+
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters, in its fused kernel (CPU and CUDA): one pass over all
+    parameters instead of a loop of small ones (bench/RESULTS.md)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Multiplier of the peak LR after ``step`` optimizer steps (peak 1.0 at ``warmup_steps``)."""
+    step = max(step, 1)
+    if warmup_steps <= 0:
+        return 1.0
+    return min(step / warmup_steps, (warmup_steps / step) ** 0.5)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` over :func:`warmup_factor`; its state is part of every checkpoint."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step + 1, warmup_steps))
+
+
+def apply_lr_scale(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) -> None:
+    """Move the schedule's peak to ``peak_lr`` (after a rollback) and set the optimizer's current lr to match."""
+    scheduler.base_lrs = [peak_lr for _ in scheduler.base_lrs]
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
 
 
 def ctc_loss_sum(log_probs: torch.Tensor, out_lens: torch.Tensor, batch: dict) -> torch.Tensor:

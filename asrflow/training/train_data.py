@@ -23,8 +23,8 @@ from asrflow.data.workers import init_worker, pack_batch
 from asrflow.errors import AsrflowError
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.config import TrainConfig
-from asrflow.training.dev_loss import dev_batches, dev_loss
 from asrflow.training.distributed import DistInfo
+from asrflow.training.validation import dev_batches, dev_loss
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class TrainData:
         )
 
     def dev_loss(self, model: torch.nn.Module, **options) -> float:
-        """Per-token dev loss of ``model`` (see :func:`asrflow.training.dev_loss.dev_loss` for ``options``:
+        """Per-token dev loss of ``model`` (see :func:`asrflow.training.validation.dev_loss` for ``options``:
         precision, dist, device, beat)."""
         return dev_loss(model, self.dev_dataset, self.dev_batches, **options)
 

@@ -3,8 +3,8 @@
 * :class:`~asrflow.training.train_data.TrainData`: tokenizer, CMVN, batch plan, datasets, loader;
 * :class:`~asrflow.training.checkpoint_manager.CheckpointManager`: when to save, best, keep-last,
   rollback target, resume decision; a checkpoint is the dict of the registered components' states;
-* :class:`~asrflow.training.guards.NonFiniteGuard`: skipped steps, rollbacks;
-* :mod:`~asrflow.training.progress`: step count, plan position, loss history, random state;
+* :class:`~asrflow.training.nonfinite.NonFiniteGuard`: skipped steps, rollbacks;
+* :mod:`~asrflow.training.run_state`: step count, plan position, loss history, random state;
 * the tracker (MLflow on rank 0, :class:`~asrflow.tracking.tracker.NullTracker` elsewhere);
 * observers (:mod:`asrflow.training.observers`): the one extension point.
 
@@ -28,34 +28,30 @@ from torch.nn.parallel import DistributedDataParallel
 from asrflow.code_digest import source_digest
 from asrflow.data.features import FeatureConfig
 from asrflow.data.workers import unpack_batch
-from asrflow.logs import StepProgress
+from asrflow.logs import TerminalProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
 from asrflow.tracking.background import BackgroundTracker
 from asrflow.tracking.tracker import NullTracker
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
-from asrflow.training.config import TrainConfig
+from asrflow.training.config import TrainConfig, TrainPaths
 from asrflow.training.distributed import DistInfo, check_same_everywhere, init_distributed, shutdown_distributed
 from asrflow.training.failures import describe_failure
 from asrflow.training.final_model import write_final_model
-from asrflow.training.guards import NonFiniteGuard, RollbackNeeded
+from asrflow.training.monitoring import StallWatchdog, report_step, step_metrics
+from asrflow.training.nonfinite import NonFiniteGuard, RollbackNeeded
 from asrflow.training.observers import TrainObserver
-from asrflow.training.paths import TrainPaths
 from asrflow.training.precision import (
     device_capability,
     native_bf16_cpu_flags,
     precision_change_tags,
     resolve_precision,
 )
-from asrflow.training.progress import LossHistory, PlanPosition, Progress, RandomState
 from asrflow.training.resume import build_fingerprint, training_params
-from asrflow.training.rng import seed_everything
-from asrflow.training.schedule import apply_lr_scale, build_optimizer, build_scheduler
-from asrflow.training.step import StepResult, train_step
-from asrflow.training.step_log import report_step, step_metrics
+from asrflow.training.run_state import LossHistory, PlanPosition, RandomState, RunCounters, seed_everything
+from asrflow.training.step import StepResult, apply_lr_scale, build_optimizer, build_scheduler, train_step
 from asrflow.training.train_data import TrainData
-from asrflow.training.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +66,7 @@ class Trainer:
         config, features: the ``train:`` and ``features:`` params.
         seed: the run's seed (params ``seed``).
         all_params: every param, logged to MLflow as the run's params.
-        paths: inputs and outputs (see :class:`~asrflow.training.paths.TrainPaths`).
+        paths: inputs and outputs (see :class:`~asrflow.training.config.TrainPaths`).
         tracking_uri: MLflow store (default: ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``).
         observers: see :class:`~asrflow.training.observers.TrainObserver`.
     """
@@ -94,7 +90,7 @@ class Trainer:
         self.tracking_uri = tracking_uri
         self.observers = list(observers)
         self.tracker: BackgroundTracker | NullTracker = NullTracker()
-        self.step_progress: StepProgress | None = None
+        self.terminal_progress: TerminalProgress | None = None
         self.stop_requested = False
 
     def setup(self) -> None:
@@ -120,7 +116,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
         self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard.for_run(config, self.paths.bad_batches, writes_records=self.dist.is_main)
-        self.progress, self.history = Progress(), LossHistory()
+        self.counters, self.history = RunCounters(), LossHistory()
         self.position = PlanPosition(self.data.batches, self.dist.world_size)
         fingerprint = build_fingerprint(
             asdict(self.model_config),
@@ -139,7 +135,7 @@ class Trainer:
             scheduler=self.scheduler,
             scaler=self.scaler,
             rng=RandomState(),
-            progress=self.progress,
+            counters=self.counters,
             position=self.position,
             history=self.history,
             guard=self.guard,
@@ -172,7 +168,7 @@ class Trainer:
                 finished = self._train_with_rollbacks(loader, watchdog)
             if not finished:
                 status = "KILLED"
-                step = self.progress.global_step
+                step = self.counters.global_step
                 logger.warning(f"stopped at step {step} with a checkpoint saved; run the same command again to resume")
                 raise SystemExit(EXIT_INTERRUPTED)
             summary = self._finish()
@@ -210,7 +206,7 @@ class Trainer:
             if len(micro_batches) < accum_grad:
                 return True
             waited = time.perf_counter() - began
-            step = self.progress.global_step + 1
+            step = self.counters.global_step + 1
             result = train_step(
                 self.ddp_model,
                 micro_batches,
@@ -231,7 +227,7 @@ class Trainer:
             result = replace(
                 result, elapsed_s=time.perf_counter() - began, data_wait_s=waited, cut_ids=item.step_cut_ids
             )
-            self.progress.global_step = step
+            self.counters.global_step = step
             self.position.advance(item)
             self.guard.observe(
                 step, finite=result.finite, loss=result.loss, grad_norm=result.grad_norm, cut_ids=list(result.cut_ids)
@@ -254,13 +250,13 @@ class Trainer:
 
     def _report(self, result: StepResult) -> None:
         """The step's metrics to MLflow (rank 0), the loss history, and a log line now and then."""
-        lr, epoch, step = self.optimizer.param_groups[0]["lr"], self.position.epoch, self.progress.global_step
+        lr, epoch, step = self.optimizer.param_groups[0]["lr"], self.position.epoch, self.counters.global_step
         skipped, world_size = self.guard.total_skipped, self.dist.world_size
         metrics = step_metrics(result, lr=lr, epoch=epoch, world_size=world_size, skipped_total=skipped)
         loss_scale = self.scaler.get_scale() if self.precision.uses_scaler else None
         report_step(self.tracker, self.history, step=step, metrics=metrics, loss_scale=loss_scale)
-        if self.step_progress is not None:  # the terminal's progress line (rank 0)
-            self.step_progress.update(step, epoch, result.loss, metrics["train/audio_s_per_s"])
+        if self.terminal_progress is not None:  # the terminal's progress line (rank 0)
+            self.terminal_progress.update(step, epoch, result.loss, metrics["train/audio_s_per_s"])
 
     def _validate(self, watchdog: StallWatchdog) -> float | None:
         """Dev loss of the current weights, logged; returned when it beats the best checkpoint's (every rank
@@ -271,8 +267,8 @@ class Trainer:
             self.ddp_model, precision=self.precision, dist=self.dist, device=self.device, beat=watchdog.beat
         )
         watchdog.beat()
-        step = self.progress.global_step
-        self.progress.last_dev_loss, self.progress.last_dev_step = loss, step
+        step = self.counters.global_step
+        self.counters.last_dev_loss, self.counters.last_dev_step = loss, step
         self.tracker.record(step, {"dev/loss": loss})
         logger.info("step %d: dev loss %.4f", step, loss)
         return loss if self.checkpoints.improved(loss) else None
@@ -280,23 +276,23 @@ class Trainer:
     def _save(self, dev_loss: float | None = None, complete: bool = False) -> None:
         """Checkpoint (every rank takes part), then send MLflow the points it covers."""
         self.checkpoints.save(
-            self.progress.global_step, dev_loss=dev_loss, in_streak=self.guard.consecutive > 0, complete=complete
+            self.counters.global_step, dev_loss=dev_loss, in_streak=self.guard.consecutive > 0, complete=complete
         )
         self.tracker.flush()
 
     def _rollback(self) -> None:
         """Back to the newest good checkpoint with a lower learning rate; the run's guard totals are kept."""
         state, path = self.checkpoints.rollback_target()
-        lr_scale = self.progress.lr_scale * self.config.rollback_lr_factor
+        lr_scale = self.counters.lr_scale * self.config.rollback_lr_factor
         skipped, rollbacks = self.guard.total_skipped, self.guard.rollbacks
         self.tracker.discard_after(int(state["step"]))  # the abandoned steps are trained again
         self.checkpoints.restore(state)
         self.guard.rolled_back(skipped_before=skipped, rollbacks_before=rollbacks)
-        self.progress.lr_scale = lr_scale
+        self.counters.lr_scale = lr_scale
         apply_lr_scale(self.scheduler, self.config.lr * lr_scale)
         logger.warning(
             f"rollback {self.guard.rollbacks} of at most {self.config.max_rollbacks}: back to {path} (step "
-            f"{self.progress.global_step}), learning rate scaled to {lr_scale:.3g} x train.lr"
+            f"{self.counters.global_step}), learning rate scaled to {lr_scale:.3g} x train.lr"
         )
 
     # ---------------------------------------------------------------- start and end
@@ -308,7 +304,7 @@ class Trainer:
             self.checkpoints.restore(state)  # the tracker is not registered yet: it starts below
             position = self.position
             logger.info(
-                f"resuming from {path}: step {self.progress.global_step}, epoch {position.epoch}, batch "
+                f"resuming from {path}: step {self.counters.global_step}, epoch {position.epoch}, batch "
                 f"{position.step_in_epoch} of the epoch"
             )
         for observer in self.observers:
@@ -322,8 +318,8 @@ class Trainer:
                 run_id=state["tracker"].get("run_id") if state else None,
                 tracking_uri=self.tracking_uri,
             )
-            self.step_progress = StepProgress(
-                total_steps=self.data.steps_per_epoch(0) * self.config.epochs, start_step=self.progress.global_step
+            self.terminal_progress = TerminalProgress(
+                total_steps=self.data.steps_per_epoch(0) * self.config.epochs, start_step=self.counters.global_step
             )
         self.checkpoints.register(tracker=self.tracker)
         if state is None:
@@ -333,14 +329,14 @@ class Trainer:
             self._save()  # step 0: a rollback target, and the MLflow run id on disk
         else:
             self.tracker.load_state_dict(state["tracker"])
-            self.tracker.set_tags(precision_change_tags(state["precision"], self.precision, self.progress.global_step))
+            self.tracker.set_tags(precision_change_tags(state["precision"], self.precision, self.counters.global_step))
         return loader
 
     def _finish(self) -> dict:
         """The final checkpoint on every rank; rank 0 then writes the bundle, the loss plot and the artifacts."""
         self._save(complete=True)
         summary = {
-            "steps": self.progress.global_step,
+            "steps": self.counters.global_step,
             "epochs": self.config.epochs,
             "best_dev_loss": self.checkpoints.best_dev_loss,
             "nonfinite_skipped": self.guard.total_skipped,

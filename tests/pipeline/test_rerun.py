@@ -79,7 +79,7 @@ def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run,
         ("asrflow/data/text.py", "asrflow/data/text.py", {"prepare"}, ALL),
         ("asrflow/data/features.py", "asrflow/data/features.py", {"features", "train", "evaluate"}, FROM_FEATURES),
         ("stages/tokenizer.py", "stages/tokenizer.py", {"tokenizer"}, FROM_TOKENIZER),
-        ("asrflow/training/schedule.py", "asrflow/training", {"train"}, FROM_TRAIN),  # one file of a folder dep
+        ("asrflow/training/step.py", "asrflow/training", {"train"}, FROM_TRAIN),  # one file of a folder dep
         # train logs the model as an MLflow pyfunc that decodes with this code: it reads the folder too.
         ("asrflow/decoding/ctc.py", "asrflow/decoding", {"train", "evaluate"}, FROM_TRAIN),
     ],

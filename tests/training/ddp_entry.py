@@ -96,7 +96,7 @@ class Faults(TrainObserver):
                 time.sleep(0.02)
 
     def after_step(self, trainer, result) -> None:
-        here = (trainer.dist.rank, trainer.progress.global_step)
+        here = (trainer.dist.rank, trainer.counters.global_step)
         if here == _hook(FAIL_ENV):
             raise RuntimeError(f"injected failure on rank {here[0]} at step {here[1]} ({FAIL_ENV})")
         if here == _hook(STALL_ENV):

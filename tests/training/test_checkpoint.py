@@ -15,7 +15,7 @@ import torch
 from train_entry import fresh_mlflow_store, train_in_process
 
 from asrflow.training import checkpoint as ckpt
-from asrflow.training.rng import capture_rng_state, restore_rng_state, seed_everything
+from asrflow.training.run_state import capture_rng_state, restore_rng_state, seed_everything
 
 
 def _state(value: float) -> dict:

@@ -32,8 +32,8 @@ from asrflow.data.batches import plan_epoch, steps_in_plan
 from asrflow.data.features import FeatureConfig
 from asrflow.data.manifests import load_cuts
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
+from asrflow.training.monitoring import write_stacks
 from asrflow.training.trainer import Trainer
-from asrflow.training.watchdog import write_stacks
 
 #: Shared by every run that is compared: 2 epochs (6 + 5 steps with 2 ranks), checkpoints every 4 steps.
 #: fp32 whatever ``auto`` picks on this CPU: the tolerances below are float32's (under bf16 autocast

@@ -15,9 +15,9 @@ from asrflow.data.features import CMVN_FILE, load_cmvn
 from asrflow.data.manifests import load_cuts
 from asrflow.model.conformer_ctc import build_model
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
-from asrflow.training.dev_loss import dev_batches, dev_loss
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
+from asrflow.training.validation import dev_batches, dev_loss
 
 
 @pytest.fixture(scope="module")

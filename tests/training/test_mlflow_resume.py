@@ -53,7 +53,7 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_dat
     run = runs[0]
     assert run.info.status == "FINISHED"
     final = load_checkpoint(list_checkpoints(exp / "checkpoints")[0])
-    steps = final["progress"]["global_step"]
+    steps = final["counters"]["global_step"]
     assert final["complete"] and steps == 18
     assert run.data.tags[LOGGED_THROUGH_TAG] == str(steps)
 

@@ -32,7 +32,7 @@ from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
-from asrflow.training.schedule import warmup_factor
+from asrflow.training.step import warmup_factor
 from asrflow.training.trainer import Trainer
 
 SEED = 42

@@ -211,7 +211,7 @@ def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_dat
     assert "starting a fresh run" in train()
     unchanged = train()
     assert "resuming from" in unchanged and "starting a fresh run" not in unchanged
-    with open(repo / "asrflow" / "training" / "schedule.py", "a") as module:
+    with open(repo / "asrflow" / "training" / "step.py", "a") as module:
         module.write("\n# an edit\n")
     edited = train()
     assert re.search(r"used other settings \(code_digest: '[0-9a-f]{16}' -> '[0-9a-f]{16}'\)", edited), edited

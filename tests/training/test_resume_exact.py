@@ -85,7 +85,7 @@ def reference(yesno_data, tmp_path_factory) -> dict:
     uri = fresh_mlflow_store(exp.parent)
     run_training(yesno_data, exp, OVERRIDES, log_path=exp.parent / "train.log", tracking_uri=uri)
     state = _final_state(exp)
-    progress, position = state["checkpoint"]["progress"], state["checkpoint"]["position"]
+    progress, position = state["checkpoint"]["counters"], state["checkpoint"]["position"]
     assert progress["global_step"] == 27 and position["epoch"] == 2, "expected 3 epochs of 9 steps"
     return state
 
@@ -140,7 +140,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp
     newest = list_checkpoints(exp / "checkpoints")[0]
     assert step_of(newest) == 13
     state = load_checkpoint(newest)
-    assert state["progress"]["global_step"] == 13 and not state["complete"]
+    assert state["counters"]["global_step"] == 13 and not state["complete"]
     assert state["history"]["step"] == list(range(1, 14))
     assert state["history"]["loss"] == reference["checkpoint"]["history"]["loss"][:13]
     assert not (exp / "model.pt").exists()

@@ -23,8 +23,8 @@ from train_entry import fresh_mlflow_store
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
 from asrflow.training import checkpoint as ckpt
+from asrflow.training.monitoring import LOSS_SCALE_FLOOR
 from asrflow.training.observers import TrainObserver
-from asrflow.training.step_log import LOSS_SCALE_FLOOR
 from asrflow.training.trainer import Trainer
 
 SEED = 42

@@ -69,7 +69,7 @@ class StepHooks(TrainObserver):
             _wait_for_stop(trainer, step)
 
     def after_step(self, trainer, result) -> None:
-        step = trainer.progress.global_step
+        step = trainer.counters.global_step
         if self.log_every_step:
             print(f"{STEP_MARK} {step} {time.time():.6f} {time.process_time():.6f}", file=sys.stderr, flush=True)
         if step == self.pause_after_step:
