@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -81,17 +81,27 @@ def build_config(cls: type[C], section: dict[str, Any] | None, name: str) -> C:
             f"valid keys are: {', '.join(sorted(fields))}"
         )
     for key, value in section.items():
-        if not _type_ok(value, hints[key]):
-            raise AsrflowError(f"params.yaml: {name}.{key} = {value!r} has the wrong type; expected {hints[key]}")
+        check_type(value, hints[key], f"{name}.{key}")
     return cls(**section)
 
 
-def param_error(section: str, key: str, value: Any, why: str) -> AsrflowError:
+def check_type(value: Any, annotation: Any, where: str) -> None:
+    """Raise an :class:`AsrflowError` naming ``where`` (``section.key``) unless ``value`` fits ``annotation``."""
+    if not _type_ok(value, annotation):
+        raise AsrflowError(f"params.yaml: {where} = {value!r} has the wrong type; expected {annotation}")
+
+
+#: A section's name, or a mapping from each key to its section (a config read from several sections).
+Section = str | Mapping[str, str]
+
+
+def param_error(section: Section, key: str, value: Any, why: str) -> AsrflowError:
     """The one-line message for ``section.key = value`` being out of range: ``why`` says what is allowed."""
-    return AsrflowError(f"params.yaml: {section}.{key} = {value!r} {why}")
+    where = section if isinstance(section, str) else section.get(key, "train")
+    return AsrflowError(f"params.yaml: {where}.{key} = {value!r} {why}")
 
 
-def check_at_least(config: object, section: str, minimum: float, *keys: str) -> None:
+def check_at_least(config: object, section: Section, minimum: float, *keys: str) -> None:
     """Raise :func:`param_error` unless ``config.key >= minimum`` for every key."""
     for key in keys:
         value = getattr(config, key)
@@ -99,7 +109,7 @@ def check_at_least(config: object, section: str, minimum: float, *keys: str) -> 
             raise param_error(section, key, value, f"must be at least {minimum}")
 
 
-def check_positive(config: object, section: str, *keys: str) -> None:
+def check_positive(config: object, section: Section, *keys: str) -> None:
     """Raise :func:`param_error` unless ``config.key > 0`` for every key."""
     for key in keys:
         value = getattr(config, key)
@@ -107,7 +117,7 @@ def check_positive(config: object, section: str, *keys: str) -> None:
             raise param_error(section, key, value, "must be greater than 0")
 
 
-def check_choice(config: object, section: str, key: str, choices: Iterable[str]) -> None:
+def check_choice(config: object, section: Section, key: str, choices: Iterable[str]) -> None:
     """Raise :func:`param_error` unless ``config.key`` is one of ``choices``."""
     choices = tuple(choices)
     value = getattr(config, key)
@@ -133,3 +143,12 @@ def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[dotted] = value
     return flat
+
+
+def set_param(params: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``params[a][b][c] = value`` for ``dotted`` = ``"a.b.c"``, making missing sections."""
+    *sections, key = dotted.split(".")
+    node = params
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[key] = value

@@ -43,14 +43,14 @@ PRESET_BATCH_S = 60.0
 
 def cases(work: Path, quick: bool, steps: int) -> list[tuple[str, Path, object, int]]:
     """(name, data folder, TrainConfig, timed batches) per case."""
-    from asrflow.params import build_config, load_params
-    from asrflow.training.config import TrainConfig
+    from asrflow.params import load_params
+    from asrflow.training.config import load_train_config
     from bench.train_throughput import TINY_MODEL, configs
 
     _, train = configs(quick)
     if quick:
         return [("generated, tiny model", generated_data(work, 200), train, 1)]
-    preset = build_config(TrainConfig, load_params(REPO / "presets" / "real-corpus.yaml")["train"], "train")
+    preset = load_train_config(load_params(REPO / "presets" / "real-corpus.yaml"))
     preset = replace(train, **{key: getattr(preset, key) for key in (*TINY_MODEL, "subsampling_channels")})
     preset = replace(preset, max_duration_s=PRESET_BATCH_S)
     generated = generated_data(work, 300)

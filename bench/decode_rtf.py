@@ -64,10 +64,10 @@ def untrained(data: Path, work: Path) -> Path:
     from asrflow.params import build_config
     from asrflow.serving.bundle import save_bundle
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
-    from asrflow.training.config import TrainConfig
+    from asrflow.training.config import load_train_config
 
     params = repo_params()
-    train = build_config(TrainConfig, params.get("train"), "train")
+    train = load_train_config(params)
     features = build_config(FeatureConfig, params.get("features"), "features")
     tokenizer = Tokenizer(data / "lang" / MODEL_FILE)
     config = train.model(features.num_mel_bins, tokenizer.vocab_size)
@@ -90,12 +90,12 @@ def trained(data: Path, work: Path) -> Path:
     """Train params.yaml's model on yesno for a few epochs with the Trainer."""
     from asrflow.data.features import FeatureConfig
     from asrflow.params import build_config
-    from asrflow.training.config import TrainConfig, TrainPaths
+    from asrflow.training.config import TrainPaths, load_train_config
     from asrflow.training.trainer import Trainer
 
     params = repo_params()
     train = replace(
-        build_config(TrainConfig, params.get("train"), "train"),
+        load_train_config(params),
         epochs=FALLBACK_EPOCHS,
         num_workers=0,
         warmup_steps=5,

@@ -81,11 +81,10 @@ def models(quick: bool) -> dict[str, tuple[object, float]]:
     import torch
 
     from asrflow.model.conformer_ctc import ModelConfig, build_model
-    from asrflow.params import build_config
-    from asrflow.training.config import TrainConfig
+    from asrflow.training.config import load_train_config
     from bench.peer_speed import PEER_DIR, TINY_MODEL, _speechbrain_model, install_peer
 
-    train = build_config(TrainConfig, repo_params().get("train"), "train")
+    train = load_train_config(repo_params())
     shape = {key: getattr(train, key) for key in ("d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")}
     shape["dropout"] = train.dropout
     if quick:

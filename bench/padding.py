@@ -72,10 +72,9 @@ def random_batches(cuts, frames: dict[str, int], seed: int, max_duration_s: floa
 
 def measure(corpus: str, data, params: dict) -> dict:
     from asrflow.data.manifests import load_cuts
-    from asrflow.params import build_config
-    from asrflow.training.config import TrainConfig
+    from asrflow.training.config import load_train_config
 
-    train = build_config(TrainConfig, params.get("train"), "train")
+    train = load_train_config(params)
     max_duration, num_buckets = train.max_duration_s, train.num_buckets
     seed = int(params.get("seed", 0))
     cuts = load_cuts(data / "fbank", "train").to_eager()

@@ -153,11 +153,11 @@ def peer_env() -> dict[str, str]:
 def configs(quick: bool, epochs: int, params_file: Path):
     """``params_file`` and its TrainConfig (tiny model with ``quick``; ``epochs``). The features
     are those each corpus was computed with (:func:`bench.common.data_features`)."""
-    from asrflow.params import build_config, load_params
-    from asrflow.training.config import TrainConfig
+    from asrflow.params import load_params
+    from asrflow.training.config import load_train_config
 
     params = load_params(params_file)
-    train = build_config(TrainConfig, params.get("train"), "train")
+    train = load_train_config(params)
     train = replace(
         train,
         epochs=epochs,

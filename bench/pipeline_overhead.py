@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from asrflow.training.config import set_train_keys
 from bench.common import copy_repo, emit, parse_args, ratio, rounded, workdir
 
 REPEATS = {"full": 3, "quick": 2}
@@ -71,8 +72,8 @@ def tiny_copy(destination: Path) -> Path:
     copy_repo(destination)
     params_file = destination / "params.yaml"
     params = yaml.safe_load(params_file.read_text())
-    for section, values in TINY.items():
-        params[section].update(values)
+    params["features"].update(TINY["features"])
+    set_train_keys(params, TINY["train"])
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     return destination
 

@@ -106,11 +106,12 @@ def write_params(run_dir: Path, train: dict, code: Path = REPO, data: Path | Non
     import yaml
 
     from asrflow.params import load_params
+    from asrflow.training.config import set_train_keys
 
     params = load_params(code / "params.yaml") if code != REPO else repo_params()
     if data is not None:
         params = params_for(data, params)
-    params["train"] = {**params["train"], **train}
+    set_train_keys(params, train)
     path = run_dir / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path

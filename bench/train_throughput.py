@@ -79,11 +79,10 @@ TINY_MODEL = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "co
 def configs(quick: bool, num_threads: int | None = None):
     """params.yaml and its TrainConfig (tiny model with ``quick``). The features are those each
     corpus was computed with (:func:`bench.common.data_features`)."""
-    from asrflow.params import build_config
-    from asrflow.training.config import TrainConfig
+    from asrflow.training.config import load_train_config
 
     params = repo_params()
-    train = build_config(TrainConfig, params.get("train"), "train")
+    train = load_train_config(params)
     # Enough epochs for any step count (the loop is stopped), one process.
     train = replace(train, epochs=1000, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}))
     if num_threads:

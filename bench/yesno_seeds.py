@@ -11,7 +11,7 @@ Record ``yesno_seed`` per seed: ``test_wer``, ``train_s`` (the train stage's wal
 ``left_plateau_at_step`` (the first logged step whose train loss per token is below 0.5:
 CTC's blank plateau sits at 0.8-1.0 here; None = never) and ``last_train_loss``.
 
-Usage: ``python -m bench.yesno_seeds [--seeds 1 2 3 42] [--set train.lr=0.001 ...] [--workdir DIR]``
+Usage: ``python -m bench.yesno_seeds [--seeds 1 2 3 42] [--set train.optim.lr=0.001 ...] [--workdir DIR]``
 (a few minutes per seed on 2 cores; ``--quick``: one seed, 2 epochs).
 """
 
@@ -38,12 +38,15 @@ def seeded_params(seed: int, overrides: list[str], quick: bool) -> dict:
     """params.yaml with ``seed`` and the ``section.key=value`` overrides (values parsed as YAML)."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["seed"] = seed
-    for override in overrides + (["train.epochs=2"] if quick else []):
+    for override in overrides + (["train.optim.epochs=2"] if quick else []):
         key, _, value = override.partition("=")
-        section, _, name = key.partition(".")
-        if section not in params or not name or name not in params[section]:
+        *sections, name = key.split(".")
+        node = params
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if not sections or not isinstance(node, dict) or name not in node:
             raise SystemExit(f"--set {override}: no such key in params.yaml (use section.key=value)")
-        params[section][name] = yaml.safe_load(value)
+        node[name] = yaml.safe_load(value)
     return params
 
 

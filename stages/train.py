@@ -30,7 +30,7 @@ from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_comma
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
 from asrflow.tracking.tracker import check_tracking_uri
-from asrflow.training.config import TrainConfig, TrainPaths
+from asrflow.training.config import TrainPaths, load_train_config
 from asrflow.training.trainer import Trainer
 
 #: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     logger.info("train stage started (pid %d)", os.getpid())  # imports done: bench.startup times from here
     params = load_params(args.params)
-    config = build_config(TrainConfig, params.get("train"), "train")
+    config = load_train_config(params)
     if args.node_rank is not None:
         config = replace(config, node_rank=args.node_rank)
     features = build_config(FeatureConfig, params.get("features"), "features")

@@ -22,15 +22,13 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 def write_shipped_params(folder: Path, changes: dict[str, object]) -> Path:
     """``folder/params.yaml``: the shipped params with ``changes`` applied.
 
-    A key ``section.key`` sets one value; a bare ``section`` replaces the whole section.
+    A dotted key (``train.optim.lr``) sets one value; a bare ``section`` replaces the whole section.
     """
+    from asrflow.params import set_param
+
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for dotted, value in changes.items():
-        section, _, key = dotted.partition(".")
-        if key:
-            params[section][key] = value
-        else:
-            params[section] = value
+        set_param(params, dotted, value)
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path

@@ -31,11 +31,11 @@ def test_front_end_flops_count_the_subsampling_convolutions():
 
 
 def test_seeded_params_set_the_seed_and_overrides_and_refuse_unknown_keys():
-    params = seeded_params(7, ["train.lr=0.001", "train.subsampling_channels=[8, 32]"], quick=False)
+    params = seeded_params(7, ["train.optim.lr=0.001", "train.model.subsampling_channels=[8, 32]"], quick=False)
     shipped = yaml.safe_load((REPO / "params.yaml").read_text())
     assert params["seed"] == 7
-    assert params["train"]["lr"] == 0.001 and params["train"]["subsampling_channels"] == [8, 32]
-    assert params["train"]["epochs"] == shipped["train"]["epochs"]
-    assert seeded_params(7, [], quick=True)["train"]["epochs"] == 2
+    assert params["train"]["optim"]["lr"] == 0.001 and params["train"]["model"]["subsampling_channels"] == [8, 32]
+    assert params["train"]["optim"]["epochs"] == shipped["train"]["optim"]["epochs"]
+    assert seeded_params(7, [], quick=True)["train"]["optim"]["epochs"] == 2
     with pytest.raises(SystemExit, match="train.no_such_key"):
         seeded_params(7, ["train.no_such_key=1"], quick=False)

@@ -15,7 +15,7 @@ def test_the_shipped_params_get_both_keys_and_keep_every_other_line(tmp_path):
     shipped = (REPO / "params.yaml").read_text()
     params.write_text(shipped)
     changes = set_rendezvous(params, 2, "node17:29511")
-    assert changes == ["train.nnodes: 1 -> 2", "train.rdzv_endpoint: 'localhost:29500' -> 'node17:29511'"]
+    assert changes == ["run.nnodes: 1 -> 2", "run.rdzv_endpoint: 'localhost:29500' -> 'node17:29511'"]
     text = params.read_text()
     changed = [(old, new) for old, new in zip(shipped.splitlines(), text.splitlines(), strict=True) if old != new]
     assert changed == [
@@ -23,8 +23,8 @@ def test_the_shipped_params_get_both_keys_and_keep_every_other_line(tmp_path):
         ("  rdzv_endpoint: localhost:29500", "  rdzv_endpoint: node17:29511"),
     ]
     loaded, before = yaml.safe_load(text), yaml.safe_load(shipped)
-    assert loaded["train"] == {**before["train"], "nnodes": 2, "rdzv_endpoint": "node17:29511"}
-    assert {key: value for key, value in loaded.items() if key != "train"} == {
+    assert loaded["run"] == {**before["run"], "nnodes": 2, "rdzv_endpoint": "node17:29511"}
+    assert {key: value for key, value in loaded.items() if key != "run"} == {
         key: value for key, value in before.items() if key != "train"
     }
 

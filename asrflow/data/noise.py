@@ -23,7 +23,7 @@ from asrflow.data.audio import to_mono_at_rate
 from asrflow.errors import AsrflowError, first_line
 
 #: The param that names the noise, for messages.
-PARAM = "train.noise_dir"
+PARAM = "train.data.noise_dir"
 #: File extensions read as noise audio in a folder (case-insensitive).
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3", ".aif", ".aiff", ".au", ".sph", ".w64", ".rf64")
 

@@ -25,7 +25,7 @@ import yaml
 
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 
-SECTION = "train"
+SECTION = "run"
 _KEY_LINE = re.compile(r"^(?P<indent>[ \t]+)(?P<key>\w+):(?P<space>[ \t]*)(?P<value>[^#\n]*?)(?P<tail>[ \t]*#.*)?$")
 
 

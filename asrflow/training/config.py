@@ -3,42 +3,95 @@ documented there), and the folders it reads and writes."""
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from asrflow.data.batches import AugmentConfig
 from asrflow.errors import AsrflowError
 from asrflow.model.conformer_ctc import ModelConfig
-from asrflow.params import check_at_least, check_choice, check_positive, param_error
+from asrflow.params import (
+    check_at_least,
+    check_choice,
+    check_positive,
+    check_type,
+    param_error,
+    require_mapping,
+    set_param,
+)
 from asrflow.training.precision import CHOICES as PRECISIONS
 
 SECTION = "train"
-#: Accepted values of ``train.mp_start_method`` (Python's multiprocessing start methods).
+#: Accepted values of ``run.mp_start_method`` (Python's multiprocessing start methods).
 START_METHODS = ("spawn", "forkserver", "fork")
 
 #: Data workers ``num_workers: auto`` starts when features are computed on the fly.
 AUTO_WORKERS_ON_THE_FLY = 2
 
+#: Where each key lives in params.yaml. ``train.*`` sections are the train stage's params (a change
+#: re-runs training) except ``train.checkpoint``; ``run`` holds how and where this run executes, which
+#: no stage's outputs depend on.
+TRAIN_LAYOUT: dict[str, tuple[str, ...]] = {
+    "train.model": (
+        "d_model",
+        "num_heads",
+        "ffn_dim",
+        "num_layers",
+        "conv_kernel_size",
+        "dropout",
+        "subsampling_channels",
+        "subsampling_norm",
+        "blank_bias_init",
+    ),
+    "train.data": (
+        "max_duration_s",
+        "num_buckets",
+        "spec_augment",
+        "num_freq_masks",
+        "freq_mask_width",
+        "num_time_masks",
+        "time_mask_ratio",
+        "speed_perturb",
+        "noise_dir",
+        "noise_snr_db",
+    ),
+    "train.optim": (
+        "epochs",
+        "lr",
+        "weight_decay",
+        "warmup_steps",
+        "max_grad_norm",
+        "accum_grad",
+        "precision",
+        "num_threads",
+        "average_last",
+    ),
+    "train.nonfinite": ("max_consecutive_nonfinite", "rollback_lr_factor", "max_rollbacks"),
+    "train.checkpoint": ("checkpoint_every_steps", "keep_last", "validate_every_steps"),
+    "run": (
+        "experiment",
+        "register_model_name",
+        "num_workers",
+        "mp_start_method",
+        "nproc_per_node",
+        "nnodes",
+        "node_rank",
+        "rdzv_endpoint",
+        "dist_timeout_s",
+        "stall_timeout_s",
+    ),
+}
+
+#: Each key's section, e.g. ``KEY_SECTION["lr"] == "train.optim"``.
+KEY_SECTION = {key: section for section, keys in TRAIN_LAYOUT.items() for key in keys}
+
 #: Keys that may change between an interrupted run and its resume without changing what
 #: the resumed steps compute (bookkeeping, parallel loading, time limits).
 OPERATIONAL_KEYS = frozenset(
-    {
-        "epochs",
-        "checkpoint_every_steps",
-        "keep_last",
-        "validate_every_steps",
-        "average_last",
-        "num_workers",
-        "dist_timeout_s",
-        "stall_timeout_s",
-        "mp_start_method",
-        "experiment",
-        "register_model_name",
-        "rdzv_endpoint",
-        "node_rank",
-        "max_consecutive_nonfinite",
-        "max_rollbacks",
-    }
+    {"epochs", "average_last", "max_consecutive_nonfinite", "max_rollbacks"}
+    | set(TRAIN_LAYOUT["train.checkpoint"])
+    | set(TRAIN_LAYOUT["run"]) - {"nproc_per_node", "nnodes"}
 )
 
 
@@ -100,53 +153,54 @@ class TrainConfig:
         self._check_bookkeeping()
 
     def _check_model(self) -> None:
-        check_at_least(self, SECTION, 1, "d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")
+        check_at_least(self, KEY_SECTION, 1, "d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")
         if self.d_model % self.num_heads:
             raise AsrflowError(
-                f"params.yaml: train.num_heads ({self.num_heads}) must divide train.d_model ({self.d_model})"
+                f"params.yaml: train.model.num_heads ({self.num_heads}) must divide "
+                f"train.model.d_model ({self.d_model})"
             )
         if self.conv_kernel_size % 2 == 0:
-            raise param_error(SECTION, "conv_kernel_size", self.conv_kernel_size, "must be odd (e.g. 15)")
+            raise param_error(KEY_SECTION, "conv_kernel_size", self.conv_kernel_size, "must be odd (e.g. 15)")
         channels = self.subsampling_channels
         if channels is not None and (
             len(channels) != 2 or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in channels)
         ):
             raise param_error(
-                SECTION,
+                KEY_SECTION,
                 "subsampling_channels",
                 channels,
                 "must be null (d_model each) or two positive integers, e.g. [64, 32]",
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise param_error(SECTION, "dropout", self.dropout, "must be in [0, 1)")
+            raise param_error(KEY_SECTION, "dropout", self.dropout, "must be in [0, 1)")
 
     def _check_data(self) -> None:
-        check_positive(self, SECTION, "max_duration_s")
-        check_at_least(self, SECTION, 1, "num_buckets")
+        check_positive(self, KEY_SECTION, "max_duration_s")
+        check_at_least(self, KEY_SECTION, 1, "num_buckets")
         if isinstance(self.num_workers, str):
             if self.num_workers != "auto":
-                raise param_error(SECTION, "num_workers", self.num_workers, "must be auto or an integer >= 0")
+                raise param_error(KEY_SECTION, "num_workers", self.num_workers, "must be auto or an integer >= 0")
         else:
-            check_at_least(self, SECTION, 0, "num_workers")
-        check_at_least(self, SECTION, 0, "num_freq_masks", "freq_mask_width", "num_time_masks")
+            check_at_least(self, KEY_SECTION, 0, "num_workers")
+        check_at_least(self, KEY_SECTION, 0, "num_freq_masks", "freq_mask_width", "num_time_masks")
         if not 0.0 <= self.time_mask_ratio <= 1.0:
-            raise param_error(SECTION, "time_mask_ratio", self.time_mask_ratio, "must be in [0, 1]")
+            raise param_error(KEY_SECTION, "time_mask_ratio", self.time_mask_ratio, "must be in [0, 1]")
         snr = self.noise_snr_db
         if len(snr) != 2 or snr[0] > snr[1]:
             raise param_error(
-                SECTION, "noise_snr_db", snr, "must be two numbers [low, high] with low <= high, e.g. [10, 20]"
+                KEY_SECTION, "noise_snr_db", snr, "must be two numbers [low, high] with low <= high, e.g. [10, 20]"
             )
 
     def _check_optimisation(self) -> None:
-        check_positive(self, SECTION, "lr", "max_grad_norm")
-        check_at_least(self, SECTION, 1, "epochs", "accum_grad", "num_threads")
-        check_at_least(self, SECTION, 0, "weight_decay", "warmup_steps")
-        check_choice(self, SECTION, "precision", PRECISIONS)
+        check_positive(self, KEY_SECTION, "lr", "max_grad_norm")
+        check_at_least(self, KEY_SECTION, 1, "epochs", "accum_grad", "num_threads")
+        check_at_least(self, KEY_SECTION, 0, "weight_decay", "warmup_steps")
+        check_choice(self, KEY_SECTION, "precision", PRECISIONS)
 
     def _check_bookkeeping(self) -> None:
         check_at_least(
             self,
-            SECTION,
+            KEY_SECTION,
             1,
             "checkpoint_every_steps",
             "keep_last",
@@ -155,22 +209,26 @@ class TrainConfig:
             "nproc_per_node",
             "nnodes",
         )
-        check_at_least(self, SECTION, 0, "validate_every_steps", "max_rollbacks", "node_rank", "stall_timeout_s")
-        check_positive(self, SECTION, "dist_timeout_s")
+        check_at_least(self, KEY_SECTION, 0, "validate_every_steps", "max_rollbacks", "node_rank", "stall_timeout_s")
+        check_positive(self, KEY_SECTION, "dist_timeout_s")
         if not 0.0 < self.rollback_lr_factor <= 1.0:
-            raise param_error(SECTION, "rollback_lr_factor", self.rollback_lr_factor, "must be in (0, 1]")
+            raise param_error(KEY_SECTION, "rollback_lr_factor", self.rollback_lr_factor, "must be in (0, 1]")
         if self.node_rank >= self.nnodes:
-            raise param_error(SECTION, "node_rank", self.node_rank, f"must be below train.nnodes ({self.nnodes})")
+            raise param_error(KEY_SECTION, "node_rank", self.node_rank, f"must be below run.nnodes ({self.nnodes})")
         if any(step < 1 for step in self.inject_nonfinite_steps):
-            raise param_error(SECTION, "inject_nonfinite_steps", self.inject_nonfinite_steps, "must list steps >= 1")
+            raise param_error(
+                KEY_SECTION, "inject_nonfinite_steps", self.inject_nonfinite_steps, "must list steps >= 1"
+            )
         if any(rank < 0 for rank in self.inject_nonfinite_ranks):
-            raise param_error(SECTION, "inject_nonfinite_ranks", self.inject_nonfinite_ranks, "must list ranks >= 0")
-        check_choice(self, SECTION, "mp_start_method", START_METHODS)
+            raise param_error(
+                KEY_SECTION, "inject_nonfinite_ranks", self.inject_nonfinite_ranks, "must list ranks >= 0"
+            )
+        check_choice(self, KEY_SECTION, "mp_start_method", START_METHODS)
         if not self.experiment.strip():
-            raise param_error(SECTION, "experiment", self.experiment, "must name an MLflow experiment")
+            raise param_error(KEY_SECTION, "experiment", self.experiment, "must name an MLflow experiment")
         if self.register_model_name is not None and not self.register_model_name.strip():
             raise param_error(
-                SECTION, "register_model_name", self.register_model_name, "must be null or a registered-model name"
+                KEY_SECTION, "register_model_name", self.register_model_name, "must be null or a registered-model name"
             )
 
     def data_workers(self, on_the_fly: bool) -> int:
@@ -236,3 +294,49 @@ class TrainPaths:
             loss_csv=exp / "plots" / "train_loss.csv",
             bad_batches=exp / "bad_batches.jsonl",
         )
+
+
+def _section(params: dict[str, Any], path: str) -> dict[str, Any]:
+    node: Any = params
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return require_mapping(node, path)
+
+
+def load_train_config(params: dict[str, Any]) -> TrainConfig:
+    """The train stage's config from params.yaml's ``train:`` sections and its ``run:`` section.
+
+    A key in the wrong section, an unknown key, or the old flat ``train:`` layout ends in one
+    :class:`AsrflowError` that names each key and where it belongs.
+    """
+    train = require_mapping(params.get("train"), "train")
+    moved = [f"train.{key} -> {KEY_SECTION[key]}.{key}" for key in train if key in KEY_SECTION]
+    if moved:
+        raise AsrflowError(
+            "params.yaml: train: is split into sections (train.model, train.data, train.optim, train.nonfinite, "
+            f"train.checkpoint) and run:; move each key: {', '.join(moved)}"
+        )
+    subsections = {path.split(".", 1)[1] for path in TRAIN_LAYOUT if path.startswith("train.")}
+    unknown = sorted(set(train) - subsections)
+    if unknown:
+        raise AsrflowError(
+            f"params.yaml: unknown section(s) {', '.join(f'train.{name}' for name in unknown)}; "
+            f"train: holds {', '.join(sorted(subsections))}"
+        )
+    hints = typing.get_type_hints(TrainConfig)
+    values: dict[str, Any] = {}
+    for path, keys in TRAIN_LAYOUT.items():
+        for key, value in _section(params, path).items():
+            if key not in keys:
+                home = KEY_SECTION.get(key)
+                hint = f"; it belongs in {home}" if home else f"; valid keys: {', '.join(keys)}"
+                raise AsrflowError(f"params.yaml: unknown key {path}.{key}{hint}")
+            check_type(value, hints[key], f"{path}.{key}")
+            values[key] = value
+    return TrainConfig(**values)
+
+
+def set_train_keys(params: dict[str, Any], values: dict[str, Any]) -> None:
+    """Set train-stage keys by name (``{"lr": 0.001}``) in a params dict, each in its section."""
+    for key, value in values.items():
+        set_param(params, f"{KEY_SECTION[key]}.{key}", value)

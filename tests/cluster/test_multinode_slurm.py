@@ -46,7 +46,7 @@ def test_two_slurm_nodes_train_the_model_of_two_local_processes(two_nodes, tmp_p
     """The job as shipped (2 nodes, 1 task each): task 0 runs the pipeline, whose train stage is
     node 0, on the first node; task 1 runs ``python -m stages.train --node-rank 1`` on the second."""
     assert static_rendezvous(), "asrflow/launch/torchrun.py must use --rdzv-backend=static for nnodes > 1"
-    local = fresh_copy(tmp_path_factory, "two-processes", **{"train.nproc_per_node": 2})
+    local = fresh_copy(tmp_path_factory, "two-processes", **{"run.nproc_per_node": 2})
     run(local, "snakemake", "--cores", "all", timeout=RUN_TIMEOUT_S)
 
     copy = fresh_copy(tmp_path_factory, "slurm-multinode")

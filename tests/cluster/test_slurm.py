@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
 
 # Short training (8 epochs, ~80 steps on yesno), a checkpoint every 20 steps, no checkpoint
 # averaging: the final weights do not depend on which extra checkpoints an interruption wrote.
-PARAMS = {"train.epochs": 8, "train.checkpoint_every_steps": 20, "train.average_last": 1}
+PARAMS = {"train.optim.epochs": 8, "train.checkpoint.checkpoint_every_steps": 20, "train.optim.average_last": 1}
 SLURM_COMMAND = (
     "snakemake",
     "--executor",

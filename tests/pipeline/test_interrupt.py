@@ -103,11 +103,12 @@ def interrupt_during_training(
 def new_training_run(copy: Path) -> None:
     """Change train params so that the next run trains afresh: another lr, fewer epochs."""
     train = yaml.safe_load((copy / "params.yaml").read_text())["train"]
+    optim, checkpoint = train["optim"], train["checkpoint"]
     # ~10 steps an epoch on yesno: a periodic checkpoint at step 50 comes before the end (~80).
-    assert train["epochs"] >= SHORT_EPOCHS and KILL_AFTER_STEP % train["checkpoint_every_steps"] == 0, train
-    changes = {"train.lr": round(train["lr"] * LR_FACTOR, 8)}
-    if train["epochs"] != SHORT_EPOCHS:  # an earlier test may have shortened it already
-        changes["train.epochs"] = SHORT_EPOCHS
+    assert optim["epochs"] >= SHORT_EPOCHS and KILL_AFTER_STEP % checkpoint["checkpoint_every_steps"] == 0, train
+    changes = {"train.optim.lr": round(optim["lr"] * LR_FACTOR, 8)}
+    if optim["epochs"] != SHORT_EPOCHS:  # an earlier test may have shortened it already
+        changes["train.optim.epochs"] = SHORT_EPOCHS
     set_params(copy, changes)
 
 

@@ -11,6 +11,7 @@ from conftest import write_shipped_params
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import EXIT_USER_ERROR
 from asrflow.serving.bundle import load_bundle
+from asrflow.training.config import KEY_SECTION
 from stages.train import main
 
 #: A model and run small enough to train in a few CPU-seconds (conftest's tiny model, one epoch).
@@ -35,7 +36,9 @@ TINY = {
 def tiny_params(tmp_path):
     """The shipped params with the TINY run and the features of conftest's ``yesno_data`` (the defaults)."""
     features = {f"features.{key}": value for key, value in asdict(FeatureConfig()).items()}
-    return write_shipped_params(tmp_path, {**features, **{f"train.{key}": value for key, value in TINY.items()}})
+    return write_shipped_params(
+        tmp_path, {**features, **{f"{KEY_SECTION[key]}.{key}": value for key, value in TINY.items()}}
+    )
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch, capsys):
     cores = len(os.sched_getaffinity(0))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"seed": 1, "train": {"nproc_per_node": cores + 1}}))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"seed": 1, "run": {"nproc_per_node": cores + 1}}))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         train_stage.main(["--params", "params.yaml"])

@@ -73,17 +73,19 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_dat
     # params: the whole config, flattened, logged once at the start
     params = run.data.params
     assert params["seed"] == "42"
-    assert params["train.lr"] == "0.003"
-    assert params["train.d_model"] == "32"
-    assert params["train.epochs"] == "2"
+    assert params["train.optim.lr"] == "0.003"
+    assert params["train.model.d_model"] == "32"
+    assert params["train.optim.epochs"] == "2"
     assert params["features.num_mel_bins"] == "80"
-    assert params["train.noise_snr_db"] == "[10.0, 20.0]"
+    assert params["train.data.noise_snr_db"] == "[10.0, 20.0]"
 
     # artifacts: the model bundle, the tokenizer, the params the run was given, the loss plot data
     assert {a.path for a in client.list_artifacts(run.info.run_id, "params")} == {"params/params.yaml"}
     folder = client.download_artifacts(run.info.run_id, "params", str(tmp_path / "downloaded"))
     logged = yaml.safe_load((Path(folder) / "params.yaml").read_text())
-    assert logged["seed"] == 42 and logged["train"]["d_model"] == 32 and logged["train"]["epochs"] == 2
+    assert (
+        logged["seed"] == 42 and logged["train"]["model"]["d_model"] == 32 and logged["train"]["optim"]["epochs"] == 2
+    )
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert "model/model.pt" in artifacts
     assert {a.path for a in client.list_artifacts(run.info.run_id, "tokenizer")} == {"tokenizer/tokenizer.model"}

@@ -22,10 +22,7 @@ def _resolve(text):
     """Replace dvc.yaml's ${section.key} templates with values from params.yaml."""
 
     def value(match):
-        node = config
-        for part in match.group(1).split("."):
-            node = node[part]
-        return str(node)
+        return str(_param(match.group(1)))
 
     return re.sub(r"\$\{([^}]+)\}", value, text)
 
@@ -85,9 +82,17 @@ def every_output():
     return [path for stage in DVC_STAGES for path, options in _outs(stage) if not options.get("persist")]
 
 
+def _param(dotted):
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
 def stage_params(stage):
-    """The params.yaml sections and keys the stage declares, so a change re-runs it."""
-    return {_name(key): config[key] for key in DVC_STAGES[stage]["params"]}
+    """The params.yaml sections and keys the stage declares (``train.optim``: one nested
+    section), so a change re-runs it."""
+    return {_name(key): _param(key) for key in DVC_STAGES[stage]["params"]}
 
 
 def stage_shell(stage):
