@@ -50,13 +50,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import logging
 import re
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
@@ -82,10 +85,12 @@ TSV_HEADER_FIELDS = frozenset({"path", "audio", "file", "filename", "wav"})
 
 _ARCHIVE_OFFSET = re.compile(r"\.ark:\d+$")
 
+T = TypeVar("T")
+
 
 @dataclass
 class ImportedSplit:
-    """One split as read from the corpus, before validation.
+    """One split as read from the corpus, before validation, held in memory (small corpora, tests).
 
     Attributes:
         recordings: the split's recordings (audio headers read, native sampling rate).
@@ -96,6 +101,48 @@ class ImportedSplit:
     recordings: RecordingSet
     supervisions: SupervisionSet
     rejected: list[Rejection] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One utterance as read from the corpus, streamed to validation.
+
+    Attributes:
+        supervision: raw transcript in ``text``, times in seconds.
+        recording: its recording (header read), or why it cannot be used, or ``None``
+            when the corpus has no such recording.
+        path: the audio path as the corpus gives it, for the report.
+        per_channel: the corpus names the channel of each supervision of this recording
+            (two-sided calls): keep the supervision's channel as it is.
+    """
+
+    supervision: SupervisionSegment
+    recording: Recording | ItemRejected | None
+    path: str | None = None
+    per_channel: bool = False
+
+
+#: What an importer streams: utterances to validate, and items refused while reading.
+Item = Candidate | Rejection
+
+#: Utterances whose audio headers are read together in a thread pool.
+PROBE_CHUNK = 512
+
+
+def collect(items: Iterable[Item]) -> ImportedSplit:
+    """Gather a stream into an :class:`ImportedSplit` (recordings once each, in first-seen order)."""
+    recordings: dict[str, Recording] = {}
+    supervisions: list[SupervisionSegment] = []
+    rejected: list[Rejection] = []
+    for item in items:
+        if isinstance(item, Rejection):
+            rejected.append(item)
+        elif isinstance(item.recording, Recording):
+            recordings.setdefault(item.recording.id, item.recording)
+            supervisions.append(item.supervision)
+    return ImportedSplit(
+        RecordingSet.from_recordings(recordings.values()), SupervisionSet.from_segments(supervisions), rejected
+    )
 
 
 @dataclass(frozen=True)
@@ -111,20 +158,20 @@ class Line:
 def read_lines(path: Path) -> Iterator[Line]:
     """Read a text file line by line as bytes and decode each line as UTF-8 on its own.
 
-    A UTF-8 byte-order mark at the start of the file is dropped; ``\\r\\n`` endings are
-    accepted. Blank lines are skipped.
+    The file is streamed (constant memory). A UTF-8 byte-order mark at the start of the
+    file is dropped; ``\\r\\n`` endings are accepted. Blank lines are skipped.
     """
-    data = path.read_bytes()
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        raw = raw.rstrip(b"\r")
-        if not raw.strip():
-            continue
-        try:
-            yield Line(number, raw.decode("utf-8"), raw)
-        except UnicodeDecodeError as error:
-            yield Line(number, None, raw, f"byte 0x{raw[error.start]:02x} at column {error.start + 1}")
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            raw = raw.rstrip(b"\n").rstrip(b"\r")
+            if not raw.strip():
+                continue
+            try:
+                yield Line(number, raw.decode("utf-8"), raw)
+            except UnicodeDecodeError as error:
+                yield Line(number, None, raw, f"byte 0x{raw[error.start]:02x} at column {error.start + 1}")
 
 
 def _non_utf8(split: str, item_id: str, *, path: str | None, file: Path, line: Line) -> Rejection:
@@ -148,19 +195,24 @@ def _probe(root: Path, pending: list[tuple[str, str]], split: str) -> list[Recor
         recording_id, raw = item
         return open_recording(resolve_inside(root, raw), recording_id)
 
-    return map_in_threads(probe, pending, f"reading audio headers ({split})")
+    return map_in_threads(probe, pending, f"reading audio headers ({split})", show=False)
+
+
+def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """Consecutive lists of ``size`` items (the last one shorter)."""
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
 
 
 # --------------------------------------------------------------------------- folder + TSV
 
 
-def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
-    """Read ``<corpus_dir>/<name>.tsv`` (format in the module docstring).
+def stream_folder(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
+    """Stream ``<corpus_dir>/<name>.tsv`` (format in the module docstring), in file order.
 
-    Args:
-        corpus_dir: the corpus folder.
-        name: the TSV's name without ``.tsv``.
-        split: our split name, for the rejection report.
+    Holds one id -> first audio path entry per utterance (to give a second file with the
+    same id its own recording id); audio headers are read :data:`PROBE_CHUNK` at a time.
 
     Raises:
         AsrflowError: when the TSV does not exist.
@@ -173,20 +225,36 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
             f"split {split!r}: {tsv} not found (corpus: folder wants <corpus_dir>/<split>.tsv); "
             f"TSV files there: {', '.join(found) or 'none'}; fix prepare.splits or add the file"
         )
-    rejected: list[Rejection] = []
-    entries: list[tuple[str, str, str, str | None]] = []  # id, raw path, text, speaker
-    for line in read_lines(tsv):
-        raw_path = _decode_loose(line.raw.split(b"\t", 1)[0]).strip()
-        item_id = _folder_id(root, raw_path) or f"{tsv.name}:{line.number}"
-        if line.text is None:
-            rejected.append(_non_utf8(split, item_id, path=raw_path or None, file=tsv, line=line))
-            continue
-        fields = line.text.split("\t")
-        if line.number == 1 and fields[0].strip().lower() in TSV_HEADER_FIELDS:
-            continue
-        if len(fields) not in (2, 3) or not fields[0].strip():
-            rejected.append(
-                Rejection(
+    # Every line is a candidate, duplicates included: validation keeps the first *valid*
+    # copy of an id and rejects the others as duplicates. Lines naming the same file share
+    # one recording; a later file with the same id (``a.wav`` then ``a.flac``) gets its own
+    # recording id ``<id>#<n>``, so that either can be the one kept.
+    files_of: dict[str, str | list[str]] = {}
+
+    def recording_id(item_id: str, raw: str) -> str:
+        known = files_of.get(item_id)
+        if known is None:
+            files_of[item_id] = raw
+            return item_id
+        files = [known] if isinstance(known, str) else known
+        if raw not in files:
+            files.append(raw)
+            files_of[item_id] = files
+        index = files.index(raw)
+        return item_id if index == 0 else f"{item_id}#{index + 1}"
+
+    def entries() -> Iterator[Item | tuple[str, str, str, str | None]]:
+        for line in read_lines(tsv):
+            raw_path = _decode_loose(line.raw.split(b"\t", 1)[0]).strip()
+            item_id = _folder_id(root, raw_path) or f"{tsv.name}:{line.number}"
+            if line.text is None:
+                yield _non_utf8(split, item_id, path=raw_path or None, file=tsv, line=line)
+                continue
+            fields = line.text.split("\t")
+            if line.number == 1 and fields[0].strip().lower() in TSV_HEADER_FIELDS:
+                continue
+            if len(fields) not in (2, 3) or not fields[0].strip():
+                yield Rejection(
                     split=split,
                     id=item_id,
                     path=raw_path or None,
@@ -194,35 +262,24 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
                     detail=f"line {line.number} of {tsv} has {len(fields)} tab-separated field(s); "
                     "expected path<TAB>transcript[<TAB>speaker]",
                 )
-            )
-            continue
-        speaker = (fields[2].strip() or None) if len(fields) == 3 else None
-        entries.append((item_id, raw_path, fields[1], speaker))
+                continue
+            speaker = (fields[2].strip() or None) if len(fields) == 3 else None
+            yield (item_id, raw_path, fields[1], speaker)
 
-    # Every line is a candidate, duplicates included: validation keeps the first *valid*
-    # copy of an id and rejects the others as duplicates. Lines naming the same file share
-    # one recording; a later file with the same id (``a.wav`` then ``a.flac``) gets its own
-    # recording id ``<id>#<n>``, so that either can be the one kept.
-    recording_of: dict[tuple[str, str], str] = {}
-    files_per_id: dict[str, int] = {}
-    for item_id, raw, _, _ in entries:
-        if (item_id, raw) not in recording_of:
-            files_per_id[item_id] = files_per_id.get(item_id, 0) + 1
-            count = files_per_id[item_id]
-            recording_of[(item_id, raw)] = item_id if count == 1 else f"{item_id}#{count}"
-    pending = [(rec_id, raw) for (_, raw), rec_id in recording_of.items()]
-    probed = dict(zip([rec_id for rec_id, _ in pending], _probe(root, pending, split), strict=True))
-
-    recordings, supervisions = [], []
-    for item_id, raw, text, speaker in entries:
-        rec_id = recording_of[(item_id, raw)]
-        result = probed[rec_id]
-        if isinstance(result, ItemRejected):
-            rejected.append(Rejection(split=split, id=item_id, path=raw, reason=result.reason, detail=result.detail))
-            continue
-        recordings.append(result)
-        supervisions.append(
-            SupervisionSegment(
+    for chunk in chunked(entries(), PROBE_CHUNK):
+        rows = [(recording_id(row[0], row[1]), row) for row in chunk if isinstance(row, tuple)]
+        probed = iter(_probe(root, [(rec_id, row[1]) for rec_id, row in rows], split))
+        ids = iter(rec_id for rec_id, _ in rows)
+        for row in chunk:
+            if not isinstance(row, tuple):
+                yield row
+                continue
+            rec_id, result = next(ids), next(probed)
+            item_id, raw, text, speaker = row
+            if isinstance(result, ItemRejected):
+                yield Rejection(split=split, id=item_id, path=raw, reason=result.reason, detail=result.detail)
+                continue
+            supervision = SupervisionSegment(
                 id=item_id,
                 recording_id=rec_id,
                 start=0.0,
@@ -231,9 +288,12 @@ def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
                 text=text,
                 speaker=speaker,
             )
-        )
-    recordings = list({recording.id: recording for recording in recordings}.values())
-    return ImportedSplit(RecordingSet.from_recordings(recordings), SupervisionSet.from_segments(supervisions), rejected)
+            yield Candidate(supervision, result, raw)
+
+
+def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
+    """:func:`stream_folder`, gathered in memory."""
+    return collect(stream_folder(corpus_dir, name, split))
 
 
 def _folder_id(root: Path, raw_path: str) -> str | None:
@@ -249,39 +309,65 @@ def _folder_id(root: Path, raw_path: str) -> str | None:
 # --------------------------------------------------------------------------- Kaldi
 
 
-def _kaldi_table(
-    file: Path, split: str, *, min_fields: int, rejected: list[Rejection], kind: str
-) -> list[tuple[Line, list[str]]]:
-    """Lines of a Kaldi table split in two (key, rest) or more fields; bad lines are rejected."""
-    rows = []
+def _kaldi_table(file: Path, split: str, *, min_fields: int, kind: str) -> Iterator[tuple[Line, list[str]] | Rejection]:
+    """Lines of a Kaldi table split in two (key, rest) or more fields; bad lines become rejections."""
     for line in read_lines(file):
         key = _decode_loose(line.raw.split(maxsplit=1)[0])
         if line.text is None:
-            rejected.append(_non_utf8(split, key, path=None, file=file, line=line))
+            yield _non_utf8(split, key, path=None, file=file, line=line)
             continue
         fields = line.text.split(maxsplit=1) if min_fields <= 2 else line.text.split()
         if len(fields) < min_fields:
-            rejected.append(
-                Rejection(
-                    split=split,
-                    id=key,
-                    path=None,
-                    reason=MALFORMED_LINE,
-                    detail=f"line {line.number} of {file} needs {min_fields} fields ({kind})",
-                )
+            yield Rejection(
+                split=split,
+                id=key,
+                path=None,
+                reason=MALFORMED_LINE,
+                detail=f"line {line.number} of {file} needs {min_fields} fields ({kind})",
             )
             continue
-        rows.append((line, fields))
-    return rows
+        yield line, fields
 
 
-def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
-    """Read the Kaldi data folder ``<corpus_dir>/<name>/`` (format in the module docstring).
+class _RecordingCache:
+    """Audio headers of Kaldi recordings, read once while their segments are consecutive.
 
-    Args:
-        corpus_dir: the corpus folder.
-        name: the data folder's name.
-        split: our split name, for the rejection report.
+    Holds the last :data:`RECORDING_CACHE` recordings (segments of one recording usually
+    follow each other; an interleaved order reads a header again, never wrongly).
+    """
+
+    def __init__(self, root: Path, wav: dict[str, str | ItemRejected], split: str) -> None:
+        self.root, self.wav, self.split = root, wav, split
+        self.cache: OrderedDict[str, Recording | ItemRejected] = OrderedDict()
+
+    def fetch(self, rec_ids: list[str]) -> dict[str, Recording | ItemRejected | None]:
+        """Each id's recording, its rejection, or ``None`` when ``wav.scp`` does not name it."""
+        wanted = sorted({r for r in rec_ids if r not in self.cache and isinstance(self.wav.get(r), str)})
+        for rec_id, result in zip(
+            wanted, _probe(self.root, [(r, self.wav[r]) for r in wanted], self.split), strict=True
+        ):
+            self.cache[rec_id] = result
+        found: dict[str, Recording | ItemRejected | None] = {}
+        for rec_id in rec_ids:
+            entry = self.wav.get(rec_id)
+            found[rec_id] = self.cache.get(rec_id, entry if isinstance(entry, ItemRejected) else None)
+            if rec_id in self.cache:
+                self.cache.move_to_end(rec_id)
+        while len(self.cache) > RECORDING_CACHE:
+            self.cache.popitem(last=False)
+        return found
+
+
+#: Kaldi recordings whose headers stay cached (see :class:`_RecordingCache`).
+RECORDING_CACHE = 1024
+
+
+def stream_kaldi(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
+    """Stream the Kaldi data folder ``<corpus_dir>/<name>/`` (format in the module docstring).
+
+    ``text`` is streamed in file order. Held in memory: ``wav.scp`` (one path per
+    recording), ``segments`` (recording, start, end per segment) and ``utt2spk`` (one
+    speaker per utterance), about 300 bytes per segment in all.
 
     Raises:
         AsrflowError: when the folder, its ``wav.scp`` or its ``text`` is missing.
@@ -294,26 +380,23 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
                 f"split {split!r}: {folder / required} not found (corpus: kaldi wants "
                 f"<corpus_dir>/<split>/wav.scp and text); fix prepare.splits or the folder"
             )
-    rejected: list[Rejection] = []
 
     # wav.scp: recording id -> raw path, or the reason it cannot be used. An unreadable
     # line rejects the utterances of its recording (utterances are the items).
     wav: dict[str, str | ItemRejected] = {}
-    unreadable: list[Rejection] = []
-    rows = _kaldi_table(folder / "wav.scp", split, min_fields=2, rejected=unreadable, kind="id path")
-    for bad in unreadable:
-        wav.setdefault(bad.id, ItemRejected(bad.reason, bad.detail))
-    for line, (rec_id, rest) in rows:
+    for row in _kaldi_table(folder / "wav.scp", split, min_fields=2, kind="id path"):
+        if isinstance(row, Rejection):
+            wav.setdefault(row.id, ItemRejected(row.reason, row.detail))
+            continue
+        line, (rec_id, rest) = row
         rest = rest.strip()
         if rec_id in wav:
-            rejected.append(
-                Rejection(
-                    split=split,
-                    id=rec_id,
-                    path=rest,
-                    reason=DUPLICATE_ID,
-                    detail=f"wav.scp line {line.number} repeats recording id {rec_id!r}; the first is kept",
-                )
+            yield Rejection(
+                split=split,
+                id=rec_id,
+                path=rest,
+                reason=DUPLICATE_ID,
+                detail=f"wav.scp line {line.number} repeats recording id {rec_id!r}; the first is kept",
             )
             continue
         if "|" in rest or _ARCHIVE_OFFSET.search(rest):
@@ -325,116 +408,106 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
         else:
             wav[rec_id] = rest
 
-    # Every text line is a candidate, a repeated id included: validation keeps the first
-    # *valid* transcript of an utterance and rejects the others as duplicates.
-    text: dict[str, list[str]] = {}
-    before = len(rejected)
-    for _line, fields in _kaldi_table(folder / "text", split, min_fields=1, rejected=rejected, kind="id transcript"):
-        text.setdefault(fields[0], []).append(fields[1] if len(fields) > 1 else "")
-    unreadable_text = {r.id for r in rejected[before:] if r.reason != DUPLICATE_ID}
-
     segments: dict[str, tuple[str, float, float]] | None = None
+    unreadable_segments: set[str] = set()
     if (folder / "segments").is_file():
         segments = {}
-        before = len(rejected)
-        for line, fields in _kaldi_table(
-            folder / "segments", split, min_fields=4, rejected=rejected, kind="utt rec start end"
-        ):
-            utt_id, rec_id = fields[0], fields[1]
+        for row in _kaldi_table(folder / "segments", split, min_fields=4, kind="utt rec start end"):
+            if isinstance(row, Rejection):
+                unreadable_segments.add(row.id)
+                yield row
+                continue
+            line, fields = row
+            utt_id, rec_id = fields[0], sys.intern(fields[1])
             try:
                 start, end = float(fields[2]), float(fields[3])
             except ValueError:
-                rejected.append(
-                    Rejection(
-                        split=split,
-                        id=utt_id,
-                        path=None,
-                        reason=MALFORMED_LINE,
-                        detail=f"segments line {line.number}: start/end are not numbers",
-                    )
+                unreadable_segments.add(utt_id)
+                yield Rejection(
+                    split=split,
+                    id=utt_id,
+                    path=None,
+                    reason=MALFORMED_LINE,
+                    detail=f"segments line {line.number}: start/end are not numbers",
                 )
                 continue
             if utt_id in segments:
-                rejected.append(
-                    Rejection(
-                        split=split,
-                        id=utt_id,
-                        path=None,
-                        reason=DUPLICATE_ID,
-                        detail=f"segments line {line.number} repeats {utt_id!r}; the first is kept",
-                    )
+                yield Rejection(
+                    split=split,
+                    id=utt_id,
+                    path=None,
+                    reason=DUPLICATE_ID,
+                    detail=f"segments line {line.number} repeats {utt_id!r}; the first is kept",
                 )
                 continue
             segments[utt_id] = (rec_id, start, end)
-            if utt_id not in text and utt_id not in unreadable_text:
-                rejected.append(
-                    Rejection(
-                        split=split,
-                        id=utt_id,
-                        path=None,
-                        reason=MISSING_TRANSCRIPT,
-                        detail=f"segments lists {utt_id!r} but text has no line for it",
-                    )
-                )
-        # Utterances whose segments line could not be read are already rejected.
-        for rejection in rejected[before:]:
-            if rejection.reason in (MALFORMED_LINE, NON_UTF8):
-                text.pop(rejection.id, None)
 
     speakers: dict[str, str] = {}
     if (folder / "utt2spk").is_file():
         for line in read_lines(folder / "utt2spk"):
             fields = (line.text or "").split()
             if len(fields) == 2:
-                speakers[fields[0]] = fields[1]
+                speakers[fields[0]] = sys.intern(fields[1])
             else:
                 logger.warning("%s line %d ignored (expected: utt speaker)", folder / "utt2spk", line.number)
 
-    # Utterances -> (recording id, start, end or None for "to the end").
-    utterances: list[tuple[str, str, float, float | None]] = []
-    for utt_id in text:
-        if segments is None:
-            utterances.append((utt_id, utt_id, 0.0, None))
-        elif utt_id in segments:
-            rec_id, start, end = segments[utt_id]
-            utterances.append((utt_id, rec_id, start, None if end < 0 else end))
-        else:
-            rejected.append(
-                Rejection(
+    # Every text line is a candidate, a repeated id included: validation keeps the first
+    # *valid* transcript of an utterance and rejects the others as duplicates.
+    used: dict[str, tuple[str, float, float]] = {}
+    unreadable_text: set[str] = set()
+    recordings = _RecordingCache(root, wav, split)
+
+    def utterances() -> Iterator[Item | tuple[str, str, float, float | None, str]]:
+        for row in _kaldi_table(folder / "text", split, min_fields=1, kind="id transcript"):
+            if isinstance(row, Rejection):
+                unreadable_text.add(row.id)
+                yield row
+                continue
+            _line, fields = row
+            utt_id, transcript = fields[0], fields[1] if len(fields) > 1 else ""
+            if segments is None:
+                yield (utt_id, utt_id, 0.0, None, transcript)
+                continue
+            if utt_id in unreadable_segments:
+                continue  # rejected with its segments line
+            segment = segments.pop(utt_id, None) or used.get(utt_id)
+            if segment is None:
+                yield Rejection(
                     split=split,
                     id=utt_id,
                     path=None,
                     reason=MISSING_RECORDING,
                     detail=f"text lists {utt_id!r} but segments has no line for it",
                 )
-            )
+                continue
+            used[utt_id] = segment
+            rec_id, start, end = segment
+            yield (utt_id, rec_id, start, None if end < 0 else end, transcript)
 
-    needed = sorted({rec_id for _, rec_id, _, _ in utterances if isinstance(wav.get(rec_id), str)})
-    probed = dict(zip(needed, _probe(root, [(rec_id, wav[rec_id]) for rec_id in needed], split), strict=True))
-    recordings: dict[str, Recording] = {}
-    supervisions = []
-    for utt_id, rec_id, start, end in utterances:
-        entry = wav.get(rec_id)
-        raw = entry if isinstance(entry, str) else None
-        status = probed.get(rec_id, entry)
-        if status is None:
-            rejected.append(
-                Rejection(
+    for chunk in chunked(utterances(), PROBE_CHUNK):
+        found = recordings.fetch([row[1] for row in chunk if isinstance(row, tuple)])
+        for row in chunk:
+            if not isinstance(row, tuple):
+                yield row
+                continue
+            utt_id, rec_id, start, end, transcript = row
+            entry = wav.get(rec_id)
+            raw = entry if isinstance(entry, str) else None
+            status = found[rec_id]
+            if status is None:
+                yield Rejection(
                     split=split,
                     id=utt_id,
                     path=None,
                     reason=MISSING_RECORDING,
                     detail=f"recording {rec_id!r} of utterance {utt_id!r} is not in wav.scp",
                 )
-            )
-            continue
-        if isinstance(status, ItemRejected):
-            rejected.append(Rejection(split=split, id=utt_id, path=raw, reason=status.reason, detail=status.detail))
-            continue
-        recordings[rec_id] = status
-        duration = (status.duration if end is None else end) - start
-        supervisions.extend(
-            SupervisionSegment(
+                continue
+            if isinstance(status, ItemRejected):
+                yield Rejection(split=split, id=utt_id, path=raw, reason=status.reason, detail=status.detail)
+                continue
+            duration = (status.duration if end is None else end) - start
+            supervision = SupervisionSegment(
                 id=utt_id,
                 recording_id=rec_id,
                 start=start,
@@ -443,13 +516,22 @@ def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
                 text=transcript,
                 speaker=speakers.get(utt_id),
             )
-            for transcript in text[utt_id]
-        )
-    return ImportedSplit(
-        RecordingSet.from_recordings(recordings[rec_id] for rec_id in sorted(recordings)),
-        SupervisionSet.from_segments(supervisions),
-        rejected,
-    )
+            yield Candidate(supervision, status, raw)
+
+    for utt_id in segments or ():
+        if utt_id not in unreadable_text:
+            yield Rejection(
+                split=split,
+                id=utt_id,
+                path=None,
+                reason=MISSING_TRANSCRIPT,
+                detail=f"segments lists {utt_id!r} but text has no line for it",
+            )
+
+
+def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
+    """:func:`stream_kaldi`, gathered in memory."""
+    return collect(stream_kaldi(corpus_dir, name, split))
 
 
 # --------------------------------------------------------------------------- Lhotse recipes
@@ -633,3 +715,90 @@ def run_recipe(name: str, corpus_dir: Path, recipe_args: dict[str, Any]) -> dict
                 f"expects (see the docstring of lhotse.recipes.prepare_{name})"
             ) from None
     return splits
+
+
+# --------------------------------------------------------------------------- recipe manifests, cached and streamed
+
+#: Written into the recipe cache; a different value makes the cache stale.
+RECIPE_CACHE_FORMAT = 1
+_RECIPE_KEY_FILE = "key.json"
+
+
+def recipe_cache_key(name: str, corpus_dir: Path, recipe_args: dict[str, Any]) -> dict[str, Any]:
+    """What the recipe's output depends on: the recipe, its arguments, Lhotse's version, the corpus listing."""
+    import lhotse
+
+    from asrflow.data.listing import corpus_fingerprint
+
+    return {
+        "format": RECIPE_CACHE_FORMAT,
+        "recipe": name,
+        "recipe_args": recipe_args,
+        "lhotse": lhotse.__version__,
+        "corpus_dir": str(corpus_dir.resolve()),
+        "corpus": corpus_fingerprint(corpus_dir),
+    }
+
+
+def cached_recipe(name: str, corpus_dir: Path, recipe_args: dict[str, Any], cache_dir: Path) -> dict[str, Path]:
+    """The recipe's splits as folders of ``recordings.jsonl.gz`` / ``supervisions.jsonl.gz``.
+
+    The recipe runs only when ``cache_dir`` holds no result for the same
+    :func:`recipe_cache_key` (another recipe, other arguments, another Lhotse, or any
+    file of the corpus added, removed, resized or touched); its result is then written
+    there, whole or not at all, with recordings sorted by id and supervisions by
+    (recording id, start, id), so that :func:`stream_recipe_split` joins them in one pass.
+
+    Returns:
+        The recipe's split name -> its folder in the cache.
+
+    Raises:
+        AsrflowError: as :func:`run_recipe`.
+    """
+    import json
+
+    from asrflow.files import atomic_path
+
+    key = recipe_cache_key(name, corpus_dir, recipe_args)
+    key_file = cache_dir / _RECIPE_KEY_FILE
+    if key_file.is_file():
+        stored = json.loads(key_file.read_text())
+        if stored.get("key") == key:
+            logger.info(
+                "prepare: recipe %s unchanged since its last run; reading its manifests from %s", name, cache_dir
+            )
+            return {split: cache_dir / folder for split, folder in stored["splits"].items()}
+    splits = run_recipe(name, corpus_dir, recipe_args)
+    folders = {split: f"part{index:03d}" for index, split in enumerate(sorted(splits))}
+    with atomic_path(cache_dir) as tmp:
+        tmp.mkdir()
+        for split, part in splits.items():
+            folder = tmp / folders[split]
+            folder.mkdir()
+            recordings = sorted(part.recordings, key=lambda r: r.id)
+            supervisions = sorted(part.supervisions, key=lambda s: (s.recording_id, s.start, s.id))
+            RecordingSet.from_recordings(recordings).to_file(folder / "recordings.jsonl.gz")
+            SupervisionSet.from_segments(supervisions).to_file(folder / "supervisions.jsonl.gz")
+        (tmp / _RECIPE_KEY_FILE).write_text(json.dumps({"key": key, "splits": folders}, indent=2, sort_keys=True))
+    return {split: cache_dir / folder for split, folder in folders.items()}
+
+
+def stream_recipe_split(folder: Path, split: str) -> Iterator[Item]:
+    """Stream one cached recipe split (see :func:`cached_recipe`): a merge join on recording id.
+
+    Holds the supervisions of one recording at a time (to see whether they name different
+    channels: two-sided calls keep the recipe's channels).
+    """
+    from lhotse import load_manifest_lazy
+
+    recordings = iter(load_manifest_lazy(folder / "recordings.jsonl.gz"))
+    supervisions = load_manifest_lazy(folder / "supervisions.jsonl.gz")
+    current: Recording | None = next(recordings, None)
+    for rec_id, group in itertools.groupby(supervisions, key=lambda s: s.recording_id):
+        group = list(group)
+        while current is not None and current.id < rec_id:
+            current = next(recordings, None)
+        recording = current if current is not None and current.id == rec_id else None
+        channels = {tuple(s.channel) if isinstance(s.channel, list) else s.channel for s in group}
+        for supervision in group:
+            yield Candidate(supervision, recording, per_channel=len(channels) > 1)

@@ -47,25 +47,37 @@ moved; other paths are written absolute.
 from __future__ import annotations
 
 import dataclasses
-import gzip
+import functools
+import itertools
 import json
 import logging
 import os
-import random
-from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
-from lhotse.utils import fastcopy
+from lhotse import SupervisionSegment
 
-from asrflow.data.importers import UNSPLIT, ImportedSplit, import_folder, import_kaldi, run_recipe
+from asrflow.data.carving import GroupCounter, plan_carving
+from asrflow.data.importers import (
+    PROBE_CHUNK,
+    UNSPLIT,
+    Item,
+    cached_recipe,
+    chunked,
+    stream_folder,
+    stream_kaldi,
+    stream_recipe_split,
+)
+from asrflow.data.split_writer import SplitWriter, portable, utterance_cut
+from asrflow.data.spool import DEFAULT_CHUNK_LINES, SortedSpool
 from asrflow.data.text import TextConfig
-from asrflow.data.validation import Rejection, ValidationRules, validate_split
+from asrflow.data.validation import Rejection, SplitValidator, ValidationRules
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
+from asrflow.logs import progress
 from asrflow.params import build_config, require_mapping
 
 logger = logging.getLogger("asrflow")
@@ -254,43 +266,34 @@ class PrepareSummary:
         }
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- reading
 
 
-def _merge(parts: list[ImportedSplit]) -> ImportedSplit:
-    if len(parts) == 1:
-        return parts[0]
-    recordings: dict[str, Recording] = {}
-    supervisions: list[SupervisionSegment] = []
-    rejected: list[Rejection] = []
-    for part in parts:
-        for recording in part.recordings:
-            recordings.setdefault(recording.id, recording)
-        supervisions.extend(part.supervisions)
-        rejected.extend(part.rejected)
-    return ImportedSplit(
-        RecordingSet.from_recordings(recordings.values()), SupervisionSet.from_segments(supervisions), rejected
-    )
+def recipe_cache_dir(output_dir: Path) -> Path:
+    """Where a Lhotse recipe's own manifests are kept between runs: ``<output_dir>.recipe``."""
+    return output_dir.with_name(output_dir.name + ".recipe")
 
 
-def _import(config: PrepareConfig, corpus_dir: Path, sources: dict[str, list[str]]) -> dict[str, ImportedSplit]:
-    """Read every named split of the corpus."""
-    imported: dict[str, ImportedSplit] = {}
+def _streams(
+    config: PrepareConfig, corpus_dir: Path, sources: dict[str, list[str]], output_dir: Path
+) -> dict[str, list[Callable[[], Iterator[Item]]]]:
+    """Our split -> the streams of the corpus' splits it merges (opened when called)."""
     if config.corpus in OWN_FORMATS:
-        reader = import_folder if config.corpus == "folder" else import_kaldi
-        for split, names in sources.items():
-            if names:
-                imported[split] = _merge([reader(corpus_dir, name, split) for name in names])
-        return imported
-    manifests = run_recipe(config.corpus, corpus_dir, dict(config.recipe_args))
+        reader = stream_folder if config.corpus == "folder" else stream_kaldi
+        return {
+            split: [functools.partial(reader, corpus_dir, name, split) for name in names]
+            for split, names in sources.items()
+            if names
+        }
+    folders = cached_recipe(config.corpus, corpus_dir, dict(config.recipe_args), recipe_cache_dir(output_dir))
     for split, names in sources.items():
         for name in names:
-            if name in manifests:
+            if name in folders:
                 continue
             where = f"lhotse recipe prepare_{config.corpus} on {corpus_dir}"
-            if not manifests:
+            if not folders:
                 raise AsrflowError(f"{where} gives no recordings; check corpus_dir and prepare.recipe_args")
-            if list(manifests) == [UNSPLIT]:
+            if list(folders) == [UNSPLIT]:
                 raise AsrflowError(
                     f"params.yaml: prepare.splits.{split} = {name!r}, but {where} gives one unsplit set "
                     f"(no split names); set prepare.splits to {{train: {UNSPLIT}, dev: null, test: null}} "
@@ -298,55 +301,35 @@ def _import(config: PrepareConfig, corpus_dir: Path, sources: dict[str, list[str
                 )
             raise AsrflowError(
                 f"params.yaml: prepare.splits.{split} = {name!r}, but {where} gives the splits "
-                f"{', '.join(sorted(manifests))}; pick from those (a list merges several)"
+                f"{', '.join(sorted(folders))}; pick from those (a list merges several)"
             )
-        if names:
-            imported[split] = _merge([manifests[name] for name in names])
-    return imported
+    return {
+        split: [functools.partial(stream_recipe_split, folders[name], split) for name in names]
+        for split, names in sources.items()
+        if names
+    }
+
+
+# --------------------------------------------------------------------------- carving
 
 
 def carve_ids(supervisions: Iterable[SupervisionSegment], fraction: float, seed: int) -> set[str]:
-    """The ids of the utterances to move out of train (the rule of this module's docstring).
+    """The ids of the utterances that :mod:`asrflow.data.carving` moves out of train for one split.
 
     Args:
         supervisions: the kept train utterances.
         fraction: the share to move, in [0, 1).
-        seed: seeds ``random.Random``.
+        seed: orders the groups.
     """
     supervisions = list(supervisions)
-    total = len(supervisions)
-    if total < 2 or fraction <= 0:
-        return set()
-    target = max(1, round(fraction * total))
-    groups: dict[str, list[str]] = defaultdict(list)
+    counter = GroupCounter()
     for supervision in supervisions:
-        groups[supervision.recording_id].append(supervision.id)
-    if len(groups) < 2:
-        groups = {supervision.id: [supervision.id] for supervision in supervisions}
-    order = sorted(groups)
-    random.Random(seed).shuffle(order)
-    moved: set[str] = set()
-    for key in order[:-1]:
-        if len(moved) >= target:
-            break
-        moved.update(groups[key])
-    return moved
+        counter.add(supervision.id, supervision.recording_id, supervision.speaker)
+    plan = plan_carving(counter, {"dev": fraction}, seed)
+    return {s.id for s in supervisions if plan.split_of(s.id, s.recording_id, s.speaker) == "dev"}
 
 
-def carve_groups(supervisions: list[SupervisionSegment]) -> int:
-    """How many groups :func:`carve_ids` can move: recordings, or utterances when all share one."""
-    recordings = {supervision.recording_id for supervision in supervisions}
-    return len(recordings) if len(recordings) >= 2 else len(supervisions)
-
-
-def _check_carvable(train: list[SupervisionSegment], carved: list[str], config: PrepareConfig) -> None:
-    """Refuse, before anything is written, a carve that would leave a split empty.
-
-    Raises:
-        AsrflowError: a zero fraction for a split to carve, or fewer groups than carved splits + 1.
-    """
-    if not carved:
-        return
+def _check_fractions(carved: list[str], config: PrepareConfig) -> None:
     fractions = {"dev": config.dev_fraction, "test": config.test_fraction}
     for split in carved:
         if fractions[split] <= 0:
@@ -354,56 +337,49 @@ def _check_carvable(train: list[SupervisionSegment], carved: list[str], config: 
                 f"params.yaml: prepare.splits.{split} is null (carve it from train) but "
                 f"prepare.{split}_fraction is 0; set it above 0, or name the corpus' {split} split"
             )
-    groups = carve_groups(train)
-    if groups < len(carved) + 1:
+
+
+def _check_carvable(counter: GroupCounter, carved: list[str]) -> None:
+    """Refuse a carve that would leave a split empty (before any manifest is written)."""
+    groups = counter.groups()
+    if carved and groups < len(carved) + 1:
         raise AsrflowError(
-            f"cannot carve {' and '.join(carved)} from train: train holds {len(train)} usable utterance(s) in "
-            f"{groups} recording group(s), and each carved split needs one group with one left for train "
+            f"cannot carve {' and '.join(carved)} from train: train holds {counter.utterances} usable utterance(s) "
+            f"in {groups} group(s), and each carved split needs one group with one left for train "
             f"(at least {len(carved) + 1}); add data, or name the corpus' {' and '.join(carved)} split(s) "
             "in prepare.splits"
         )
 
 
-def _subset(recordings: RecordingSet, supervisions: list[SupervisionSegment]) -> tuple[RecordingSet, SupervisionSet]:
-    wanted = {s.recording_id for s in supervisions}
-    return (
-        RecordingSet.from_recordings(r for r in recordings if r.id in wanted),
-        SupervisionSet.from_segments(sorted(supervisions, key=lambda s: s.id)),
-    )
+# --------------------------------------------------------------------------- rejections and summary
 
 
-def _portable(recording: Recording, cwd: Path) -> Recording:
-    """Write file paths under ``cwd`` relative to it (see "Reproducibility" above)."""
-    sources = []
-    for source in recording.sources:
-        path = Path(source.source) if source.type == "file" else None
-        if path is not None and path.is_absolute():
-            normalised = Path(os.path.normpath(path))
-            if normalised.is_relative_to(cwd):
-                source = fastcopy(source, source=normalised.relative_to(cwd).as_posix())
-        sources.append(source)
-    return fastcopy(recording, sources=sources)
+class _RejectionLog:
+    """Rejected items, written to ``rejected.jsonl`` as they come (split order, then corpus order)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.handle = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.by_reason: Counter = Counter()
+        self.by_split: Counter = Counter()
+        self.first: list[Rejection] = []
+
+    def add(self, rejection: Rejection) -> None:
+        self.handle.write(json.dumps(rejection.to_dict(), ensure_ascii=False, sort_keys=True) + "\n")
+        self.by_reason[rejection.reason] += 1
+        self.by_split[rejection.split] += 1
+        if len(self.first) < 10:
+            self.first.append(rejection)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+    def close(self) -> None:
+        self.handle.close()
 
 
-def _write_jsonl_gz(path: Path, items: Iterable[Any]) -> None:
-    """Lhotse's jsonl.gz format, byte-reproducible: no time stamp, no name in the gzip header."""
-    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as stream:
-        for item in items:
-            stream.write((json.dumps(item.to_dict(), ensure_ascii=False) + "\n").encode("utf-8"))
-
-
-def _sorted_rejections(rejected: list[Rejection]) -> list[Rejection]:
-    order = {name: index for index, name in enumerate(SPLITS)}
-    return sorted(rejected, key=lambda r: (order[r.split], r.id, r.reason, r.path or "", r.detail))
-
-
-def _write_rejections(path: Path, rejected: list[Rejection]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        for rejection in rejected:
-            handle.write(json.dumps(rejection.to_dict(), ensure_ascii=False, sort_keys=True) + "\n")
-
-
-def _log_summary(summary: PrepareSummary, rejected: list[Rejection]) -> None:
+def _log_summary(summary: PrepareSummary, rejections: _RejectionLog) -> None:
     for name, split in summary.splits.items():
         carved = " (carved from train)" if split.carved_from_train else ""
         logger.info(
@@ -424,22 +400,82 @@ def _log_summary(summary: PrepareSummary, rejected: list[Rejection]) -> None:
         100 * summary.rejected_fraction,
         "".join(f", {reason}: {count}" for reason, count in Counter(summary.rejected_by_reason).most_common()),
     )
-    for rejection in rejected[:10]:
+    for rejection in rejections.first:
         logger.warning("rejected %s/%s (%s): %s", rejection.split, rejection.id, rejection.reason, rejection.detail)
-    if len(rejected) > 10:
-        logger.warning("... and %d more rejected items, see rejected.jsonl", len(rejected) - 10)
+    if rejections.total > len(rejections.first):
+        logger.warning("... and %d more rejected items, see rejected.jsonl", rejections.total - len(rejections.first))
+
+
+def _check_rejected(rejections: _RejectionLog, kept: int, config: PrepareConfig, report: Path) -> None:
+    """Fail above ``max_rejected_fraction``, leaving the full report at ``report``."""
+    items = kept + rejections.total
+    fraction = rejections.total / items if items else 0.0
+    if fraction <= config.max_rejected_fraction:
+        return
+    rejections.close()
+    os.replace(rejections.path, report)
+    top = ", ".join(f"{reason}: {count}" for reason, count in rejections.by_reason.most_common(3))
+    examples = "; ".join(f"{r.split}/{r.id}: {r.detail}" for r in rejections.first[:2])
+    raise AsrflowError(
+        f"{rejections.total} of {items} items rejected "
+        f"({100 * fraction:.1f}% > max_rejected_fraction "
+        f"{100 * config.max_rejected_fraction:.1f}%); top reasons: {top}; e.g. {examples}. "
+        f"Every rejected item is listed in {report}: fix the corpus, or raise "
+        "prepare.max_rejected_fraction in params.yaml"
+    )
 
 
 # --------------------------------------------------------------------------- entry point
 
 
-def prepare_corpus(config: PrepareConfig, output_dir: Path, seed: int) -> PrepareSummary:
+def _validate_into_spool(
+    split: str,
+    streams: list[Callable[[], Iterator[Item]]],
+    validator: SplitValidator,
+    spool: SortedSpool,
+    rejections: _RejectionLog,
+    counter: GroupCounter | None,
+    cwd: Path,
+) -> int:
+    """Read, check and spool one split's cuts (JSON keyed by id); returns how many were kept."""
+    kept = 0
+    items = progress(itertools.chain.from_iterable(stream() for stream in streams), f"prepare: reading {split}")
+    for chunk in chunked(items, PROBE_CHUNK):
+        candidates = []
+        for item in chunk:
+            if isinstance(item, Rejection):
+                rejections.add(item)
+            else:
+                candidates.append(item)
+        for outcome in validator.check(candidates):
+            if isinstance(outcome, Rejection):
+                rejections.add(outcome)
+                continue
+            recording = portable(outcome.recording, cwd)
+            for piece in outcome.pieces:
+                cut = utterance_cut(recording, piece)
+                spool.add(cut.id, json.dumps(cut.to_dict(), ensure_ascii=False))
+                if counter is not None:
+                    counter.add(piece.id, piece.recording_id, piece.speaker)
+                kept += 1
+    return kept
+
+
+def prepare_corpus(
+    config: PrepareConfig, output_dir: Path, seed: int, *, chunk_lines: int = DEFAULT_CHUNK_LINES
+) -> PrepareSummary:
     """Read, check and split the corpus; write the manifests into ``output_dir``.
+
+    The corpus streams through: memory holds one sort chunk of ``chunk_lines`` manifest
+    lines, the ids kept so far (duplicate check), and per-group counts for carving
+    (:mod:`asrflow.data.carving`); the manifests are sorted on disk
+    (:class:`~asrflow.data.spool.SortedSpool`) inside the output's temporary folder.
 
     Args:
         config: the ``prepare`` section of ``params.yaml``.
         output_dir: the folder to create (replaced whole when it exists).
         seed: the shared seed (dev/test carving).
+        chunk_lines: manifest lines sorted in memory at a time.
 
     Returns:
         The summary, also written as ``output_dir/summary.json``.
@@ -456,8 +492,9 @@ def prepare_corpus(config: PrepareConfig, output_dir: Path, seed: int) -> Prepar
             "point it at the folder that holds the corpus"
         )
     sources = config.split_sources()
-    imported = _import(config, corpus_dir, sources)
-
+    carved = [split for split in ("dev", "test") if not sources[split]]
+    streams = _streams(config, corpus_dir, sources, output_dir)
+    _check_fractions(carved, config)
     rules = ValidationRules(
         min_duration_s=config.min_duration_s,
         max_duration_s=config.max_duration_s,
@@ -465,88 +502,75 @@ def prepare_corpus(config: PrepareConfig, output_dir: Path, seed: int) -> Prepar
         channel=config.channel,
         text=config.text,
     )
-    seen: set[str] = set()
-    rejected: list[Rejection] = []
-    splits: dict[str, tuple[RecordingSet, SupervisionSet]] = {}
-    for split, part in imported.items():
-        result = validate_split(split, part.recordings, supervisions=part.supervisions, rules=rules, seen_ids=seen)
-        rejected.extend(part.rejected)
-        rejected.extend(result.rejected)
-        splits[split] = (result.recordings, result.supervisions)
-
-    train_recordings, train_supervisions = splits["train"]
-    remaining = list(train_supervisions)
-    _check_carvable(remaining, [split for split in ("dev", "test") if not sources[split]], config)
-    carved: set[str] = set()
-    fractions = {"dev": config.dev_fraction, "test": config.test_fraction}
-    for offset, split in enumerate(("dev", "test")):
-        if sources[split]:
-            continue
-        moved = carve_ids(remaining, fractions[split], seed + offset)
-        splits[split] = _subset(train_recordings, [s for s in remaining if s.id in moved])
-        remaining = [s for s in remaining if s.id not in moved]
-        carved.add(split)
-    splits["train"] = _subset(train_recordings, remaining)
-
-    rejected = _sorted_rejections(rejected)
-    kept = sum(len(supervisions) for _, supervisions in splits.values())
-    by_reason = Counter(r.reason for r in rejected)
-    cwd = Path.cwd()
-    summaries = {}
-    for split in SPLITS:
-        recordings, supervisions = splits[split]
-        summaries[split] = SplitSummary(
-            utterances=len(supervisions),
-            recordings=len(recordings),
-            hours=round(sum(s.duration for s in supervisions) / 3600, 6),
-            sampling_rates=sorted({r.sampling_rate for r in recordings}),
-            multichannel_recordings=sum(r.num_channels > 1 for r in recordings),
-            rejected=sum(r.split == split for r in rejected),
-            carved_from_train=split in carved,
-        )
-    summary = PrepareSummary(
-        output_dir=output_dir,
-        corpus=config.corpus,
-        channel=config.channel,
-        splits=summaries,
-        total_hours=round(sum(s.hours for s in summaries.values()), 6),
-        rejected_by_reason=dict(by_reason),
-        rejected_total=len(rejected),
-        items_total=kept + len(rejected),
-    )
-    _log_summary(summary, rejected)
-
     report = output_dir.with_name(output_dir.name + ".rejected.jsonl")
-    if summary.rejected_fraction > config.max_rejected_fraction:
-        _write_rejections(report, rejected)
-        top = ", ".join(f"{reason}: {count}" for reason, count in by_reason.most_common(3))
-        examples = "; ".join(f"{r.split}/{r.id}: {r.detail}" for r in rejected[:2])
-        raise AsrflowError(
-            f"{summary.rejected_total} of {summary.items_total} items rejected "
-            f"({100 * summary.rejected_fraction:.1f}% > max_rejected_fraction "
-            f"{100 * config.max_rejected_fraction:.1f}%); top reasons: {top}; e.g. {examples}. "
-            f"Every rejected item is listed in {report}: fix the corpus, or raise "
-            "prepare.max_rejected_fraction in params.yaml"
-        )
-    for split in SPLITS:
-        if not summaries[split].utterances:
-            how = "carving from train left it empty (train too small?)" if split in carved else "no usable items"
-            raise AsrflowError(
-                f"split {split!r} is empty after preparation ({how}); add data, fix prepare.splits, "
-                "or look at the rejected items in the log"
-            )
-
+    cwd = Path.cwd()
+    seen: set[str] = set()
+    counter = GroupCounter()
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
+        work = tmp / ".work"
+        work.mkdir()
+        rejections = _RejectionLog(tmp / "rejected.jsonl")
+        spools = {split: SortedSpool(work, f"{split}_cuts", chunk_lines=chunk_lines) for split in streams}
+        kept = 0
         for split in SPLITS:
-            recordings, supervisions = splits[split]
-            recordings = RecordingSet.from_recordings(_portable(r, cwd) for r in sorted(recordings, key=lambda r: r.id))
-            cuts = CutSet.from_manifests(recordings=recordings, supervisions=supervisions)
-            cuts = cuts.trim_to_supervisions(keep_overlapping=False)
-            _write_jsonl_gz(tmp / f"{split}_recordings.jsonl.gz", recordings)
-            _write_jsonl_gz(tmp / f"{split}_supervisions.jsonl.gz", supervisions)
-            _write_jsonl_gz(tmp / f"{split}_cuts.jsonl.gz", sorted(cuts, key=lambda c: c.id))
-        _write_rejections(tmp / "rejected.jsonl", rejected)
+            if split not in streams:
+                continue
+            # Only train is filtered by duration: a corpus' own dev and test stay as published.
+            validator = SplitValidator(split, rules, seen, duration_limits=split == "train")
+            kept += _validate_into_spool(
+                split, streams[split], validator, spools[split], rejections, counter if split == "train" else None, cwd
+            )
+        seen.clear()
+        _check_rejected(rejections, kept, config, report)
+        rejections.close()
+        _check_carvable(counter, carved)
+        fractions = {"dev": config.dev_fraction, "test": config.test_fraction}
+        plan = plan_carving(counter, {split: fractions[split] for split in carved}, seed)
+
+        writers = {split: SplitWriter(tmp, split, work, chunk_lines=chunk_lines) for split in SPLITS}
+        for split, spool in spools.items():
+            for _, line in spool.drain():
+                cut = json.loads(line)
+                target = split
+                if split == "train" and carved:
+                    speaker = cut["supervisions"][0].get("speaker")
+                    target = plan.split_of(cut["id"], cut["recording"]["id"], speaker)
+                writers[target].write(line, cut)
+        for writer in writers.values():
+            writer.close()
+        work.rmdir()
+
+        summaries = {
+            split: SplitSummary(
+                utterances=writer.utterances,
+                recordings=writer.recordings,
+                hours=round(writer.seconds / 3600, 6),
+                sampling_rates=sorted(writer.sampling_rates),
+                multichannel_recordings=writer.multichannel,
+                rejected=rejections.by_split[split],
+                carved_from_train=split in carved,
+            )
+            for split, writer in writers.items()
+        }
+        summary = PrepareSummary(
+            output_dir=output_dir,
+            corpus=config.corpus,
+            channel=config.channel,
+            splits=summaries,
+            total_hours=round(sum(s.hours for s in summaries.values()), 6),
+            rejected_by_reason=dict(rejections.by_reason),
+            rejected_total=rejections.total,
+            items_total=kept + rejections.total,
+        )
+        _log_summary(summary, rejections)
+        for split in SPLITS:
+            if not summaries[split].utterances:
+                how = "carving from train left it empty (train too small?)" if split in carved else "no usable items"
+                raise AsrflowError(
+                    f"split {split!r} is empty after preparation ({how}); add data, fix prepare.splits, "
+                    "or look at the rejected items in the log"
+                )
         (tmp / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
     report.unlink(missing_ok=True)
     logger.info("prepare: manifests written to %s", output_dir)

@@ -61,10 +61,12 @@ its manifest and the features stage resamples every cut to one rate.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,11 +190,14 @@ class ValidatedSplit:
     rejected: list[Rejection] = field(default_factory=list)
 
 
-def map_in_threads(function: Callable[[T], R], items: Iterable[T], desc: str) -> list[R | ItemRejected]:
+def map_in_threads(
+    function: Callable[[T], R], items: Iterable[T], desc: str, *, show: bool = True
+) -> list[R | ItemRejected]:
     """Apply ``function`` to every item in a thread pool (I/O bound), keeping input order.
 
     An :class:`ItemRejected` raised for an item is returned in its place. ``desc`` labels
-    the progress bar (or the periodic log line when stderr is not a terminal).
+    the progress bar (or the periodic log line when stderr is not a terminal); ``show=False``
+    shows none (the caller reports progress over many calls).
     """
 
     def guarded(item: T) -> R | ItemRejected:
@@ -206,7 +211,8 @@ def map_in_threads(function: Callable[[T], R], items: Iterable[T], desc: str) ->
         return [guarded(item) for item in items]
     workers = max(1, min(16, 2 * (os.cpu_count() or 1)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(progress(pool.map(guarded, items), desc, total=len(items)))
+        results = pool.map(guarded, items)
+        return list(progress(results, desc, total=len(items)) if show else results)
 
 
 def resolve_inside(root: Path, raw: str) -> Path:
@@ -425,7 +431,7 @@ def _check_supervision(
     return pieces
 
 
-def _finish_piece(piece: SupervisionSegment, rules: ValidationRules) -> SupervisionSegment:
+def _finish_piece(piece: SupervisionSegment, recording: Recording, rules: ValidationRules) -> SupervisionSegment:
     if piece.duration < rules.min_duration_s:
         raise ItemRejected(TOO_SHORT, f"lasts {piece.duration:.3f} s < min_duration_s = {rules.min_duration_s} s")
     text = normalize_text(piece.text or "", rules.text)
@@ -437,13 +443,14 @@ def _finish_piece(piece: SupervisionSegment, rules: ValidationRules) -> Supervis
     piece = fastcopy(piece, text=text)
     try:
         validate(piece)
+        validate_recordings_and_supervisions(recording, piece)
     except AssertionError as error:
         raise ItemRejected(INVALID_MANIFEST, first_line(error)) from None
     return piece
 
 
 def _finish_pieces(
-    pieces: list[SupervisionSegment], rules: ValidationRules, seen_ids: set[str]
+    pieces: list[SupervisionSegment], recording: Recording, rules: ValidationRules, seen_ids: set[str]
 ) -> tuple[list[SupervisionSegment], list[tuple[str, ItemRejected]]]:
     """The pieces of one item that pass the last checks, and ``(id, why)`` for the others.
 
@@ -456,11 +463,106 @@ def _finish_pieces(
         try:
             if piece.id in seen_ids:
                 raise ItemRejected(DUPLICATE_ID, f"piece id {piece.id!r} was already used by a kept item")
-            finished.append(_finish_piece(piece, rules))
+            finished.append(_finish_piece(piece, recording, rules))
             seen_ids.add(piece.id)
         except ItemRejected as error:
             failed.append((piece.id, error))
     return finished, failed
+
+
+@dataclass(frozen=True)
+class Kept:
+    """An utterance that passed every check: its piece(s) and its (checked) recording.
+
+    Attributes:
+        pieces: the supervision, or its pieces under ``long_utterances: split``
+            (normalised text, chosen channel).
+        recording: the recording they belong to.
+    """
+
+    pieces: list[SupervisionSegment]
+    recording: Recording
+
+
+class SplitValidator:
+    """Checks a split's utterances as they stream by, a chunk at a time.
+
+    Each recording is checked once (:func:`check_recording`, in a thread pool per chunk);
+    the last :data:`CHECKED_CACHE` results are kept, so the segments of one recording that
+    follow each other cost one check. ``seen_ids`` (ids kept so far, in this split and
+    earlier ones) is the one thing that grows: one string per kept utterance.
+
+    Args:
+        split: our split name, for the report.
+        rules: the checks' settings.
+        seen_ids: ids kept in earlier splits; updated with the ids kept here.
+        duration_limits: apply ``min_duration_s`` / ``max_duration_s`` (train); ``False``
+            keeps a corpus' own dev and test whole, as published.
+    """
+
+    def __init__(self, split: str, rules: ValidationRules, seen_ids: set[str], *, duration_limits: bool = True) -> None:
+        self.split = split
+        self.rules = (
+            rules if duration_limits else dataclasses.replace(rules, min_duration_s=0.0, max_duration_s=math.inf)
+        )
+        self.seen_ids = seen_ids
+        self.checked: OrderedDict[str, Recording | ItemRejected] = OrderedDict()
+
+    def _check_recordings(self, recordings: list[Recording]) -> None:
+        fresh = list({r.id: r for r in recordings if r.id not in self.checked}.values())
+        results = map_in_threads(check_recording, fresh, f"checking audio ({self.split})", show=False)
+        for recording, result in zip(fresh, results, strict=True):
+            self.checked[recording.id] = result
+        for recording in recordings:
+            self.checked.move_to_end(recording.id)
+        while len(self.checked) > CHECKED_CACHE + len(recordings):
+            self.checked.popitem(last=False)
+
+    def _rejection(self, item_id: str, recording: Recording | None, error: ItemRejected) -> Rejection:
+        return Rejection(
+            split=self.split, id=item_id, path=audio_path(recording), reason=error.reason, detail=error.detail
+        )
+
+    def check(self, candidates: list) -> Iterator[Kept | Rejection]:
+        """Check a chunk of :class:`~asrflow.data.importers.Candidate`; yields, in order, what is kept or rejected."""
+        self._check_recordings([c.recording for c in candidates if isinstance(c.recording, Recording)])
+        for candidate in candidates:
+            supervision, recording = candidate.supervision, candidate.recording
+            known = recording if isinstance(recording, Recording) else None
+            try:
+                if supervision.id in self.seen_ids:
+                    raise ItemRejected(
+                        DUPLICATE_ID, f"id {supervision.id!r} was already used by a kept item; the first is kept"
+                    )
+                if recording is None:
+                    raise ItemRejected(
+                        MISSING_RECORDING, f"recording {supervision.recording_id!r} is not in the corpus"
+                    )
+                if isinstance(recording, ItemRejected):
+                    raise recording
+                status = self.checked[recording.id]
+                if isinstance(status, ItemRejected):
+                    raise status
+                pieces = _check_supervision(supervision, recording, self.rules, candidate.per_channel)
+            except ItemRejected as error:
+                yield Rejection(
+                    split=self.split,
+                    id=supervision.id,
+                    path=candidate.path or audio_path(known),
+                    reason=error.reason,
+                    detail=error.detail,
+                )
+                continue
+            finished, failed = _finish_pieces(pieces, recording, self.rules, self.seen_ids)
+            for piece_id, error in failed:
+                yield self._rejection(piece_id, recording, error)
+            if finished:
+                self.seen_ids.add(supervision.id)
+                yield Kept(finished, recording)
+
+
+#: Recordings whose check results :class:`SplitValidator` keeps.
+CHECKED_CACHE = 1024
 
 
 def validate_split(
@@ -471,7 +573,7 @@ def validate_split(
     rules: ValidationRules,
     seen_ids: set[str],
 ) -> ValidatedSplit:
-    """Check every supervision of one split and keep the good ones.
+    """Check every supervision of one split held in memory (:class:`SplitValidator` on one chunk).
 
     Args:
         split: our split name, for the report.
@@ -484,8 +586,9 @@ def validate_split(
 
     Returns:
         The kept recordings and supervisions (sorted by id) and the rejections.
-        What is kept has passed :func:`lhotse.qa.validate_recordings_and_supervisions`.
     """
+    from asrflow.data.importers import Candidate
+
     by_id: dict[str, Recording] = {}
     for recording in recordings:
         if recording.id in by_id:
@@ -493,50 +596,25 @@ def validate_split(
             continue
         by_id[recording.id] = recording
     supervisions = list(supervisions)
-    used = sorted({s.recording_id for s in supervisions if s.recording_id in by_id})
-    results = map_in_threads(lambda rid: check_recording(by_id[rid]), used, f"checking audio ({split})")
-    checked = dict(zip(used, results, strict=True))
-
     channels_named: dict[str, set] = defaultdict(set)
     for supervision in supervisions:
         channel = supervision.channel
         channels_named[supervision.recording_id].add(tuple(channel) if isinstance(channel, list) else channel)
-
-    rejected: list[Rejection] = []
+    candidates = [
+        Candidate(s, by_id.get(s.recording_id), per_channel=len(channels_named[s.recording_id]) > 1)
+        for s in supervisions
+    ]
     kept: list[SupervisionSegment] = []
-
-    def reject(item_id: str, recording: Recording | None, error: ItemRejected) -> None:
-        rejected.append(
-            Rejection(split=split, id=item_id, path=audio_path(recording), reason=error.reason, detail=error.detail)
-        )
-
-    for supervision in supervisions:
-        recording = by_id.get(supervision.recording_id)
-        try:
-            if supervision.id in seen_ids:
-                raise ItemRejected(
-                    DUPLICATE_ID, f"id {supervision.id!r} was already used by a kept item; the first is kept"
-                )
-            if recording is None:
-                raise ItemRejected(MISSING_RECORDING, f"recording {supervision.recording_id!r} is not in the corpus")
-            status = checked[recording.id]
-            if isinstance(status, ItemRejected):
-                raise status
-            pieces = _check_supervision(supervision, recording, rules, len(channels_named[recording.id]) > 1)
-        except ItemRejected as error:
-            reject(supervision.id, recording, error)
-            continue
-        finished, failed = _finish_pieces(pieces, rules, seen_ids)
-        for piece_id, error in failed:
-            reject(piece_id, recording, error)
-        if finished:
-            seen_ids.add(supervision.id)
-            kept.extend(finished)
-
+    rejected: list[Rejection] = []
+    for outcome in SplitValidator(split, rules, seen_ids).check(candidates):
+        if isinstance(outcome, Rejection):
+            rejected.append(outcome)
+        else:
+            kept.extend(outcome.pieces)
     kept.sort(key=lambda s: s.id)
     kept_recordings = sorted({s.recording_id for s in kept})
-    recording_set = RecordingSet.from_recordings(by_id[rid] for rid in kept_recordings)
-    supervision_set = SupervisionSet.from_segments(kept)
-    if kept:
-        validate_recordings_and_supervisions(recording_set, supervision_set)
-    return ValidatedSplit(recording_set, supervision_set, rejected)
+    return ValidatedSplit(
+        RecordingSet.from_recordings(by_id[rid] for rid in kept_recordings),
+        SupervisionSet.from_segments(kept),
+        rejected,
+    )

@@ -116,21 +116,47 @@ def test_librispeech_split_parts_name_the_available_keys(tmp_path: Path) -> None
 
 def test_long_utterance_split_by_librispeech_word_alignment(tmp_path: Path) -> None:
     corpus = build_librispeech(tmp_path)
-    chapter = corpus / "test-clean" / "61" / "70"
+    chapter = corpus / "train-clean-100" / "19" / "198"
+    write_tone(chapter / "19-198-0001.flac", 2.5)
     # LibriSpeech alignment format: id "word,word,..." "end times"; empty words are silences.
-    (chapter / "61-70.alignment.txt").write_text('61-70-0002 ",LONG,TEST,,AGAIN," "0.1,0.5,1.0,1.6,2.3,2.5"\n')
+    (chapter / "19-198.alignment.txt").write_text('19-198-0001 ",A,SECOND,,LINE," "0.1,0.5,1.0,1.6,2.3,2.5"\n')
     out = tmp_path / "out"
     config = librispeech_config(corpus, max_duration_s=1.2, long_utterances="split")
     summary = prepare_corpus(config, out, seed=42)
-    test = {c.id: c for c in CutSet.from_file(out / "test_cuts.jsonl.gz")}
-    pieces = [(c.id, c.start, c.duration, c.supervisions[0].text) for c in test.values() if "-part" in c.id]
+    train = {c.id: c for c in CutSet.from_file(out / "train_cuts.jsonl.gz")}
+    pieces = [(c.id, c.start, c.duration, c.supervisions[0].text) for c in train.values() if "-part" in c.id]
     assert pieces == [
-        ("61-70-0002-part0", 0.0, 0.5, "LONG"),
-        ("61-70-0002-part1", 0.5, 0.8, "TEST"),
-        ("61-70-0002-part2", 1.3, 1.2, "AGAIN"),
+        ("19-198-0001-part0", 0.0, 0.5, "A"),
+        ("19-198-0001-part1", 0.5, 0.8, "SECOND"),
+        ("19-198-0001-part2", 1.3, 1.2, "LINE"),
     ]
-    assert all(c.duration <= 1.2 + 1e-6 for c in test.values())
+    assert all(c.duration <= 1.2 + 1e-6 for c in train.values())
     assert summary.rejected_total == 0
+    test = {c.id: c for c in CutSet.from_file(out / "test_cuts.jsonl.gz")}
+    assert test["61-70-0002"].duration == pytest.approx(2.5)  # the corpus' test split is never cut
+
+
+@pytest.mark.parametrize("carve", [False, True])
+def test_duration_limits_apply_to_train_only(tmp_path: Path, carve: bool) -> None:
+    """A corpus' own dev and test stay as published (no length filter); carved ones come from filtered train."""
+    corpus = build_librispeech(tmp_path)
+    write_tone(corpus / "train-clean-100" / "26" / "495" / "26-495-0001.flac", 2.5)
+    write_tone(corpus / "dev-clean" / "84" / "121" / "84-121-0000.flac", 0.05)  # below min_duration_s
+    (corpus / "dev-clean" / "84" / "121" / "84-121.trans.txt").write_text("84-121-0000 DEV ONE\n84-121-0001 ,,,\n")
+    splits = {"train": "train-clean-100", "dev": "dev-clean", "test": None if carve else "test-clean"}
+    config = librispeech_config(
+        corpus, max_duration_s=1.0, long_utterances="drop", splits=splits, max_rejected_fraction=0.5
+    )
+    out = tmp_path / "out"
+    summary = prepare_corpus(config, out, seed=0)
+    rejected = {r["id"]: r["reason"] for r in map(json.loads, (out / "rejected.jsonl").read_text().splitlines())}
+    assert rejected == {"26-495-0001": "too_long", "84-121-0001": "empty_transcript"}
+    assert ids(out / "dev_cuts.jsonl.gz") == ["84-121-0000"]
+    test = {c.id: c.duration for c in CutSet.from_file(out / "test_cuts.jsonl.gz")}
+    if carve:
+        assert summary.splits["test"].carved_from_train and max(test.values()) <= 1.0
+    else:
+        assert test["61-70-0002"] == pytest.approx(2.5)
 
 
 def test_too_many_rejections_fail_with_counts_and_reasons(tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ def test_a_train_too_small_to_carve_is_refused_by_name(tmp_path):
     with pytest.raises(
         AsrflowError,
         match=r"cannot carve dev and test from train: train holds 2 usable "
-        r"utterance\(s\) in 2 recording group\(s\).*at least 3",
+        r"utterance\(s\) in 2 group\(s\).*at least 3",
     ):
         prepare_corpus(config, tmp_path / "out", seed=1)
     assert not (tmp_path / "out").exists()
