@@ -114,12 +114,15 @@ class Candidate:
         path: the audio path as the corpus gives it, for the report.
         per_channel: the corpus names the channel of each supervision of this recording
             (two-sided calls): keep the supervision's channel as it is.
+        checked: the recording was read by :func:`~asrflow.data.validation.open_recording`,
+            which also checked that it decodes to its end.
     """
 
     supervision: SupervisionSegment
     recording: Recording | ItemRejected | None
     path: str | None = None
     per_channel: bool = False
+    checked: bool = False
 
 
 #: What an importer streams: utterances to validate, and items refused while reading.
@@ -288,7 +291,7 @@ def stream_folder(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
                 text=text,
                 speaker=speaker,
             )
-            yield Candidate(supervision, result, raw)
+            yield Candidate(supervision, result, raw, checked=True)
 
 
 def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
@@ -516,7 +519,7 @@ def stream_kaldi(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
                 text=transcript,
                 speaker=speakers.get(utt_id),
             )
-            yield Candidate(supervision, status, raw)
+            yield Candidate(supervision, status, raw, checked=True)
 
     for utt_id in segments or ():
         if utt_id not in unreadable_text:

@@ -72,7 +72,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
+import soundfile
+from lhotse import AudioSource, Recording, RecordingSet, SupervisionSegment, SupervisionSet
 from lhotse.qa import validate, validate_recordings_and_supervisions
 from lhotse.supervision import AlignmentItem
 from lhotse.utils import fastcopy
@@ -251,11 +252,56 @@ def resolve_inside(root: Path, raw: str) -> Path:
 
 
 def open_recording(path: Path, recording_id: str) -> Recording:
-    """Read an audio file's header into a Lhotse :class:`Recording`.
+    """Read an audio file's header into a Lhotse :class:`Recording`, and check that it decodes to its end.
+
+    One open of the file with libsndfile (header, then the last :data:`TAIL_CHECK_S`); a
+    format libsndfile does not read goes through Lhotse's backends
+    (:meth:`Recording.from_file`, then :func:`check_recording`). The recording is the one
+    :meth:`Recording.from_file` gives.
 
     Raises:
-        ItemRejected: ``unreadable_audio`` when no backend can read the header.
+        ItemRejected: ``unreadable_audio`` when no backend can read the header or the end of
+        the audio cannot be decoded; ``zero_length_audio`` when it holds no samples.
     """
+    try:
+        handle = soundfile.SoundFile(path)
+    except Exception:  # not a format libsndfile reads: let Lhotse's other backends try
+        return check_recording(_lhotse_recording(path, recording_id))
+    with handle:
+        rate, frames, channels = handle.samplerate, handle.frames, handle.channels
+        if frames <= 0:
+            raise ItemRejected(ZERO_LENGTH, f"audio {path} holds no samples; remove it")
+        tail = min(frames, max(1, round(TAIL_CHECK_S * rate)))
+        try:
+            handle.seek(frames - tail)
+            decoded = len(handle.read(tail, dtype="float32", always_2d=True))
+        except Exception as error:
+            raise ItemRejected(
+                UNREADABLE_AUDIO,
+                f"audio {path} cannot be decoded to its end ({first_line(error)}); "
+                "the file is probably truncated or corrupt: re-encode or replace it",
+            ) from None
+        if decoded < tail:
+            raise ItemRejected(
+                UNREADABLE_AUDIO,
+                f"audio {path} ends {tail - decoded} samples before its header says; "
+                "the file is probably truncated: re-encode or replace it",
+            )
+    recording = Recording(
+        id=recording_id,
+        sources=[AudioSource(type="file", channels=list(range(channels)), source=str(path))],
+        sampling_rate=rate,
+        num_samples=frames,
+        duration=frames / rate,
+    )
+    try:
+        validate(recording)
+    except AssertionError as error:
+        raise ItemRejected(INVALID_MANIFEST, f"{first_line(error)}; re-encode the file") from None
+    return recording
+
+
+def _lhotse_recording(path: Path, recording_id: str) -> Recording:
     try:
         return Recording.from_file(path, recording_id=recording_id)
     except Exception as error:  # any backend failure means the same thing to the user
@@ -525,7 +571,9 @@ class SplitValidator:
 
     def check(self, candidates: list) -> Iterator[Kept | Rejection]:
         """Check a chunk of :class:`~asrflow.data.importers.Candidate`; yields, in order, what is kept or rejected."""
-        self._check_recordings([c.recording for c in candidates if isinstance(c.recording, Recording)])
+        self._check_recordings(
+            [c.recording for c in candidates if isinstance(c.recording, Recording) and not c.checked]
+        )
         for candidate in candidates:
             supervision, recording = candidate.supervision, candidate.recording
             known = recording if isinstance(recording, Recording) else None
@@ -540,7 +588,7 @@ class SplitValidator:
                     )
                 if isinstance(recording, ItemRejected):
                     raise recording
-                status = self.checked[recording.id]
+                status = recording if candidate.checked else self.checked[recording.id]
                 if isinstance(status, ItemRejected):
                     raise status
                 pieces = _check_supervision(supervision, recording, self.rules, candidate.per_channel)
