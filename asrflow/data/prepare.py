@@ -71,7 +71,7 @@ from asrflow.data.importers import (
     stream_kaldi,
     stream_recipe_split,
 )
-from asrflow.data.split_writer import SplitWriter, portable, utterance_cut
+from asrflow.data.split_writer import SplitWriter, cut_dict, portable, recording_dict
 from asrflow.data.spool import DEFAULT_CHUNK_LINES, SortedSpool
 from asrflow.data.text import TextConfig
 from asrflow.data.validation import Rejection, SplitValidator, ValidationRules
@@ -451,10 +451,9 @@ def _validate_into_spool(
             if isinstance(outcome, Rejection):
                 rejections.add(outcome)
                 continue
-            recording = portable(outcome.recording, cwd)
+            recording = recording_dict(portable(outcome.recording, cwd))
             for piece in outcome.pieces:
-                cut = utterance_cut(recording, piece)
-                spool.add(cut.id, json.dumps(cut.to_dict(), ensure_ascii=False))
+                spool.add(piece.id, json.dumps(cut_dict(recording, piece), ensure_ascii=False))
                 if counter is not None:
                     counter.add(piece.id, piece.recording_id, piece.speaker)
                 kept += 1

@@ -11,6 +11,7 @@ chunk. gzip headers carry no time stamp and no file name (byte-reproducible outp
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -42,6 +43,48 @@ def utterance_cut(recording: Recording, supervision: SupervisionSegment) -> Mono
         recording=recording,
         supervisions=[fastcopy(supervision, start=0.0)],
     )
+
+
+def recording_dict(recording: Recording) -> dict[str, Any]:
+    """``recording.to_dict()``, built directly for the plain case (file sources, no transforms)."""
+    if recording.transforms is not None or any(source.video is not None for source in recording.sources):
+        return recording.to_dict()
+    fields = {
+        "id": recording.id,
+        "sources": [
+            _non_null(type=source.type, channels=list(source.channels), source=source.source)
+            for source in recording.sources
+        ],
+        "sampling_rate": recording.sampling_rate,
+        "num_samples": recording.num_samples,
+        "duration": recording.duration,
+        "channel_ids": list(recording.channel_ids) if recording.channel_ids is not None else None,
+    }
+    return _non_null(**fields)
+
+
+def cut_dict(recording: dict[str, Any], supervision: SupervisionSegment) -> dict[str, Any]:
+    """``utterance_cut(recording, supervision).to_dict()``, given ``recording_dict(recording)``."""
+    shifted = fastcopy(supervision, start=0.0)
+    if supervision.alignment is None:
+        names = [f.name for f in dataclasses.fields(SupervisionSegment)]
+        shifted = _non_null(**{name: getattr(shifted, name) for name in names})
+    else:
+        shifted = shifted.to_dict()
+    kind = "MultiCut" if isinstance(supervision.channel, list) else "MonoCut"
+    return {
+        "id": supervision.id,
+        "start": supervision.start,
+        "duration": supervision.duration,
+        "channel": supervision.channel,
+        "supervisions": [shifted],
+        "recording": recording,
+        "type": kind,
+    }
+
+
+def _non_null(**fields: Any) -> dict[str, Any]:
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def portable(recording: Recording, cwd: Path) -> Recording:

@@ -19,7 +19,7 @@ from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, Supervis
 from lhotse.cut import MultiCut
 
 from asrflow.data.prepare import PrepareConfig, prepare_corpus
-from asrflow.data.split_writer import utterance_cut
+from asrflow.data.split_writer import cut_dict, recording_dict, utterance_cut
 from asrflow.data.spool import SortedSpool
 from asrflow.data.validation import open_recording
 from bench.prepare_scale import folder_corpus
@@ -123,7 +123,9 @@ def test_utterance_cut_is_what_lhotse_trims(tmp_path: Path) -> None:
     sf.write(tmp_path / "stereo.wav", 0.1 * np.ones((16000, 2), dtype=np.float32), 16000)
     for name, channel in (("mono", 0), ("stereo", [0, 1]), ("stereo", 1)):
         recording = RecordingSet.from_recordings([Recording.from_file(tmp_path / f"{name}.wav")])
-        supervision = SupervisionSegment("u", recording[0].id, start=0.25, duration=0.5, channel=channel, text="HI")
+        supervision = SupervisionSegment(
+            "u", recording[0].id, start=0.25, duration=0.5, channel=channel, text="HI", speaker="s1", language="en"
+        )
         lhotse_cut = next(
             iter(
                 CutSet.from_manifests(recordings=recording, supervisions=SupervisionSet.from_segments([supervision]))
@@ -133,6 +135,7 @@ def test_utterance_cut_is_what_lhotse_trims(tmp_path: Path) -> None:
         )
         ours = utterance_cut(recording[0], supervision)
         assert ours.to_dict() == lhotse_cut.to_dict()
+        assert cut_dict(recording_dict(recording[0]), supervision) == lhotse_cut.to_dict()
         assert isinstance(ours, MultiCut) == isinstance(channel, list)
 
 
