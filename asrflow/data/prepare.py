@@ -15,20 +15,19 @@ writes into ``output_dir``, whole or not at all:
 corpus' split name: a recipe's key (``train-clean-100``), a TSV's name, or a Kaldi folder.
 A list of names merges them (``train: [train-clean-100, train-clean-360]``). ``train``
 must be named; ``dev`` or ``test`` left empty (``null``, or left out) is *carved* from
-train after validation, by this rule:
+train after validation, in whole speaker (or recording) groups, by the rule of
+:mod:`asrflow.data.carving`; the same corpus, params and seed always give the same split.
 
-1. n = the number of kept train utterances; nothing is carved when n < 2 or
-   ``dev_fraction`` is 0. The target is k = max(1, round(dev_fraction * n)) utterances
-   (Python's ``round``, half to even).
-2. The train utterances are grouped by recording (so that segments of one recording stay
-   together); when all of train comes from a single recording, each utterance is its own
-   group.
-3. The groups are sorted by id and shuffled with ``random.Random(seed)`` (``seed + 1`` for
-   ``test``); whole groups move to the carved split, in that order, until it holds at
-   least k utterances, always leaving at least one group in train.
-4. ``dev`` is carved first, then ``test`` from what remains.
+**Duration limits** (``min_duration_s``, ``max_duration_s``, ``long_utterances``) apply to
+train only: a corpus' own dev and test are kept as published (comparable with published
+WERs); carved splits come from the filtered train. Corrupt audio, empty transcripts and
+the other reasons of :mod:`asrflow.data.validation` are rejected in every split.
 
-The same corpus, params and seed always give the same split.
+**Streaming.** The corpus is read, checked and written an utterance at a time; the
+manifests are sorted by id on disk (:class:`~asrflow.data.spool.SortedSpool`) inside the
+output's temporary folder. What memory holds that grows with the corpus: the ids kept so
+far (duplicate check), one count per speaker and per recording (carving), and what an
+importer holds (:func:`~asrflow.data.importers.stream_kaldi`).
 
 **Rejections.** A bad item is rejected with a reason and never stops the others. When
 rejected / (kept + rejected) exceeds ``max_rejected_fraction`` the stage fails with
@@ -37,8 +36,9 @@ writes no manifests, but leaves the full report next to the output folder as
 ``<output_dir>.rejected.jsonl`` (removed again by the next successful run). A split
 piece (``long_utterances: split``) counts as one item.
 
-**Reproducibility.** Manifests are sorted by id, gzip headers carry no time stamp and no
-file name, and nothing records the time: the same inputs give byte-identical files. Audio
+**Reproducibility.** Manifests are sorted by id (``rejected.jsonl`` is in split, then
+corpus order), gzip headers carry no time stamp and no file name, and nothing records
+the time: the same inputs give byte-identical files. Audio
 paths that lie under the current working directory (the repository root, where stages
 run) are written relative to it, so manifests stay valid when the repository is cloned or
 moved; other paths are written absolute.

@@ -26,9 +26,9 @@ reason                      meaning (and what to do)
 ``bad_segment``             a segment starts before 0, ends before it starts, or ends more
                             than :data:`SEGMENT_END_TOLERANCE_S` after its recording
 ``channel_out_of_range``    ``channel: k`` and a multi-channel recording has no channel k
-``too_short``               shorter than ``min_duration_s``
+``too_short``               shorter than ``min_duration_s`` (train only)
 ``too_long``                longer than ``max_duration_s`` (``long_utterances: drop``), or a
-                            single aligned word is (``split``)
+                            single aligned word is (``split``) (train only)
 ``too_long_no_alignment``   ``long_utterances: split`` but the utterance has no word
                             alignment, so its transcript cannot be divided between pieces
 ``empty_transcript``        nothing left after text normalisation

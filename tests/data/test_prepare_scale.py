@@ -43,8 +43,8 @@ def traced_peak(config: PrepareConfig, out: Path) -> int:
 
 
 def test_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
-    """4x the utterances: the peak grows by far less than what holding a split costs (several kB each)."""
-    small, large = 600, 2400
+    """4x the utterances: the peak grows by far less than holding a split costs (about 7 kB an utterance)."""
+    small, large = 300, 1200
     peaks = {n: traced_peak(folder_config(folder_corpus(tmp_path, n)), tmp_path / f"out-{n}") for n in (small, large)}
     per_utterance = (peaks[large] - peaks[small]) / (large - small)
     assert len(CutSet.from_file(tmp_path / f"out-{large}" / "train_cuts.jsonl.gz")) == large * 48 // 50
@@ -52,7 +52,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
 
 
 def test_a_killed_prepare_leaves_no_partial_output_and_a_rerun_succeeds(tmp_path: Path) -> None:
-    corpus = folder_corpus(tmp_path, 3000)
+    corpus = folder_corpus(tmp_path, 2000)
     out = tmp_path / "manifests"
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["prepare"].update(
@@ -77,7 +77,7 @@ def test_a_killed_prepare_leaves_no_partial_output_and_a_rerun_succeeds(tmp_path
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["splits"]["train"]["utterances"] == 3000 * 48 // 50
+    assert summary["splits"]["train"]["utterances"] == 2000 * 48 // 50
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".manifests")) == []  # swept
 
 
