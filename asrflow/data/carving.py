@@ -61,7 +61,7 @@ def pick_groups(groups: dict[str, int], fraction: float, seed: int) -> set[str]:
     return moved
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GroupCounter:
     """Counts the kept train utterances per speaker and per recording as they stream by."""
 

@@ -103,7 +103,7 @@ class ImportedSplit:
     rejected: list[Rejection] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One utterance as read from the corpus, streamed to validation.
 
@@ -291,7 +291,7 @@ def stream_folder(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
                 text=text,
                 speaker=speaker,
             )
-            yield Candidate(supervision, result, raw, checked=True)
+            yield Candidate(supervision=supervision, recording=result, path=raw, checked=True)
 
 
 def import_folder(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
@@ -519,7 +519,7 @@ def stream_kaldi(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
                 text=transcript,
                 speaker=speakers.get(utt_id),
             )
-            yield Candidate(supervision, status, raw, checked=True)
+            yield Candidate(supervision=supervision, recording=status, path=raw, checked=True)
 
     for utt_id in segments or ():
         if utt_id not in unreadable_text:
@@ -804,4 +804,4 @@ def stream_recipe_split(folder: Path, split: str) -> Iterator[Item]:
         recording = current if current is not None and current.id == rec_id else None
         channels = {tuple(s.channel) if isinstance(s.channel, list) else s.channel for s in group}
         for supervision in group:
-            yield Candidate(supervision, recording, per_channel=len(channels) > 1)
+            yield Candidate(supervision=supervision, recording=recording, per_channel=len(channels) > 1)

@@ -431,6 +431,7 @@ def _check_rejected(rejections: _RejectionLog, kept: int, config: PrepareConfig,
 def _validate_into_spool(
     split: str,
     streams: list[Callable[[], Iterator[Item]]],
+    *,
     validator: SplitValidator,
     spool: SortedSpool,
     rejections: _RejectionLog,
@@ -518,7 +519,13 @@ def prepare_corpus(
             # Only train is filtered by duration: a corpus' own dev and test stay as published.
             validator = SplitValidator(split, rules, seen, duration_limits=split == "train")
             kept += _validate_into_spool(
-                split, streams[split], validator, spools[split], rejections, counter if split == "train" else None, cwd
+                split,
+                streams[split],
+                validator=validator,
+                spool=spools[split],
+                rejections=rejections,
+                counter=counter if split == "train" else None,
+                cwd=cwd,
             )
         seen.clear()
         _check_rejected(rejections, kept, config, report)

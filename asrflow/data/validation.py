@@ -664,7 +664,11 @@ def validate_split(
         channel = supervision.channel
         channels_named[supervision.recording_id].add(tuple(channel) if isinstance(channel, list) else channel)
     candidates = [
-        Candidate(s, by_id.get(s.recording_id), per_channel=len(channels_named[s.recording_id]) > 1)
+        Candidate(
+            supervision=s,
+            recording=by_id.get(s.recording_id),
+            per_channel=len(channels_named[s.recording_id]) > 1,
+        )
         for s in supervisions
     ]
     kept: list[SupervisionSegment] = []
