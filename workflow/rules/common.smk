@@ -124,7 +124,9 @@ def _still_running(holder):
     import psutil
 
     try:
-        return abs(psutil.Process(holder["pid"]).create_time() - holder["started"]) < 1.0
+        process = psutil.Process(holder["pid"])
+        # a killed run not yet reaped by its parent is a zombie: gone, though its pid is listed
+        return abs(process.create_time() - holder["started"]) < 1.0 and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:
