@@ -32,6 +32,8 @@ STAGE_ENV = "ASRFLOW_STAGE"
 #: Set by the first process that opened the terminal descriptor: ``st_dev:st_ino`` of it, so
 #: that a child process (torchrun's workers) uses the descriptor only if it is the same file.
 _PROGRESS_ID_ENV = "ASRFLOW_PROGRESS_FD_ID"
+#: ... and where a child that did not inherit the descriptor opens that file again.
+_PROGRESS_PATH_ENV = "ASRFLOW_PROGRESS_PATH"
 
 
 class TerminalFilter(logging.Filter):
@@ -46,20 +48,48 @@ class TerminalFilter(logging.Filter):
 
 
 def _terminal_stream():
-    """The stream of ``$ASRFLOW_PROGRESS_FD`` if it is the descriptor the rule handed over, else None."""
+    """The stream of ``$ASRFLOW_PROGRESS_FD`` if it is the descriptor the rule handed over, else None.
+
+    torchrun's workers do not inherit the descriptor (it starts them with ``close_fds``): they
+    reopen it through the launcher's ``/proc/<pid>/fd/<fd>``, which the first process recorded.
+    """
     try:
         fd = int(os.environ.get(PROGRESS_FD_ENV, ""))
-        info = os.fstat(fd)
-    except (ValueError, OSError):
+    except ValueError:
         return None
-    identity = f"{info.st_dev}:{info.st_ino}"
-    expected = os.environ.setdefault(_PROGRESS_ID_ENV, identity)
-    if expected != identity:
+    return _inherited_descriptor(fd) or _reopened_descriptor()
+
+
+def _identity(info: os.stat_result) -> str:
+    return f"{info.st_dev}:{info.st_ino}"
+
+
+def _inherited_descriptor(fd: int):
+    try:
+        identity = _identity(os.fstat(fd))
+    except OSError:
         return None
+    if os.environ.setdefault(_PROGRESS_ID_ENV, identity) != identity:
+        return None
+    os.environ.setdefault(_PROGRESS_PATH_ENV, f"/proc/{os.getpid()}/fd/{fd}")
     try:
         return os.fdopen(fd, "w", buffering=1, closefd=False)
     except OSError:
         return None
+
+
+def _reopened_descriptor():
+    path, expected = os.environ.get(_PROGRESS_PATH_ENV), os.environ.get(_PROGRESS_ID_ENV)
+    if not path or not expected:
+        return None
+    try:
+        stream = open(path, "a", buffering=1)  # noqa: SIM115 - the terminal handler's stream, open for the process
+    except OSError:
+        return None
+    if _identity(os.fstat(stream.fileno())) != expected:
+        stream.close()
+        return None
+    return stream
 
 
 logger = logging.getLogger(__name__)
@@ -75,17 +105,18 @@ def setup_logging(level: int = logging.INFO) -> None:
     warnings and errors also go to the terminal, after a line that says where the full log is.
     """
     log_format = LOG_FORMAT
+    stage = os.environ.get(STAGE_ENV) or "asrflow"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         log_format = LOG_FORMAT.replace("[%(name)s]", f"[rank {os.environ.get('RANK', '?')}] [%(name)s]")
+        stage = f"{stage} rank {os.environ.get('RANK', '?')}"
     logging.basicConfig(level=level, format=log_format, stream=sys.stderr, force=True)
     stream = _terminal_stream()
     if stream is not None:
-        stage = os.environ.get(STAGE_ENV) or "asrflow"
         handler = logging.StreamHandler(stream)
         handler.setFormatter(logging.Formatter(f"%(asctime)s [{stage}] %(message)s", "%H:%M:%S"))
         handler.addFilter(TerminalFilter())
         logging.getLogger().addHandler(handler)
-        if os.environ.get(LOG_FILE_ENV):
+        if os.environ.get(LOG_FILE_ENV) and "LOCAL_RANK" not in os.environ:  # once: torchrun's launcher said it
             logging.getLogger(PROGRESS_LOGGER).info("running; full log in %s", os.environ[LOG_FILE_ENV])
 
 

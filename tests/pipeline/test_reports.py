@@ -141,7 +141,7 @@ def test_snakemake_report_has_the_wer_table_and_both_figures(snakemake_run):
 
 
 def test_snakemake_terminal_shows_progress_and_mlflow_knows_the_run(snakemake_run):
-    """The terminal names each stage's log and the test WER; MLflow's experiment opens in the
+    """The terminal names each stage's log, shows training steps and the test WER; MLflow's experiment opens in the
     model-training view and the run has the test split as a dataset input."""
     from mlflow.tracking import MlflowClient
 
@@ -150,6 +150,7 @@ def test_snakemake_terminal_shows_progress_and_mlflow_knows_the_run(snakemake_ru
     output = snakemake_run.output
     for stage in ("prepare", "features", "tokenizer", "train", "evaluate"):
         assert f"[{stage}] running; full log in logs/{stage}.log" in output
+    assert re.search(r"\[train\] step \d+/\d+ \(\d+%\) epoch \d+: loss ", output), "no training step line"
     assert "[evaluate] test WER" in output
     client = MlflowClient(tracking_uri=f"sqlite:///{snakemake_run.copy}/mlflow.db")
     experiment = client.get_experiment_by_name("asrflow")

@@ -4,6 +4,7 @@ as Snakemake and DVC run it: `python -m stages.train` from the repository root."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -35,15 +36,26 @@ def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
         "GIT_PYTHON_REFRESH": "quiet",
     }
     env.pop("LOCAL_RANK", None)
+    # as the Snakemake rule runs it (workflow/rules/common.smk): the log to a file, the terminal on descriptor 3
+    env.update({"ASRFLOW_PROGRESS_FD": "3", "ASRFLOW_STAGE": "train", "ASRFLOW_LOG_FILE": "logs/train.log"})
     result = subprocess.run(
-        [sys.executable, "-m", "stages.train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        ["bash", "-c", f"{sys.executable} -m stages.train 3>&2 > train.log 2>&1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log
+    log = (tmp_path / "train.log").read_text()
+    assert result.returncode == 0, log + result.stderr
     assert "torch.distributed.run" in log and "--nproc-per-node=2" in log
     assert "rank 0 of 2 joined the gloo process group" in log
     assert "rank 1 of 2 joined the gloo process group" in log
     assert (tmp_path / "exp" / "model.pt").is_file()
+    terminal = result.stderr
+    assert terminal.count("[train] running; full log in logs/train.log") == 1, terminal
+    assert re.search(r"\[train rank 0\] step 1/\d+ ", terminal), terminal  # rank 0's progress reaches the terminal
+    assert "[train rank 1] step" not in terminal, terminal
 
 
 def _free_port() -> int:
