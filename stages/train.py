@@ -5,7 +5,8 @@ data/lang/) and params.yaml (`seed`, `features:`, `train:`); writes into --exp (
 model.pt (a self-contained bundle) and plots/train_loss.csv; keeps checkpoints in
 checkpoints/ across runs, so running again after an interruption resumes. With
 train.nproc_per_node > 1 or train.nnodes > 1 it re-launches itself under torchrun; on the
-machines other than the first of a multi-node run, start it with --node-rank.
+machines other than the first of a multi-node run, start it with --node-rank; a cluster job
+sets the run's node count and rendezvous with $ASRFLOW_NNODES and $ASRFLOW_RDZV_ENDPOINT.
 Exit code 75: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume.
 
 Start-up: MLflow is imported and its run opened in a background thread once the first step
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError, exit_on_user_error
+from asrflow.launch.multinode import rendezvous_from_environment
 from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_command
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
@@ -63,8 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("train stage started (pid %d)", os.getpid())  # imports done: bench.startup times from here
     params = load_params(args.params)
     config = load_train_config(params)
+    overrides = rendezvous_from_environment()  # a cluster job's allocation, for that job only
     if args.node_rank is not None:
-        config = replace(config, node_rank=args.node_rank)
+        overrides["node_rank"] = args.node_rank
+    config = replace(config, **overrides)
     features = build_config(FeatureConfig, params.get("features"), "features")
     check_tracking_uri()  # an unreachable MLFLOW_TRACKING_URI stops here, before any training
     if needs_torchrun(config):

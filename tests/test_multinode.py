@@ -1,79 +1,76 @@
-"""asrflow.launch.multinode: a cluster job's rendezvous written into params.yaml, in place."""
+"""asrflow.launch.multinode: a cluster job's node count and rendezvous, from the environment, for that job only."""
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import yaml
 from conftest import REPO
 
 from asrflow.errors import AsrflowError
-from asrflow.launch.multinode import main, set_rendezvous
+from asrflow.launch.multinode import ENDPOINT_ENV, NNODES_ENV, rendezvous_from_environment
 
 
-def test_the_shipped_params_get_both_keys_and_keep_every_other_line(tmp_path):
-    params = tmp_path / "params.yaml"
-    shipped = (REPO / "params.yaml").read_text()
-    params.write_text(shipped)
-    changes = set_rendezvous(params, 2, "node17:29511")
-    assert changes == ["run.nnodes: 1 -> 2", "run.rdzv_endpoint: 'localhost:29500' -> 'node17:29511'"]
-    text = params.read_text()
-    changed = [(old, new) for old, new in zip(shipped.splitlines(), text.splitlines(), strict=True) if old != new]
-    assert changed == [
-        ("  nnodes: 1", "  nnodes: 2"),
-        ("  rdzv_endpoint: localhost:29500", "  rdzv_endpoint: node17:29511"),
-    ]
-    loaded, before = yaml.safe_load(text), yaml.safe_load(shipped)
-    assert loaded["run"] == {**before["run"], "nnodes": 2, "rdzv_endpoint": "node17:29511"}
-    assert {key: value for key, value in loaded.items() if key != "run"} == {
-        key: value for key, value in before.items() if key != "train"
-    }
+def test_nothing_set_changes_nothing():
+    assert rendezvous_from_environment({}) == {}
+    assert rendezvous_from_environment({NNODES_ENV: "", ENDPOINT_ENV: " "}) == {}
 
 
-def test_values_already_set_leave_the_file_untouched(tmp_path):
-    params = tmp_path / "params.yaml"
-    params.write_text("seed: 1\ntrain:\n  nnodes: 2   # two machines\n  rdzv_endpoint: a:1\n")
-    before = params.stat().st_mtime_ns
-    assert set_rendezvous(params, 2, "a:1") == []
-    assert params.stat().st_mtime_ns == before
-
-
-def test_comments_are_kept_and_missing_keys_are_added_to_the_train_section(tmp_path):
-    params = tmp_path / "params.yaml"
-    params.write_text("train:  # training\n  lr: 0.001\n  nnodes: 1   # machines\n# next\nevaluate:\n  beam_size: 8\n")
-    set_rendezvous(params, 3, "head:29500")
-    assert params.read_text() == (
-        "train:  # training\n  rdzv_endpoint: head:29500\n  lr: 0.001\n  nnodes: 3   # machines\n"
-        "# next\nevaluate:\n  beam_size: 8\n"
-    )
+def test_both_values_become_train_config_fields():
+    environ = {NNODES_ENV: "4", ENDPOINT_ENV: "node17:29511"}
+    assert rendezvous_from_environment(environ) == {"nnodes": 4, "rdzv_endpoint": "node17:29511"}
+    assert rendezvous_from_environment({ENDPOINT_ENV: "head:1"}) == {"rdzv_endpoint": "head:1"}
 
 
 @pytest.mark.parametrize(
-    ("content", "nnodes", "endpoint", "message"),
+    ("environ", "message"),
     [
-        ("train:\n  nnodes: 1\n", 2, "head", r"--endpoint 'head': must be host:port"),
-        ("train:\n  nnodes: 1\n", 2, "head:99999", r"--endpoint 'head:99999': must be host:port"),
-        ("train:\n  nnodes: 1\n", 0, "head:1", r"--nnodes 0: must be at least 1"),
-        ("evaluate:\n  beam_size: 8\n", 2, "head:1", r"no 'train:' section"),
-        ("train: {nnodes: 1}\n", 2, "head:1", r"is not a block of 'key: value' lines"),
+        ({NNODES_ENV: "two"}, r"ASRFLOW_NNODES='two': must be a whole number of nodes, at least 1"),
+        ({NNODES_ENV: "0"}, r"ASRFLOW_NNODES='0': must be a whole number"),
+        ({ENDPOINT_ENV: "head"}, r"ASRFLOW_RDZV_ENDPOINT='head': must be host:port"),
+        ({ENDPOINT_ENV: "head:99999"}, r"ASRFLOW_RDZV_ENDPOINT='head:99999': must be host:port"),
     ],
 )
-def test_bad_input_names_the_item(tmp_path, content, nnodes, endpoint, message):
-    params = tmp_path / "params.yaml"
-    params.write_text(content)
+def test_bad_values_name_the_variable(environ, message):
     with pytest.raises(AsrflowError, match=message):
-        set_rendezvous(params, nnodes, endpoint)
-    assert params.read_text() == content
+        rendezvous_from_environment(environ)
 
 
-def test_the_command_line_says_what_it_changed_and_exits_2_on_bad_input(tmp_path, capsys):
-    params = tmp_path / "params.yaml"
-    params.write_text("train:\n  nnodes: 1\n  rdzv_endpoint: localhost:29500\n")
-    main(["--params", str(params), "--nnodes", "2", "--endpoint", "h:2"])
-    assert "train.nnodes: 1 -> 2; train.rdzv_endpoint: 'localhost:29500' -> 'h:2'" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--params", str(tmp_path / "missing.yaml"), "--nnodes", "2", "--endpoint", "h:2"])
-    assert exit_info.value.code == 2
-    assert (
-        capsys.readouterr().err.strip()
-        == f"error: {tmp_path / 'missing.yaml'}: cannot read it (No such file or directory)"
-    )
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+#: One node, 2 s to reach a rendezvous.
+PARAMS = yaml.safe_dump({"seed": 1, "run": {"nnodes": 1, "dist_timeout_s": 2.0}})
+
+
+def _train_stage(tmp_path, **environ: str) -> subprocess.CompletedProcess:
+    """The train stage as node 1, in ``tmp_path`` with :data:`PARAMS`, with ``environ``."""
+    (tmp_path / "params.yaml").write_text(PARAMS)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GIT_PYTHON_REFRESH": "quiet", **environ}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    command = [sys.executable, "-m", "stages.train", "--node-rank", "1"]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_train_stage_takes_the_jobs_rendezvous_and_leaves_params_alone(tmp_path):
+    """Node 1 of a two-node job whose params.yaml says one node: it waits for the job's rendezvous
+    (nobody listens there: it gives up after train.dist_timeout_s), and params.yaml is untouched."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    result = _train_stage(tmp_path, ASRFLOW_NNODES="2", ASRFLOW_RDZV_ENDPOINT=endpoint)
+    assert result.returncode == 2, result.stderr
+    assert f"error: nobody listens at {endpoint} (train.rdzv_endpoint) after 2 s" in result.stderr, result.stderr
+    assert (tmp_path / "params.yaml").read_text() == PARAMS
+
+
+def test_a_bad_variable_stops_the_train_stage_with_one_line(tmp_path):
+    result = _train_stage(tmp_path, ASRFLOW_NNODES="two")
+    assert result.returncode == 2, result.stderr
+    assert "error: ASRFLOW_NNODES='two': must be a whole number of nodes, at least 1" in result.stderr
+    assert "Traceback" not in result.stderr

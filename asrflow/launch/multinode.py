@@ -1,119 +1,48 @@
-"""A multi-node training run's rendezvous, written into params.yaml from a cluster job's allocation.
+"""A multi-node training run's size and rendezvous, from the cluster job that runs it.
 
-``train.nnodes`` and ``train.rdzv_endpoint`` are facts of the allocation (how many nodes the
+``run.nnodes`` and ``run.rdzv_endpoint`` are facts of the allocation (how many nodes the
 job got, which one is first), known only once the job runs. The Slurm recipe
-(``workflow/slurm/multinode.sbatch``) calls this on the job's first node, before any stage
-starts::
+(``workflow/slurm/multinode.sbatch``) exports them for that job alone::
 
-    python -m asrflow.launch.multinode --params params.yaml --nnodes 2 --endpoint node17:29500
+    ASRFLOW_NNODES=2 ASRFLOW_RDZV_ENDPOINT=node17:29500
 
-The two keys are edited in place, line by line inside the ``train:`` section, so the file's
-comments and order stay as they are; a key already holding its value is left untouched (the
-file is not rewritten, so neither DVC nor Snakemake sees a change). Both keys are operational
-(``asrflow.training.config.OPERATIONAL_KEYS`` holds ``rdzv_endpoint``): an unfinished run
-resumes on another allocation.
+and the train stage (every node's, and every torchrun worker's, which inherit the environment)
+takes them over ``params.yaml``, which stays as it is: a later local run neither trains again
+nor waits for a second node, and the git tree stays clean. ``rdzv_endpoint`` is an operational
+key (``asrflow.training.config.OPERATIONAL_KEYS``): an unfinished run resumes on another allocation.
 """
 
 from __future__ import annotations
 
-import argparse
-import re
-import sys
-from pathlib import Path
+import os
+from collections.abc import Mapping
 
-import yaml
+from asrflow.errors import AsrflowError
 
-from asrflow.errors import EXIT_USER_ERROR, AsrflowError
-
-SECTION = "run"
-_KEY_LINE = re.compile(r"^(?P<indent>[ \t]+)(?P<key>\w+):(?P<space>[ \t]*)(?P<value>[^#\n]*?)(?P<tail>[ \t]*#.*)?$")
-
-
-def _scalar(value: object) -> str:
-    """``value`` as one YAML scalar, as ``yaml.safe_load`` reads it back."""
-    return yaml.safe_dump(value).removesuffix("...\n").strip()
+NNODES_ENV = "ASRFLOW_NNODES"
+ENDPOINT_ENV = "ASRFLOW_RDZV_ENDPOINT"
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port); anything else is an :class:`AsrflowError` naming it."""
+    """``host:port`` -> (host, port); anything else is an :class:`AsrflowError` naming the variable."""
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise AsrflowError(f"--endpoint {endpoint!r}: must be host:port, with a port from 1 to 65535")
+        raise AsrflowError(f"{ENDPOINT_ENV}={endpoint!r}: must be host:port, with a port from 1 to 65535")
     return host, int(port)
 
 
-def set_rendezvous(params_path: Path, nnodes: int, endpoint: str) -> list[str]:
-    """Set ``train.nnodes`` and ``train.rdzv_endpoint`` in ``params_path``; returns the changes made
-    (``"train.nnodes: 1 -> 2"``), empty when both already held these values."""
-    if nnodes < 1:
-        raise AsrflowError(f"--nnodes {nnodes}: must be at least 1")
-    parse_endpoint(endpoint)
-    params_path = Path(params_path)
-    try:
-        text = params_path.read_text()
-    except OSError as error:
-        raise AsrflowError(f"{params_path}: cannot read it ({error.strerror})") from None
-    params = yaml.safe_load(text) or {}
-    train = params.get(SECTION)
-    if not isinstance(train, dict):
-        raise AsrflowError(f"{params_path}: no '{SECTION}:' section to set the rendezvous in")
-    wanted = {"nnodes": nnodes, "rdzv_endpoint": endpoint}
-    changes = [
-        f"{SECTION}.{key}: {train.get(key)!r} -> {value!r}" for key, value in wanted.items() if train.get(key) != value
-    ]
-    if not changes:
-        return []
-
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if re.match(rf"^{SECTION}:\s*(#.*)?$", line)), None)
-    if start is None:
-        raise AsrflowError(
-            f"{params_path}: the '{SECTION}:' section is not a block of 'key: value' lines; set "
-            f"{SECTION}.nnodes = {nnodes} and {SECTION}.rdzv_endpoint = {endpoint} by hand"
-        )
-    end = next((i for i in range(start + 1, len(lines)) if re.match(r"^[^\s#]", lines[i])), len(lines))
-    indent = "  "
-    for i in range(start + 1, end):
-        match = _KEY_LINE.match(lines[i].rstrip("\n"))
-        if not match:
-            continue
-        indent = match["indent"]
-        if match["key"] in wanted:
-            value = _scalar(wanted.pop(match["key"]))
-            newline = "\n" if lines[i].endswith("\n") else ""
-            lines[i] = f"{indent}{match['key']}:{match['space'] or ' '}{value}{match['tail'] or ''}{newline}"
-    added = [f"{indent}{key}: {_scalar(value)}\n" for key, value in wanted.items()]
-    lines[start + 1 : start + 1] = added
-    new_text = "".join(lines)
-    check = (yaml.safe_load(new_text) or {}).get(SECTION, {})
-    if check.get("nnodes") != nnodes or check.get("rdzv_endpoint") != endpoint:
-        raise AsrflowError(
-            f"{params_path}: could not set {SECTION}.nnodes and {SECTION}.rdzv_endpoint in place; set "
-            f"them by hand: nnodes: {nnodes}, rdzv_endpoint: {endpoint}"
-        )
-    temporary = params_path.with_name(params_path.name + ".tmp")
-    temporary.write_text(new_text)
-    temporary.replace(params_path)
-    return changes
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Exit 2 with one ``error:`` line on bad input (like the stages, without their logging)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file (default: %(default)s)")
-    parser.add_argument("--nnodes", type=int, required=True, help="nodes (one launch each) in the run")
-    parser.add_argument("--endpoint", required=True, help="host:port of the first node's rendezvous")
-    args = parser.parse_args(argv)
-    try:
-        changes = set_rendezvous(args.params, args.nnodes, args.endpoint)
-    except AsrflowError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(EXIT_USER_ERROR) from None
-    if changes:
-        print(f"asrflow: {args.params}: {'; '.join(changes)}")
-    else:
-        print(f"asrflow: {args.params}: train.nnodes {args.nnodes}, train.rdzv_endpoint {args.endpoint} already set")
-
-
-if __name__ == "__main__":
-    main()
+def rendezvous_from_environment(environ: Mapping[str, str] | None = None) -> dict:
+    """``{"nnodes": int, "rdzv_endpoint": "host:port"}`` from ``$ASRFLOW_NNODES`` and
+    ``$ASRFLOW_RDZV_ENDPOINT``, each only where set (and not empty): TrainConfig fields to replace."""
+    environ = os.environ if environ is None else environ
+    overrides: dict = {}
+    nnodes = environ.get(NNODES_ENV, "").strip()
+    if nnodes:
+        if not nnodes.isdigit() or int(nnodes) < 1:
+            raise AsrflowError(f"{NNODES_ENV}={nnodes!r}: must be a whole number of nodes, at least 1")
+        overrides["nnodes"] = int(nnodes)
+    endpoint = environ.get(ENDPOINT_ENV, "").strip()
+    if endpoint:
+        parse_endpoint(endpoint)
+        overrides["rdzv_endpoint"] = endpoint
+    return overrides
