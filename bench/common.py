@@ -480,6 +480,19 @@ COPY_IGNORE = (
 )
 
 
+def tool_env(copy: Path) -> dict[str, str]:
+    """The environment for a tool run (Snakemake, DVC) in ``copy``, a copy of the repository: this
+    interpreter's tools first on PATH, the copy's own MLflow store, no bytecode written into it."""
+    env = os.environ.copy()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["GIT_PYTHON_REFRESH"] = "quiet"
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{copy}/mlflow.db"
+    env["DVC_NO_ANALYTICS"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
 def copy_repo(destination: Path) -> Path:
     """A copy of the repository's own files (no venv, outputs or caches) for tool runs."""
     shutil.copytree(REPO, destination, ignore=shutil.ignore_patterns(*COPY_IGNORE))

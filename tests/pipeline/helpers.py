@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from bench.common import tool_env
+
 VENV_BIN = Path(sys.executable).parent
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
 
@@ -44,18 +46,6 @@ IDENTITY = ["-c", "user.name=asrflow tests", "-c", "user.email=tests@asrflow.inv
 
 class ToolError(AssertionError):
     """A tool run that failed, with the command, its exit status and the end of its output."""
-
-
-def tool_env(copy: Path) -> dict[str, str]:
-    """The environment for a tool run in ``copy``: our venv's python, the copy's MLflow store."""
-    env = os.environ.copy()
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["GIT_PYTHON_REFRESH"] = "quiet"
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{copy}/mlflow.db"
-    env["DVC_NO_ANALYTICS"] = "1"
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__/ in the copies (test_rerun checks it would not matter)
-    env.pop("VIRTUAL_ENV", None)
-    return env
 
 
 def run(

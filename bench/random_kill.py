@@ -1,0 +1,263 @@
+"""Random kills: the yesno pipeline under ``snakemake --cores all``, its whole process group
+SIGKILLed at N seeded random moments spread over every stage, re-run right after each kill.
+
+The run must end as one uninterrupted run does: every tensor of ``exp/model.pt`` equal
+(``torch.equal``) and the same ``exp/eval/metrics.json`` (timings aside). Both runs start from one copy of the
+repository (``bench.common.copy_repo``, as the pipeline tests copy it), default params.
+
+The plan: kill ``k`` aims at stage ``STAGES[k % 5]`` (so five kills or more reach every
+stage), in pipeline order, at a moment drawn uniformly from 5-95 % of that stage's duration in
+the uninterrupted run, counted from the stage's start in the run being killed (a stage that
+already finished in an earlier run counts as started). A moment past the stage's end lands in
+the stage that runs then. When the pipeline finishes before a kill, the kills not made are
+reported, not invented.
+
+Figures: ``clean_s`` (the uninterrupted run), ``killed_total_s`` (every run of the killed
+pipeline, the last one that finishes included), their ratio, and the work lost per kill::
+
+    python -m bench.random_kill --kills 20 [--seed 0] [--workdir DIR]   # about 5 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.common import copy_repo, emit, load_average, machine, parse_args, ratio, rounded, tool_env, workdir
+
+STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
+RULE_STARTED = re.compile(r"^(?:local)?rule (\w+):$", re.MULTILINE)
+RULE_FINISHED = re.compile(r"^Finished jobid: \d+ \(Rule: (\w+)\)$", re.MULTILINE)
+RUN_TIMEOUT_S = 1800
+POLL_S = 0.1
+KILL_WINDOW = (0.05, 0.95)
+
+
+class PipelineFailed(RuntimeError):
+    """A Snakemake run (clean, or a re-run after a kill) exited non-zero; the message holds its output's tail."""
+
+
+@dataclass
+class Kill:
+    """One planned kill: the stage aimed at and the delay after its start (s); what happened."""
+
+    stage: str
+    delay_s: float
+    made: bool = False
+    landed_in: str | None = None  # the stage running when the group was killed
+    run_s: float = 0.0  # how long the killed run had run
+
+
+@dataclass
+class KillRun:
+    kills: list[Kill]
+    run_seconds: list[float] = field(default_factory=list)  # every run, the finishing one last
+
+    @property
+    def made(self) -> list[Kill]:
+        return [kill for kill in self.kills if kill.made]
+
+
+def fresh_copy(destination: Path) -> Path:
+    """The repository copied to ``destination`` as a git repository of one commit."""
+    copy_repo(destination)
+    identity = ["-c", "user.name=asrflow", "-c", "user.email=bench@asrflow.invalid", "-c", "commit.gpgsign=false"]
+    for command in (["init", "-q"], [*identity, "add", "-A"], [*identity, "commit", "-q", "-m", "random kill copy"]):
+        subprocess.run(["git", *command], cwd=destination, check=True, capture_output=True, timeout=120)
+    return destination
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class SnakemakeRun:
+    """``snakemake --cores all`` in ``copy``, its own process group, its output in ``console``."""
+
+    def __init__(self, copy: Path, console: Path):
+        self.console = console
+        self.started = time.monotonic()
+        with open(console, "wb") as out:
+            self.process = subprocess.Popen(
+                ["snakemake", "--cores", "all"],
+                cwd=copy,
+                env=tool_env(copy),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def stages(self) -> tuple[list[str], list[str]]:
+        """The stages this run started and those it finished so far, in the order Snakemake said so."""
+        text = self.console.read_text(errors="replace") if self.console.exists() else ""
+        started = [rule for rule in RULE_STARTED.findall(text) if rule in STAGES]
+        return started, [rule for rule in RULE_FINISHED.findall(text) if rule in STAGES]
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def finished(self) -> bool:
+        return self.process.poll() is not None
+
+    def check(self) -> None:
+        if self.process.returncode:
+            raise PipelineFailed(f"snakemake exited {self.process.returncode}:\n{_tail(self.console)}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole group and reap Snakemake itself; its children may still be exiting."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=60)
+
+
+def clean_run(copy: Path) -> tuple[float, dict[str, float]]:
+    """One uninterrupted run: its wall seconds and each stage's duration (s), from Snakemake's rule lines
+    (features and tokenizer may run side by side)."""
+    run = SnakemakeRun(copy, copy.parent / "clean.log")
+    starts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    while not run.finished():
+        started, finished = run.stages()
+        for stage in started:
+            starts.setdefault(stage, run.elapsed())
+        for stage in finished:
+            ends.setdefault(stage, run.elapsed())
+        time.sleep(POLL_S)
+    run.check()
+    total = run.elapsed()
+    missing = [stage for stage in STAGES if stage not in starts]
+    if missing:  # a stage that started and ended between two polls
+        raise PipelineFailed(f"no rule line seen for {missing}:\n{_tail(run.console)}")
+    return total, {stage: ends.get(stage, total) - starts[stage] for stage in STAGES}
+
+
+def plan_kills(count: int, durations: dict[str, float], seed: int) -> list[Kill]:
+    """``count`` kills in pipeline order, each stage in turn, at seeded moments within the stage."""
+    rng = random.Random(seed)
+    kills = [Kill(STAGES[k % len(STAGES)], 0.0) for k in range(count)]
+    kills.sort(key=lambda kill: STAGES.index(kill.stage))
+    for kill in kills:
+        kill.delay_s = rng.uniform(*KILL_WINDOW) * durations[kill.stage]
+    return kills
+
+
+def killed_run(copy: Path, kills: list[Kill]) -> KillRun:
+    """Run the pipeline, killing it as ``kills`` plan and re-running right after each kill, until it finishes."""
+    record = KillRun(kills)
+    pending = list(kills)
+    attempt = 0
+    while True:
+        attempt += 1
+        run = SnakemakeRun(copy, copy.parent / f"killed-{attempt:02d}.log")
+        kill = pending[0] if pending else None
+        aim_start = None
+        while not run.finished():
+            started, finished = run.stages()
+            if kill is not None and aim_start is None and _reached(started, kill.stage):
+                aim_start = run.elapsed()
+            if aim_start is not None and run.elapsed() - aim_start >= kill.delay_s:
+                running = [stage for stage in started if stage not in finished]
+                kill.landed_in = ",".join(running) or "snakemake"  # none running: Snakemake between jobs
+                kill.run_s = run.elapsed()
+                run.kill()
+                kill.made = True
+                break
+            time.sleep(POLL_S)
+        record.run_seconds.append(run.elapsed())
+        if kill is not None and kill.made:
+            pending.pop(0)
+            continue
+        run.check()
+        return record  # finished: any kill still pending could not be made
+
+
+def _reached(started: list[str], stage: str) -> bool:
+    """Whether this run started ``stage``, or a stage after it (then an earlier run finished ``stage``)."""
+    return any(STAGES.index(name) >= STAGES.index(stage) for name in started)
+
+
+def kill_status(record: KillRun) -> str:
+    """``ok`` when every planned kill was made; else how many were, and which the pipeline's end came before."""
+    missed = [kill.stage for kill in record.kills if not kill.made]
+    if not missed:
+        return "ok"
+    return (
+        f"made {len(record.made)} of {len(record.kills)} kills: the pipeline finished before the kills "
+        f"aimed at {', '.join(missed)}"
+    )
+
+
+def model_tensors(copy: Path) -> dict:
+    import torch
+
+    return torch.load(copy / "exp/model.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def different_tensors(a: Path, b: Path) -> list[str]:
+    """Names of the model tensors that are not ``torch.equal`` between two copies' exp/model.pt."""
+    import torch
+
+    wa, wb = model_tensors(a), model_tensors(b)
+    if wa.keys() != wb.keys():
+        return sorted(set(wa) ^ set(wb))
+    return [name for name in wa if not torch.equal(wa[name], wb[name])]
+
+
+def evaluation(copy: Path) -> dict:
+    """exp/eval/metrics.json without its timings (``rtf_*``, the decoder's real-time factors)."""
+    import json
+
+    metrics = json.loads((copy / "exp/eval/metrics.json").read_text())
+    return {key: value for key, value in metrics.items() if not key.startswith("rtf_")}
+
+
+def measure(root: Path, kills: int, seed: int) -> dict:
+    """The clean run, then the killed one, in two fresh copies under ``root``; the figures and the checks."""
+    clean_copy = fresh_copy(root / "clean" / "repo")
+    killed_copy = fresh_copy(root / "killed" / "repo")
+    clean_s, durations = clean_run(clean_copy)
+    record = killed_run(killed_copy, plan_kills(kills, durations, seed))
+    made = record.made
+    killed_total = sum(record.run_seconds)
+    return {
+        "benchmark": "random_kill",
+        "status": kill_status(record),
+        "seed": seed,
+        "kills_planned": kills,
+        "kills_made": len(made),
+        "stages_hit": sorted({name for kill in made for name in kill.landed_in.split(",") if name in STAGES}),
+        "kills": [asdict(kill) for kill in record.kills],
+        "clean_s": rounded(clean_s),
+        "stage_s": {stage: rounded(seconds) for stage, seconds in durations.items()},
+        "killed_total_s": rounded(killed_total),
+        "runs": len(record.run_seconds),
+        "ratio": rounded(ratio(killed_total, clean_s)),
+        "lost_per_kill_s": rounded((killed_total - clean_s) / len(made)) if made else None,
+        "tensors_different": different_tensors(killed_copy, clean_copy),
+        "tensors": len(model_tensors(clean_copy)),
+        "evaluation_equal": evaluation(killed_copy) == evaluation(clean_copy),
+        "wer": evaluation(clean_copy)["wer"],
+        "load_average": load_average(),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    def options(parser):
+        parser.add_argument("--kills", type=int, default=20, help="how many SIGKILLs of the whole group (default 20)")
+        parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+
+    args = parse_args(__doc__.splitlines()[0], argv, options)
+    with workdir(args.workdir) as root:
+        record = emit({**measure(root, args.kills, args.seed), "machine": machine()})
+    return [record]
+
+
+if __name__ == "__main__":
+    main()

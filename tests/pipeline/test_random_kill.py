@@ -1,0 +1,64 @@
+"""The whole yesno pipeline SIGKILLed (its whole process group) at seeded random moments over
+every stage, re-run right after each kill, ends as one uninterrupted run does: every model
+tensor ``torch.equal``, the same evaluation (bench/random_kill.py; ``--kills 20`` is the benchmark).
+
+A re-run can start while the killed Snakemake is still a zombie (dead, its pid not yet reaped):
+its locks count as stale, which the second test checks without any timing luck.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from bench.random_kill import STAGES, Kill, fresh_copy, kill_status, killed_run, measure
+
+from .helpers import run, tail
+
+pytestmark = pytest.mark.pipeline
+
+KILLS = 5
+SEED = 26
+
+
+def test_random_kills_over_every_stage_end_with_the_uninterrupted_model_and_evaluation(tmp_path):
+    record = measure(tmp_path, kills=KILLS, seed=SEED)
+    print(json.dumps({key: record[key] for key in ("kills", "clean_s", "killed_total_s", "ratio")}))
+    assert [kill["stage"] for kill in record["kills"]] == list(STAGES)
+    assert record["kills_made"] == KILLS, record["status"]
+    assert record["runs"] == KILLS + 1
+    assert "train" in record["stages_hit"], record["kills"]
+    assert record["tensors"] > 0 and record["tensors_different"] == [], record["tensors_different"]
+    assert record["evaluation_equal"]
+
+    # a kill the pipeline's end comes before is reported, not made: the clean copy has nothing left to do
+    late = killed_run(tmp_path / "clean" / "repo", [Kill("evaluate", 0.0)])
+    assert late.made == [] and len(late.run_seconds) == 1
+    assert kill_status(late) == "made 0 of 1 kills: the pipeline finished before the kills aimed at evaluate"
+
+
+def test_locks_held_by_a_zombie_snakemake_count_as_stale(tmp_path):
+    copy = fresh_copy(tmp_path / "repo")
+    zombie = subprocess.Popen(["true"])  # exits, never waited for until the end: a zombie of this process
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        locks = copy / ".snakemake/locks"
+        locks.mkdir(parents=True)
+        (locks / "0.input.lock").write_text("")
+        (locks / "0.output.lock").write_text("")
+        holder = {"host": socket.gethostname(), "pid": zombie.pid, "started": psutil.Process(zombie.pid).create_time()}
+        (copy / ".snakemake/asrflow_lock_holder.json").write_text(json.dumps(holder))
+        result = run(copy, "snakemake", "--dry-run", "--cores", "1", timeout=300)
+    finally:
+        zombie.wait()
+    assert f"removed the locks of an interrupted Snakemake run (pid {zombie.pid}, now gone)" in result.stdout, tail(
+        result.stdout
+    )
+    assert not list(locks.glob("*.lock"))
