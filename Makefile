@@ -22,6 +22,7 @@ run: $(STAMP)
 	@echo "Browse every run: . $(BIN)/activate && mlflow ui --backend-store-uri sqlite:///mlflow.db  (then open http://127.0.0.1:5000)"
 
 test: $(STAMP)
+	. $(BIN)/activate && .ci/install-slurm
 	. $(BIN)/activate && ruff check . && ruff format --check . && python -m pytest -q
 
 test-fast: $(STAMP)

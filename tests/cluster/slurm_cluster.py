@@ -16,8 +16,10 @@ config while the cluster runs (removed by :meth:`LocalSlurm.stop`). The plugin's
 its inner ``srun``, ``SLURM_CONF`` included, so that ``srun`` reads the default path, as on a
 real cluster. A real ``/etc/slurm/slurm.conf`` already there is never replaced: the start fails.
 
-From a shell (as root; ``--install`` runs ``apt-get install slurm-wlm munge`` first)::
+From a shell (as root; ``--install`` runs ``apt-get install slurm-wlm munge`` first; ``install``
+only that, what ``make test`` does through ``.ci/install-slurm``)::
 
+    python tests/cluster/slurm_cluster.py install
     python tests/cluster/slurm_cluster.py up /tmp/asrflow-slurm      # prints: export SLURM_CONF=...
     python tests/cluster/slurm_cluster.py up /tmp/asrflow-slurm --nodes 2   # two nodes (two slurmd) on this host
     python tests/cluster/slurm_cluster.py down /tmp/asrflow-slurm
@@ -350,11 +352,21 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("up", "down"))
-    parser.add_argument("folder", type=Path, help="where the cluster keeps its config, state and logs")
+    parser.add_argument("action", choices=("up", "down", "install"))
+    parser.add_argument("folder", type=Path, nargs="?", help="where the cluster keeps its config, state and logs")
     parser.add_argument("--install", action="store_true", help="apt-get install slurm-wlm munge first if missing")
     parser.add_argument("--nodes", type=int, default=1, help="Slurm nodes on this host, one slurmd each (default 1)")
     args = parser.parse_args(argv)
+    if args.action == "install":
+        try:
+            install()
+        except (SlurmUnavailable, subprocess.SubprocessError) as error:
+            print(f"asrflow: Slurm not installed: {error}", file=sys.stderr)
+            return 1
+        print(f"Slurm installed: {' '.join(PACKAGES)}")
+        return 0
+    if args.folder is None:
+        parser.error(f"{args.action} needs the cluster's folder")
     cluster = LocalSlurm(args.folder, nodes=args.nodes)
     try:
         if args.action == "down":
