@@ -282,9 +282,9 @@ def test_a_train_job_over_its_time_limit_ends_timeout_and_the_rerun_resumes_to_t
     slurm, reference, tmp_path_factory
 ):
     """``runtime: 1`` (minute) for train. Once it saved a checkpoint, the stage is paused (SIGSTOP:
-    a job slower than its limit, on a machine of any speed) until Slurm's time limit ends the job:
-    Slurm's SIGTERM makes the stage save a checkpoint and exit. The state is TIMEOUT, asrflow's
-    line says so and what to raise; the same command again resumes to the uninterrupted model."""
+    a job slower than its limit, on a machine of any speed) until Slurm's time limit ends the job.
+    The state is TIMEOUT, asrflow's line says so and what to raise; the same command again
+    resumes from the last checkpoint to the uninterrupted model."""
     copy = fresh_copy(tmp_path_factory, "slurm-timeout")
     train_log = copy / "logs/train.log"
     console = copy.parent / "snakemake-timeout.log"
