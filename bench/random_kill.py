@@ -7,10 +7,11 @@ repository (``bench.common.copy_repo``, as the pipeline tests copy it), default 
 
 The plan: kill ``k`` aims at stage ``STAGES[k % 5]`` (so five kills or more reach every
 stage), in pipeline order, at a moment drawn uniformly from 5-95 % of that stage's duration in
-the uninterrupted run, counted from the stage's start in the run being killed (a stage that
-already finished in an earlier run counts as started). A moment past the stage's end lands in
-the stage that runs then. When the pipeline finishes before a kill, the kills not made are
-reported, not invented.
+the uninterrupted run divided by the number of kills aimed at it (a stage resumed from its
+checkpoint, as train is, then still runs long enough for the next), counted from the stage's
+start in the run being killed (a stage that already finished in an earlier run counts as
+started). A moment past the stage's end lands in the stage that runs then. When the pipeline
+finishes before a kill, the kills not made are reported, not invented.
 
 Figures: ``clean_s`` (the uninterrupted run), ``killed_total_s`` (every run of the killed
 pipeline, the last one that finishes included), their ratio, and the work lost per kill::
@@ -144,7 +145,8 @@ def plan_kills(count: int, durations: dict[str, float], seed: int) -> list[Kill]
     kills = [Kill(STAGES[k % len(STAGES)], 0.0) for k in range(count)]
     kills.sort(key=lambda kill: STAGES.index(kill.stage))
     for kill in kills:
-        kill.delay_s = rng.uniform(*KILL_WINDOW) * durations[kill.stage]
+        aimed = sum(other.stage == kill.stage for other in kills)
+        kill.delay_s = rng.uniform(*KILL_WINDOW) * durations[kill.stage] / aimed
     return kills
 
 
