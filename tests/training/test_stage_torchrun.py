@@ -12,6 +12,8 @@ from dataclasses import asdict
 import yaml
 from conftest import REPO, tiny_train_config
 
+from asrflow.training.config import KEY_SECTION, set_train_keys
+
 
 def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
     (tmp_path / "data").mkdir()
@@ -27,7 +29,8 @@ def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
             stall_timeout_s=120.0,
         )
     )
-    params = {"seed": 42, "features": {"num_jobs": 1}, "train": train}
+    params = {"seed": 42, "features": {"num_jobs": 1}}
+    set_train_keys(params, {key: value for key, value in train.items() if key in KEY_SECTION})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     env = {
         **os.environ,
@@ -85,7 +88,8 @@ def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
             stall_timeout_s=120.0,
         )
     )
-    params = {"seed": 42, "features": {"num_jobs": 1}, "train": train}
+    params = {"seed": 42, "features": {"num_jobs": 1}}
+    set_train_keys(params, {key: value for key, value in train.items() if key in KEY_SECTION})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     env = {
         **os.environ,
