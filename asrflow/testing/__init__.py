@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks that ship with the package (generated corpora)."""
