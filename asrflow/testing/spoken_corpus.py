@@ -208,7 +208,7 @@ class CorpusInfo:
 def _progress(total: float, unit: str, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit=unit, disable=not enabled, dynamic_ncols=True, desc="synthesizing")
+    return tqdm(total=total, unit=unit, unit_scale=True, disable=not enabled, dynamic_ncols=True, desc="synthesizing")
 
 
 def generate(
