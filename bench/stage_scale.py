@@ -100,9 +100,9 @@ def write_params(root: Path, corpus_dir: Path) -> Path:
 def bundle_from_checkpoint(root: Path) -> Path:
     """``root/exp/model.pt`` from the newest checkpoint in ``root/exp/checkpoints`` (what the train stage would
     write at its end, without averaging)."""
-    from asrflow.bundle import save_bundle
     from asrflow.data.features import CMVN_FILE, cmvn_stats, load_cmvn
     from asrflow.params import build_config, load_params
+    from asrflow.serving.bundle import save_bundle
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
     from asrflow.training import checkpoint as ckpt
     from asrflow.training.config import TrainConfig
