@@ -157,7 +157,7 @@ def split_of_voices(voices: list[Voice], seed: int) -> dict[str, str]:
 
 
 def plan_utterance(
-    index: int, seed: int, voices: list[Voice], splits: dict[str, str], words: list[str], word_range: tuple[int, int]
+    index: int, *, seed: int, voices: list[Voice], splits: dict[str, str], words: list[str], word_range: tuple[int, int]
 ) -> Utterance:
     """Utterance ``index`` of the corpus of ``seed``: its voice and words depend on nothing else."""
     rng = random.Random(f"utterance-{seed}-{index}")
@@ -192,7 +192,7 @@ def synthesize(utterance: Utterance, root: Path) -> int:
     return len(audio)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CorpusInfo:
     """What :func:`generate` wrote: sizes per split, the voices and their splits, and the options."""
 
@@ -263,10 +263,11 @@ def generate(
     total = 0
     batch = 32 * jobs
     bar = _progress(hours * 3600 if hours is not None else utterances, "audio s" if hours else "utt", progress)
+    plan = {"seed": seed, "voices": all_voices, "splits": splits, "words": word_list, "word_range": word_range}
     with bar, multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for start in itertools.count(0, batch):
             stop = start + batch if utterances is None else min(start + batch, utterances)
-            planned = [plan_utterance(i, seed, all_voices, splits, word_list, word_range) for i in range(start, stop)]
+            planned = [plan_utterance(i, **plan) for i in range(start, stop)]
             lengths = pool.map(_Synthesizer(partial), planned, chunksize=4)
             finished = False
             for utterance, length in zip(planned, lengths, strict=True):
@@ -281,7 +282,7 @@ def generate(
                 break
 
     options = {"hours": hours, "voices": voices, "words": str(words or WORDS), "word_range": list(word_range)}
-    info = _write_index(partial, kept, seed, splits, options)
+    info = _write_index(partial, kept, seed=seed, splits=splits, options=options)
     if out.exists():
         out.rmdir()
     partial.rename(out)
@@ -299,7 +300,7 @@ class _Synthesizer:
 
 
 def _write_index(
-    root: Path, kept: list[tuple[Utterance, int]], seed: int, splits: dict[str, str], options: dict
+    root: Path, kept: list[tuple[Utterance, int]], *, seed: int, splits: dict[str, str], options: dict
 ) -> CorpusInfo:
     """The split TSVs and ``corpus.json`` of the utterances ``kept`` (with their lengths in samples)."""
     rows: dict[str, list[str]] = {split: [] for split in SPLITS}
