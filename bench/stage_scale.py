@@ -85,13 +85,15 @@ def corpus(work: Path, hours: float, seed: int, voices: int) -> Path:
 
 def write_params(root: Path, corpus_dir: Path) -> Path:
     """params.yaml in ``root``: the repository's, pointed at ``corpus_dir``, with a 16 kHz corpus's settings."""
+    from asrflow.training.config import set_train_keys
+
     params = repo_params()
     params["prepare"].update(
         corpus="folder", corpus_dir=str(corpus_dir), splits={"train": "train", "dev": "dev", "test": "test"}
     )
     params["features"] = generated_features()
     params["tokenizer"].update(model_type="bpe", vocab_size=VOCAB_SIZE)
-    params["train"].update(TRAIN)
+    set_train_keys(params, TRAIN)
     path = root / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
@@ -101,17 +103,17 @@ def bundle_from_checkpoint(root: Path) -> Path:
     """``root/exp/model.pt`` from the newest checkpoint in ``root/exp/checkpoints`` (what the train stage would
     write at its end, without averaging)."""
     from asrflow.data.features import CMVN_FILE, cmvn_stats, load_cmvn
-    from asrflow.params import build_config, load_params
+    from asrflow.params import load_params
     from asrflow.serving.bundle import save_bundle
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
     from asrflow.training import checkpoint as ckpt
-    from asrflow.training.config import TrainConfig
+    from asrflow.training.config import load_train_config
     from bench.common import data_features
 
     state, _ = ckpt.load_latest(root / "exp" / "checkpoints")
     tokenizer = Tokenizer(root / "lang" / MODEL_FILE)
     features = data_features(root)
-    config = build_config(TrainConfig, load_params(root / "params.yaml")["train"], "train")
+    config = load_train_config(load_params(root / "params.yaml"))
     path = root / "exp" / "model.pt"
     save_bundle(
         path,
