@@ -607,7 +607,7 @@ def child_asrflow(options: dict, launched: float) -> dict:
     from asrflow.training.distributed import DistInfo
     from asrflow.training.observers import TrainObserver
     from asrflow.training.step import ctc_loss_sum
-    from asrflow.training.trainer import EXIT_INTERRUPTED, Trainer
+    from asrflow.training.trainer import Trainer
 
     params = load_params(options["params_file"])
     config = TrainConfig(**options["config"])
@@ -617,10 +617,10 @@ def child_asrflow(options: dict, launched: float) -> dict:
     max_steps = options["max_steps"]
 
     class Timing(TrainObserver):
-        def after_step(self, trainer, result):
+        def after_step(self, run, result):
             steps.append({"t": time.time(), "audio_s": result.audio_seconds})
             if max_steps is not None and len(steps) >= max_steps - 1:
-                trainer.request_stop()
+                run.stop.request()
 
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
     trainer = Trainer(
@@ -632,11 +632,7 @@ def child_asrflow(options: dict, launched: float) -> dict:
         tracking_uri=f"sqlite:///{exp / 'mlflow.db'}",
         observers=[Timing()],
     )
-    try:
-        trainer.run()
-    except SystemExit as stop:
-        if stop.code != EXIT_INTERRUPTED:
-            raise
+    trainer.run()  # returns when finished or stopped
     model = trainer.model
     loss = None
     if options["dev"]:

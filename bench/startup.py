@@ -53,6 +53,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from asrflow.training.outcome import Outcome, exit_code
 from bench.common import (
     REPO,
     emit,
@@ -84,7 +85,6 @@ GENERATED = {"full": 2000, "quick": 40}
 #: Steps timed in the workers part (a multiple of 10: the step log's interval).
 STEPS = {"full": 20, "quick": 10}
 SETTINGS = {"full": [(w, t) for w in (0, 1, 2) for t in (1, 2)], "quick": [(0, 1)]}
-EXIT_INTERRUPTED = 75
 #: Goals of issue 12: launch to the end of the first step (s), peak PSS of the process tree (MB).
 GOAL_S = 5.0
 GOAL_PSS_MB = 2000.0
@@ -155,7 +155,7 @@ def launch(
         done.set()
         poller.join()
     text = log.read_text()
-    if code not in (0, EXIT_INTERRUPTED):
+    if code not in (0, exit_code(Outcome.STOPPED)):
         tail = "\n".join(text.splitlines()[-15:])
         raise RuntimeError(f"train stage exited {code} in {run_dir}; log {log}:\n{tail}")
     marks = {name: round(at - launched, 3) for name, at in log_marks(text).items()}

@@ -171,7 +171,7 @@ def run_paired(
 
     from asrflow.training.config import TrainPaths
     from asrflow.training.observers import TrainObserver
-    from asrflow.training.trainer import EXIT_INTERRUPTED, Trainer
+    from asrflow.training.trainer import Trainer
 
     planned = PlannedBatches(data, config, features, seed)
     bare_model, bare_optimizer = build(config, features, seed, planned.tokenizer.vocab_size)
@@ -185,7 +185,7 @@ def run_paired(
     class PairedSteps(TrainObserver):
         """After each of the Trainer's steps, a bare step on the same batches."""
 
-        def after_step(self, trainer, result):
+        def after_step(self, run, result):
             now = time.perf_counter()
             batches = pending.pop() if pending else planned.next_step()
             ids = [cut_id for batch in batches for cut_id in batch["cut_ids"]]
@@ -210,25 +210,21 @@ def run_paired(
                     "hook_s": time.perf_counter() - now,
                 }
             )
-            steps = trainer.counters.global_step
+            steps = result.step
             spent = time.perf_counter() - started[0]
             if steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s):
-                trainer.request_stop()  # the next step is the last one, then a checkpoint (as on SIGTERM)
+                run.stop.request()  # the next step is the last one, then a checkpoint (as on SIGTERM)
 
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    try:
-        Trainer(
-            config,
-            features,
-            seed=seed,
-            all_params=params,
-            paths=paths,
-            tracking_uri=tracking_uri,
-            observers=[PairedSteps()],
-        ).run()
-    except SystemExit as stop:
-        if stop.code != EXIT_INTERRUPTED:
-            raise
+    Trainer(
+        config,
+        features,
+        seed=seed,
+        all_params=params,
+        paths=paths,
+        tracking_uri=tracking_uri,
+        observers=[PairedSteps()],
+    ).run()  # returns when finished or stopped (as on SIGTERM)
     torch.set_num_threads(config.num_threads)
     return records, flops_per_audio_s
 

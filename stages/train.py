@@ -7,7 +7,9 @@ checkpoints/ across runs, so running again after an interruption resumes. With
 train.nproc_per_node > 1 or train.nnodes > 1 it re-launches itself under torchrun; on the
 machines other than the first of a multi-node run, start it with --node-rank; a cluster job
 sets the run's node count and rendezvous with $ASRFLOW_NNODES and $ASRFLOW_RDZV_ENDPOINT.
-Exit code 75: stopped by SIGTERM/SIGINT after saving a checkpoint; run again to resume.
+Exit codes (asrflow.training.outcome.EXIT_CODES): 0 finished, 2 a mistake to fix, 70 another rank
+failed, 71 a data worker died, 75 stopped by SIGTERM/SIGINT after saving a checkpoint, 124 stalled;
+after 70, 71 and 75, run again to resume.
 
 Start-up: MLflow is imported and its run opened in a background thread once the first step
 is done (its points are kept, with their times, until then). train.num_workers: auto builds the batches in this
@@ -21,7 +23,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +37,8 @@ from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
 from asrflow.tracking.tracker import check_tracking_uri
 from asrflow.training.config import TrainPaths, load_train_config
+from asrflow.training.observers import TrainObserver
+from asrflow.training.outcome import Outcome, TrainingFailure, TrainOutcome, exit_code
 from asrflow.training.trainer import Trainer
 
 #: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).
@@ -47,8 +53,37 @@ def input_folder(path: str, option: str, stage: str) -> Path:
     return folder
 
 
+def run_trainer(trainer: Trainer) -> tuple[int, TrainOutcome | None]:
+    """Run ``trainer`` with SIGTERM/SIGINT making the step in flight the last; the exit code for how it ended
+    (from :data:`~asrflow.training.outcome.EXIT_CODES`) and its outcome (None after a failure).
+    A user's mistake (:class:`AsrflowError`) propagates: the stage's wrapper prints it and exits 2."""
+
+    def on_signal(signum, _frame) -> None:
+        logger.warning("received %s: finishing the current step, then saving a checkpoint", signal.Signals(signum).name)
+        trainer.request_stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        outcome = trainer.run()
+    except TrainingFailure as failure:
+        logger.error("stopping: %s; run the same command again to resume from the last checkpoint", failure)
+        return exit_code(failure), None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if outcome.outcome is Outcome.STOPPED:
+        logger.warning(
+            "stopped at step %d with a checkpoint saved; run the same command again to resume",
+            outcome.summary["steps"],
+        )
+    else:
+        logger.info("training done: %s", outcome.summary)
+    return exit_code(outcome.outcome), outcome
+
+
 @exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ()) -> None:
+    """The stage; ``observers`` watch the run (tests inject faults through them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
     parser.add_argument("--fbank", default="data/fbank", help="features stage output (default: %(default)s)")
@@ -79,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     fbank_dir = input_folder(args.fbank, "--fbank", "features")
     lang_dir = input_folder(args.lang, "--lang", "tokenizer")
     paths = TrainPaths.under(args.exp, fbank_dir=fbank_dir, lang_dir=lang_dir)
-    summary = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths).run()
-    logger.info("training done: %s", summary)
+    trainer = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths, observers=observers)
+    code, _ = run_trainer(trainer)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -81,18 +81,26 @@ class CheckpointManager:
         """Whether ``dev_loss`` beats the best checkpoint's: rank 0 decides, every rank gets its answer."""
         return bool(broadcast_from_main(self.dist, dev_loss < self.best_dev_loss))
 
-    def due(self, step: int, *, improved: bool, stop: bool, in_streak: bool) -> bool:
-        """A stop always saves; otherwise a new best or the interval does, never inside a non-finite streak
-        (so the newest checkpoint stays a good rollback target)."""
-        return stop or (not in_streak and (improved or step % self.every_steps == 0))
+    def save(
+        self,
+        step: int,
+        *,
+        dev_loss: float | None = None,
+        in_streak: bool = False,
+        stop: bool = False,
+        final: bool = False,
+    ) -> bool:
+        """Checkpoint step ``step`` when one is due (rank 0 writes, every rank waits at a barrier); returns
+        whether it saved.
 
-    # ------------------------------------------------------------ writing
-    def save(self, step: int, *, dev_loss: float | None, in_streak: bool, complete: bool = False) -> None:
-        """Checkpoint step ``step`` (rank 0 writes, every rank waits at a barrier).
-
-        ``dev_loss`` is this step's dev loss when it improved on the best (``best.pt`` then
-        follows); a checkpoint outside a non-finite streak becomes the rollback target.
+        Due at step 0 (a rollback target), on a ``stop`` and at the end (``final``, marked complete);
+        otherwise for a new best ``dev_loss`` (this step's, when it improved on the best: ``best.pt``
+        follows) or at the interval, never inside a non-finite streak, so the newest checkpoint stays a
+        good rollback target.
         """
+        periodic = dev_loss is not None or step % self.every_steps == 0
+        if not (step == 0 or stop or final or (periodic and not in_streak)):
+            return False
         if not in_streak:
             self.good_step = step
         if dev_loss is not None:
@@ -100,7 +108,7 @@ class CheckpointManager:
         if self.dist.is_main:
             state = {name: component.state_dict() for name, component in self.components.items()}
             path = ckpt.save_checkpoint(
-                {**state, **self.facts, "complete": complete},
+                {**state, **self.facts, "complete": final},
                 self.directory,
                 step,
                 keep_last=self.keep_last,
@@ -109,6 +117,7 @@ class CheckpointManager:
             )
             logger.info("saved checkpoint %s", path)
         barrier(self.dist)
+        return True
 
     # ------------------------------------------------------------ reading
     def restore(self, state: dict) -> None:

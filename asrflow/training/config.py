@@ -134,8 +134,6 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 5
     rollback_lr_factor: float = 0.5
     max_rollbacks: int = 3
-    inject_nonfinite_steps: list[int] = field(default_factory=list)
-    inject_nonfinite_ranks: list[int] = field(default_factory=list)
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -215,14 +213,6 @@ class TrainConfig:
             raise param_error(KEY_SECTION, "rollback_lr_factor", self.rollback_lr_factor, "must be in (0, 1]")
         if self.node_rank >= self.nnodes:
             raise param_error(KEY_SECTION, "node_rank", self.node_rank, f"must be below run.nnodes ({self.nnodes})")
-        if any(step < 1 for step in self.inject_nonfinite_steps):
-            raise param_error(
-                KEY_SECTION, "inject_nonfinite_steps", self.inject_nonfinite_steps, "must list steps >= 1"
-            )
-        if any(rank < 0 for rank in self.inject_nonfinite_ranks):
-            raise param_error(
-                KEY_SECTION, "inject_nonfinite_ranks", self.inject_nonfinite_ranks, "must list ranks >= 0"
-            )
         check_choice(self, KEY_SECTION, "mp_start_method", START_METHODS)
         if not self.experiment.strip():
             raise param_error(KEY_SECTION, "experiment", self.experiment, "must name an MLflow experiment")
@@ -233,21 +223,12 @@ class TrainConfig:
 
     def data_workers(self, on_the_fly: bool) -> int:
         """Data-loading processes: ``num_workers``, or for ``auto`` 0 with precomputed features (a batch of
-        stored fbank loads in milliseconds in the training process, and each spawned worker would import torch
-        again: about 450 MB and 2 s of CPU at start) and :data:`AUTO_WORKERS_ON_THE_FLY` when
-        ``features.on_the_fly`` computes features from audio while training (bench/RESULTS.md, issue 12)."""
+        stored fbank loads quickly in the training process, and each spawned worker would import torch again)
+        and :data:`AUTO_WORKERS_ON_THE_FLY` when ``features.on_the_fly`` computes features from audio while
+        training (bench/RESULTS.md)."""
         if self.num_workers == "auto":
             return AUTO_WORKERS_ON_THE_FLY if on_the_fly else 0
         return int(self.num_workers)
-
-    def validation_due(self, step: int) -> bool:
-        """Whether optimizer step ``step`` ends with a dev-loss validation (``validate_every_steps``; 0 = never)."""
-        return bool(self.validate_every_steps) and step % self.validate_every_steps == 0
-
-    def injects_nonfinite(self, step: int, rank: int) -> bool:
-        """The test hook: step ``step`` is made non-finite on ``rank`` (``inject_nonfinite_ranks`` empty: all)."""
-        ranks = self.inject_nonfinite_ranks
-        return step in self.inject_nonfinite_steps and (not ranks or rank in ranks)
 
     def model(self, input_dim: int, vocab_size: int) -> ModelConfig:
         """The model shape: ``input_dim`` fbank bins in, ``vocab_size`` classes (blank included) out."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from asrflow.errors import AsrflowError
 
@@ -48,6 +49,13 @@ def init_distributed(timeout_s: float) -> DistInfo:
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     logger.info("rank %d of %d joined the %s process group", rank, world_size, backend)
     return DistInfo(world_size, rank, local_rank)
+
+
+def data_parallel(model: torch.nn.Module, info: DistInfo, device: torch.device) -> torch.nn.Module:
+    """``model`` in DistributedDataParallel when the job has several processes, else ``model`` itself."""
+    if not info.enabled:
+        return model
+    return DistributedDataParallel(model, device_ids=[info.local_rank] if device.type == "cuda" else None)
 
 
 def shutdown_distributed() -> None:

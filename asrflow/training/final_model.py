@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import functools
 import logging
 import tempfile
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from asrflow.tokenizer import MODEL_FILE
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.config import TrainPaths
 from asrflow.training.distributed import DistInfo
+from asrflow.training.precision import PrecisionPolicy
 from asrflow.training.run_state import LossHistory
 
 logger = logging.getLogger(__name__)
@@ -91,37 +91,61 @@ def log_final_run(
     tracker.log_model(paths.model_path, registered_model_name=register_model_name, step=step)
 
 
-def write_final_model(trainer, summary: dict) -> None:
-    """Rank 0, after the final checkpoint: the model bundle (averaged or last weights, by dev loss), the loss
-    plot, and the run's end in MLflow. Reads the finished ``trainer``'s public state only."""
-    recent = trainer.checkpoints.late_checkpoints(trainer.counters.global_step, trainer.config.average_last)
-    last = {name: tensor.detach().cpu().clone() for name, tensor in trainer.model.state_dict().items()}
-    data = trainer.data
-    weights, choice = final_weights(last, recent, functools.partial(dev_loss_of, trainer) if data.dev_batches else None)
+def write_final_model(
+    *,
+    model: torch.nn.Module,
+    model_config,
+    features,
+    data,
+    recent: list[Path],
+    precision: PrecisionPolicy,
+    history: LossHistory,
+    summary: dict,
+    paths: TrainPaths,
+    tracker,
+    all_params: dict,
+    register_model_name: str | None,
+) -> None:
+    """Rank 0, after the final checkpoint: the model bundle (the average of the ``recent`` checkpoints or
+    ``model``'s weights, by dev loss in ``precision``), the loss plot from ``history``, and the run's end
+    in MLflow.
+
+    ``model_config``, ``features`` and ``data`` (a :class:`~asrflow.training.train_data.TrainData`: the
+    tokenizer and CMVN) go into the bundle with ``summary``.
+    """
+    last = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+    device = next(model.parameters()).device
+    dev_loss_of = alone_dev_loss(model, data, precision, device) if data.dev_batches else None
+    weights, choice = final_weights(last, recent, dev_loss_of)
     save_bundle(
-        trainer.paths.model_path,
+        paths.model_path,
         model_state=weights,
-        model_config=trainer.model_config,
+        model_config=model_config,
         tokenizer=data.tokenizer,
-        features=trainer.features,
+        features=features,
         cmvn=cmvn_stats(load_cmvn(data.cmvn_path)),
-        run_id=trainer.tracker.run_id,
+        run_id=tracker.run_id,
         info={**summary, "averaged": [path.name for path in recent], **choice},
     )
-    write_loss_csv(trainer.paths.loss_csv, trainer.history)
+    write_loss_csv(paths.loss_csv, history)
     final = {f"final/{key}": value for key, value in choice.items() if key.startswith("dev_")}
     log_final_run(
-        trainer.tracker,
-        paths=trainer.paths,
-        all_params=trainer.all_params,
-        step=trainer.counters.global_step,
-        metrics={"train/final_best_dev_loss": trainer.checkpoints.best_dev_loss, **final},
-        register_model_name=trainer.config.register_model_name,
+        tracker,
+        paths=paths,
+        all_params=all_params,
+        step=summary["steps"],
+        metrics={"train/final_best_dev_loss": summary["best_dev_loss"], **final},
+        register_model_name=register_model_name,
     )
 
 
-def dev_loss_of(trainer, weights: dict[str, torch.Tensor]) -> float:
-    """Dev loss (nats per token) of ``weights`` in this process alone (rank 0, no collectives)."""
-    model = copy.deepcopy(trainer.model)  # a copy, not build_model: no draw from the torch RNG
-    model.load_state_dict(weights)
-    return trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=trainer.device)
+def alone_dev_loss(model: torch.nn.Module, data, precision, device: torch.device) -> Callable[[dict], float]:
+    """Dev loss (nats per token) of a set of weights for ``model``'s shape, in this process alone (rank 0,
+    no collectives)."""
+
+    def dev_loss_of(weights: dict[str, torch.Tensor]) -> float:
+        copy_ = copy.deepcopy(model)  # a copy, not build_model: no draw from the torch RNG
+        copy_.load_state_dict(weights)
+        return data.dev_loss(copy_, precision=precision, dist=DistInfo(), device=device)
+
+    return dev_loss_of

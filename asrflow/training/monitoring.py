@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 
+from asrflow.training.outcome import Stalled, exit_code
 from asrflow.training.run_state import LossHistory
 from asrflow.training.step import StepResult
 
@@ -44,9 +45,12 @@ def step_metrics(result: StepResult, *, lr: float, epoch: int, world_size: int, 
 
 
 def report_step(
-    tracker, history: LossHistory, *, step: int, metrics: dict[str, float], loss_scale: float | None
-) -> None:
-    """Buffer the step's finite metrics in ``tracker``, extend ``history``, log a line every few steps."""
+    tracker, history: LossHistory, result: StepResult, *, loss_scale: float | None, **context: float
+) -> dict[str, float]:
+    """The step's metrics (:func:`step_metrics` of ``result`` and ``context``: lr, epoch, world_size,
+    skipped_total) buffered in ``tracker`` when finite, ``history`` extended, a log line every few steps;
+    returns the metrics."""
+    step, metrics = result.step, step_metrics(result, **context)
     if loss_scale is not None:
         metrics = {**metrics, "train/loss_scale": loss_scale}
         if loss_scale < LOSS_SCALE_FLOOR:
@@ -67,14 +71,12 @@ def report_step(
             100 * metrics["train/padding_ratio"],
             100 * metrics["train/data_wait_fraction"],
         )
-
-
-#: Exit code of a process the watchdog ended.
-EXIT_STALLED = 124
+    return metrics
 
 
 class StallWatchdog:
-    """A daemon thread; call :meth:`beat` after each step. Exits with ``EXIT_STALLED``."""
+    """A daemon thread; call :meth:`beat` after each step. Ends the process with the exit code of
+    :class:`~asrflow.training.outcome.Stalled` (it cannot raise into a main thread stuck in a collective)."""
 
     def __init__(self, timeout_s: float, label: str = ""):
         self.timeout_s = timeout_s
@@ -104,10 +106,10 @@ class StallWatchdog:
                     self.label,
                     idle,
                     self.timeout_s,
-                    EXIT_STALLED,
+                    exit_code(Stalled),
                 )
                 write_stacks(sys.stderr, self.label)
-                os._exit(EXIT_STALLED)
+                os._exit(exit_code(Stalled))
 
 
 def write_stacks(stream, prefix: str) -> None:

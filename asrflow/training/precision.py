@@ -4,12 +4,9 @@
 (Ampere and newer have bf16 tensor cores and fp32's exponent range, so no loss scaling),
 and fp32 on older GPUs (V100, T4: fp16's range of about +-65504 overflows in long runs).
 On the CPU it picks bf16 where the CPU has native bf16 instructions (``avx512_bf16`` or
-``amx_bf16`` in /proc/cpuinfo), and fp32 elsewhere. Measured with ``bench.cpu_precision``
-(bench/RESULTS.md): on an AVX-512 BF16 CPU bf16 steps ran 1.09-1.13x fp32's audio seconds
-per second with params.yaml's model and 1.75x with the real-corpus preset's; on a CPU
-without them (AVX2) bf16 trained yesno at 6.5 audio s/s against about 40 in fp32, because
-the bf16 matmuls are emulated. fp16 is never automatic on the CPU (5-10x slower than fp32
-on both) and always runs with a dynamic gradient scaler.
+``amx_bf16`` in /proc/cpuinfo), and fp32 elsewhere: without them the bf16 matmuls are
+emulated and slower than fp32 (``bench.cpu_precision``, bench/RESULTS.md). fp16 is never
+automatic on the CPU (slower than fp32 there) and always runs with a dynamic gradient scaler.
 
 Whatever the precision, the model's CTC head (its log-softmax) and the CTC loss run in
 fp32 (:meth:`asrflow.model.conformer_ctc.ConformerCtc.output`), so reduced precision never
@@ -124,3 +121,9 @@ def precision_change_tags(saved: str, policy: PrecisionPolicy, step: int) -> dic
         "precision_reason": policy.reason,
         "precision_changed": f"{saved} -> {policy.name} at step {step}",
     }
+
+
+def precision_for(requested: str, device: torch.device) -> PrecisionPolicy:
+    """:func:`resolve_precision` for ``device``, reading its capability (CUDA) or bf16 flags (CPU)."""
+    cpu_flags = native_bf16_cpu_flags() if device.type == "cpu" else ()
+    return resolve_precision(requested, device.type, device_capability(device), cpu_flags)

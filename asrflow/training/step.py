@@ -29,15 +29,16 @@ from torch import nn
 
 from asrflow.tokenizer import BLANK_ID
 from asrflow.training.distributed import DistInfo, agree_on_step
-from asrflow.training.precision import PrecisionPolicy
+from asrflow.training.precision import PrecisionPolicy, precision_for
 
 
 @dataclass(kw_only=True)
 class StepResult:
     """What one optimizer step did. ``loss`` is per token (global), ``grad_norm`` before clipping.
 
-    The training loop adds the step's wall time (``elapsed_s``, data wait included), the part
-    spent waiting for batches (``data_wait_s``) and every cut id of the step (all ranks).
+    The training loop adds the step's number (``step``, counted over the whole run), its wall time
+    (``elapsed_s``, data wait included), the part spent waiting for batches (``data_wait_s``) and
+    every cut id of the step (all ranks).
     """
 
     loss: float
@@ -47,6 +48,7 @@ class StepResult:
     num_utterances: int
     audio_seconds: float
     padding_ratio: float
+    step: int = 0
     elapsed_s: float = 0.0
     data_wait_s: float = 0.0
     cut_ids: tuple[str, ...] = ()
@@ -102,29 +104,58 @@ def seed_dropout(seed: int, batch: dict) -> None:
     torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1))
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepContext:
+    """What every optimizer step of a run uses: the optimizer and its gradient scaler, the precision,
+    the clipping norm, this process's place in the job and its device. With ``seed``, dropout is seeded
+    per micro-batch (see :func:`seed_dropout`; batches then need their ``item``)."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    precision: PrecisionPolicy
+    max_grad_norm: float
+    dist: DistInfo
+    device: torch.device
+    seed: int | None = None
+
+    @classmethod
+    def for_run(cls, model: nn.Module, config, *, dist: DistInfo, device: torch.device, seed: int) -> StepContext:
+        """What ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for: AdamW over ``model``,
+        the precision for ``device`` and its gradient scaler."""
+        precision = precision_for(config.precision, device)
+        optimizer = build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+        return cls(
+            optimizer=optimizer,
+            scaler=precision.grad_scaler(),
+            precision=precision,
+            max_grad_norm=config.max_grad_norm,
+            dist=dist,
+            device=device,
+            seed=seed,
+        )
+
+
 def train_step(
     model: nn.Module,
     micro_batches: list[dict],
+    context: StepContext,
     *,
     step_tokens: int,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    precision: PrecisionPolicy,
-    max_grad_norm: float,
-    dist: DistInfo,
-    device: torch.device,
-    inject_nonfinite: bool = False,
     stop_requested: Callable[[], bool] = lambda: False,
-    seed: int | None = None,
 ) -> StepResult:
     """Accumulate gradients over ``micro_batches``, clip, and step unless anything is non-finite.
 
     Every rank reaches the same decisions (apply the step? stop after it?) through one
     all-reduce, which also sums the loss for logging. ``stop_requested`` is read right
-    before that all-reduce, so a signal that arrives during this step makes it the last
-    one. With ``seed``, dropout is seeded per micro-batch (see :func:`seed_dropout`;
-    batches then need their ``item``).
+    before that all-reduce, so a signal that arrives during this step makes it the last one.
     """
+    optimizer, scaler, precision, dist, device = (
+        context.optimizer,
+        context.scaler,
+        context.precision,
+        context.dist,
+        context.device,
+    )
     optimizer.zero_grad(set_to_none=True)
     local_loss = 0.0
     scale = dist.world_size / max(step_tokens, 1)
@@ -132,18 +163,16 @@ def train_step(
         last = index == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not dist.enabled else model.no_sync()
         with sync:
-            if seed is not None:
-                seed_dropout(seed, batch)
+            if context.seed is not None:
+                seed_dropout(context.seed, batch)
             with precision.autocast():
                 log_probs, out_lens = model(batch["features"].to(device), batch["feature_lens"].to(device))
             targets = {key: batch[key].to(device) for key in ("targets", "target_lens")}
             loss_sum = ctc_loss_sum(log_probs, out_lens, targets)
-            if inject_nonfinite:
-                loss_sum = loss_sum * float("nan")
             scaler.scale(loss_sum * scale).backward()
         local_loss += float(loss_sum.detach())
     scaler.unscale_(optimizer)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), context.max_grad_norm))
     # With fp16, overflowing gradients under a finite loss are the scaler's business: it skips
     # the update and lowers the scale (every rank alike, the gradients being all-reduced). Only
     # a non-finite loss makes a bad step then; otherwise scale calibration would look like one.

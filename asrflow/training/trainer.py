@@ -1,12 +1,7 @@
-"""Training: an explicit loop that calls components, each owning its policy and its state.
-
-* :class:`~asrflow.training.train_data.TrainData`: tokenizer, CMVN, batch plan, datasets, loader;
-* :class:`~asrflow.training.checkpoint_manager.CheckpointManager`: when to save, best, keep-last,
-  rollback target, resume decision; a checkpoint is the dict of the registered components' states;
-* :class:`~asrflow.training.nonfinite.NonFiniteGuard`: skipped steps, rollbacks;
-* :mod:`~asrflow.training.run_state`: step count, plan position, loss history, random state;
-* the tracker (MLflow on rank 0, :class:`~asrflow.tracking.tracker.NullTracker` elsewhere);
-* observers (:mod:`asrflow.training.observers`): the one extension point.
+"""Training: an explicit loop that calls components, each owning its policy, its timing and its state:
+the data (``TrainData``), checkpoints (``CheckpointManager``: when to save, best, keep-last, rollback,
+resume), validation (``Validator``), the non-finite guard, the run state (counters, plan position, loss
+history, random state), the tracker (MLflow on rank 0) and observers, the one extension point.
 
 The order inside a step is what makes resume exact: the stop flag is read right before the
 step's all-reduce, no checkpoint is taken inside a non-finite streak, and MLflow is flushed
@@ -17,13 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from asrflow.code_digest import source_digest
 from asrflow.data.features import FeatureConfig
@@ -36,39 +29,29 @@ from asrflow.tracking.tracker import NullTracker
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig, TrainPaths
-from asrflow.training.distributed import DistInfo, check_same_everywhere, init_distributed, shutdown_distributed
-from asrflow.training.failures import describe_failure
+from asrflow.training.distributed import check_same_everywhere, data_parallel, init_distributed, shutdown_distributed
 from asrflow.training.final_model import write_final_model
-from asrflow.training.monitoring import StallWatchdog, report_step, step_metrics
+from asrflow.training.monitoring import StallWatchdog, report_step
 from asrflow.training.nonfinite import NonFiniteGuard, RollbackNeeded
-from asrflow.training.observers import TrainObserver
-from asrflow.training.precision import (
-    device_capability,
-    native_bf16_cpu_flags,
-    precision_change_tags,
-    resolve_precision,
-)
+from asrflow.training.observers import ObservedRun, StopFlag, TrainObserver
+from asrflow.training.outcome import Outcome, TrainOutcome, as_failure
+from asrflow.training.precision import precision_change_tags
 from asrflow.training.resume import build_fingerprint, training_params
 from asrflow.training.run_state import LossHistory, PlanPosition, RandomState, RunCounters, seed_everything
-from asrflow.training.step import StepResult, apply_lr_scale, build_optimizer, build_scheduler, train_step
+from asrflow.training.step import StepContext, StepResult, apply_lr_scale, build_scheduler, train_step
 from asrflow.training.train_data import TrainData
+from asrflow.training.validation import Validator
 
 logger = logging.getLogger(__name__)
 
-#: Exit code after SIGTERM/SIGINT: the step finished, a checkpoint was saved; run again to resume.
-EXIT_INTERRUPTED = 75
-
 
 class Trainer:
-    """Runs (or resumes) one training run described by ``config`` and writes the model bundle.
+    """One training run described by ``config``: constructing it joins the process group, reads the data and
+    builds the model and the stateful components; :meth:`run` trains (or resumes) and writes the model bundle.
 
-    Args:
-        config, features: the ``train:`` and ``features:`` params.
-        seed: the run's seed (params ``seed``).
-        all_params: every param, logged to MLflow as the run's params.
-        paths: inputs and outputs (see :class:`~asrflow.training.config.TrainPaths`).
-        tracking_uri: MLflow store (default: ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``).
-        observers: see :class:`~asrflow.training.observers.TrainObserver`.
+    ``config``, ``features`` and ``seed`` are the params' ``train:``, ``features:`` and ``seed``;
+    ``all_params`` are logged to MLflow as the run's params; ``tracking_uri`` is the MLflow store (default:
+    ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``); ``observers``: :class:`~.observers.TrainObserver`.
     """
 
     def __init__(
@@ -82,64 +65,44 @@ class Trainer:
         tracking_uri: str | None = None,
         observers: Sequence[TrainObserver] = (),
     ):
-        self.config = config
-        self.features = features
-        self.seed = seed
-        self.all_params = all_params or {}
-        self.paths = paths or TrainPaths()
-        self.tracking_uri = tracking_uri
-        self.observers = list(observers)
+        self.config, self.features, self.seed = config, features, seed
+        self.all_params, self.paths = all_params or {}, paths or TrainPaths()
+        self.tracking_uri, self.observers = tracking_uri, list(observers)
+        self.stop = StopFlag()
         self.tracker: BackgroundTracker | NullTracker = NullTracker()
-        self.terminal_progress: TerminalProgress | None = None
-        self.stop_requested = False
-
-    def setup(self) -> None:
-        """Join the process group, read the data, build the model and the stateful components."""
-        config = self.config
-        self.dist: DistInfo = init_distributed(config.dist_timeout_s)
+        self.terminal_progress: TerminalProgress | None = None  # rank 0's, once the run starts
+        self.dist = init_distributed(config.dist_timeout_s)
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu")
         torch.set_num_threads(config.num_threads)
-        seed_everything(self.seed)
-        paths = self.paths
+        seed_everything(seed)
         self.data = TrainData.build(
-            config, self.features, seed=self.seed, fbank_dir=paths.fbank_dir, lang_dir=paths.lang_dir, dist=self.dist
+            config, features, seed=seed, fbank_dir=self.paths.fbank_dir, lang_dir=self.paths.lang_dir, dist=self.dist
         )
-        self.model_config = config.model(self.features.num_mel_bins, self.data.tokenizer.vocab_size)
+        self.model_config = config.model(features.num_mel_bins, self.data.tokenizer.vocab_size)
         self.model = build_model(self.model_config).to(self.device)
-        self.precision = resolve_precision(
-            config.precision,
-            self.device.type,
-            device_capability(self.device),
-            native_bf16_cpu_flags() if self.device.type == "cpu" else (),
-        )
-        self.optimizer = build_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
+        self.ddp_model: torch.nn.Module = self.model  # wrapped in DDP once the model is restored
+        self.step_context = StepContext.for_run(self.model, config, dist=self.dist, device=self.device, seed=seed)
+        self.optimizer, self.scaler = self.step_context.optimizer, self.step_context.scaler
+        self.precision = self.step_context.precision
         self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
-        self.scaler = self.precision.grad_scaler()
         self.guard = NonFiniteGuard.for_run(config, self.paths.bad_batches, writes_records=self.dist.is_main)
         self.counters, self.history = RunCounters(), LossHistory()
         self.position = PlanPosition(self.data.batches, self.dist.world_size)
-        fingerprint = build_fingerprint(
-            asdict(self.model_config),
-            asdict(self.features),
-            data_digest=self.data.digest,
-            seed=self.seed,
-            config=config,
-        )
+        dev_loss = functools.partial(self.data.dev_loss, precision=self.precision, dist=self.dist, device=self.device)
+        self.validator = Validator(config.validate_every_steps, dev_loss if self.data.dev_batches else None)
+        shapes, digest = (asdict(self.model_config), asdict(features)), self.data.digest
+        fingerprint = build_fingerprint(*shapes, data_digest=digest, seed=seed, config=config)
         self.train_params = training_params(config, source_digest(__name__))
         check_same_everywhere(self.dist, content_digest([fingerprint, self.train_params]), "params, code or data")
         facts = {"fingerprint": fingerprint, "train_params": self.train_params, "precision": self.precision.name}
-        self.checkpoints = CheckpointManager.for_run(config, paths.checkpoint_dir, dist=self.dist, facts=facts)
+        self.checkpoints = CheckpointManager.for_run(config, self.paths.checkpoint_dir, dist=self.dist, facts=facts)
         self.checkpoints.register(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            rng=RandomState(),
-            counters=self.counters,
-            position=self.position,
-            history=self.history,
-            guard=self.guard,
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler
         )
+        self.checkpoints.register(
+            rng=RandomState(), counters=self.counters, position=self.position, history=self.history, guard=self.guard
+        )
+        self.observed = ObservedRun(dist=self.dist, data=self.data, scaler=self.scaler, stop=self.stop)
         data, precision = self.data, self.precision
         logger.info(
             f"model: {count_parameters(self.model)} parameters; {data.num_train} train / {data.num_dev} dev "
@@ -148,46 +111,36 @@ class Trainer:
         )
 
     def request_stop(self) -> None:
-        """Make the step in flight the last: it finishes, a checkpoint is saved, :meth:`run` exits 75."""
-        self.stop_requested = True
+        """Make the step in flight the last: it finishes, a checkpoint is saved, :meth:`run` returns STOPPED."""
+        self.stop.request()
 
-    def run(self) -> dict:
-        """Train to the end (resuming if checkpoints allow), write the model bundle, return a summary."""
-        self.setup()
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def run(self) -> TrainOutcome:
+        """Train to the end (resuming if checkpoints allow) and write the model bundle: FINISHED; or, after
+        :meth:`request_stop`, end with the step in flight, checkpointed: STOPPED. Raises
+        :class:`~asrflow.training.outcome.TrainingFailure` when the job around this process fails (another
+        rank, a data worker) and :class:`~asrflow.errors.AsrflowError` for a mistake the user can fix."""
         status = "FAILED"
         try:
             loader = self._start_or_resume()
-            devices = [self.dist.local_rank] if self.device.type == "cuda" else None
-            self.ddp_model = self.model
-            if self.dist.enabled:
-                self.ddp_model = DistributedDataParallel(self.model, device_ids=devices)
+            self.ddp_model = data_parallel(self.model, self.dist, self.device)
             self.ddp_model.train()
             label = f"rank {self.dist.rank}: " if self.dist.enabled else ""  # labels its stack dumps
             with StallWatchdog(self.config.stall_timeout_s, label) as watchdog:
                 finished = self._train_with_rollbacks(loader, watchdog)
-            if not finished:
-                status = "KILLED"
-                step = self.counters.global_step
-                logger.warning(f"stopped at step {step} with a checkpoint saved; run the same command again to resume")
-                raise SystemExit(EXIT_INTERRUPTED)
-            summary = self._finish()
-            status = "FINISHED"
-            return summary
+            if finished:
+                self._finish()
+            status = "FINISHED" if finished else "KILLED"
+            return TrainOutcome(Outcome.FINISHED if finished else Outcome.STOPPED, self._summary())
         except Exception as error:
-            failure = describe_failure(error, distributed=self.dist.enabled)
+            failure = as_failure(error, distributed=self.dist.enabled)
             if failure is None:
                 raise
-            logger.error("stopping: %s; run the same command again to resume from the last checkpoint", failure[1])
-            raise SystemExit(failure[0]) from error
+            raise failure from error
         finally:
             self.data.close()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             self.tracker.end(status)  # also flushes points past the last checkpoint: a resume skips them
             shutdown_distributed()
 
-    # ---------------------------------------------------------------- the loop
     def _train_with_rollbacks(self, loader: Iterator[dict], watchdog: StallWatchdog) -> bool:
         """Train until the last epoch ends (True) or a stop was requested (False), rolling back when told."""
         while True:
@@ -210,23 +163,15 @@ class Trainer:
             result = train_step(
                 self.ddp_model,
                 micro_batches,
+                self.step_context,
                 step_tokens=micro_batches[0]["step_tokens"],
-                optimizer=self.optimizer,
-                scaler=self.scaler,
-                precision=self.precision,
-                max_grad_norm=self.config.max_grad_norm,
-                dist=self.dist,
-                device=self.device,
-                inject_nonfinite=self.config.injects_nonfinite(step, self.dist.rank),
                 stop_requested=functools.partial(self._stop_flag, step),
-                seed=self.seed,
             )
             self.scheduler.step()
             watchdog.beat()
             item = micro_batches[0]["item"]
-            result = replace(
-                result, elapsed_s=time.perf_counter() - began, data_wait_s=waited, cut_ids=item.step_cut_ids
-            )
+            elapsed = time.perf_counter() - began
+            result = replace(result, step=step, elapsed_s=elapsed, data_wait_s=waited, cut_ids=item.step_cut_ids)
             self.counters.global_step = step
             self.position.advance(item)
             self.guard.observe(
@@ -234,51 +179,41 @@ class Trainer:
             )
             self._report(result)
             for observer in self.observers:
-                observer.after_step(self, result)
-            improved_loss = self._validate(watchdog) if self.config.validation_due(step) else None
-            in_streak = self.guard.consecutive > 0
-            if self.checkpoints.due(step, improved=improved_loss is not None, stop=result.stop, in_streak=in_streak):
-                self._save(dev_loss=improved_loss)
+                observer.after_step(self.observed, result)
+            self._save(step, dev_loss=self._validate(step, watchdog), stop=result.stop)
             if result.stop:
                 return False
 
     def _stop_flag(self, step: int) -> bool:
         """Read by :func:`train_step` right before its all-reduce: True makes the step in flight the last."""
         for observer in self.observers:
-            observer.in_step(self, step)
-        return self.stop_requested
+            observer.in_step(self.observed, step)
+        return self.stop.requested
 
     def _report(self, result: StepResult) -> None:
         """The step's metrics to MLflow (rank 0), the loss history, and a log line now and then."""
-        lr, epoch, step = self.optimizer.param_groups[0]["lr"], self.position.epoch, self.counters.global_step
-        skipped, world_size = self.guard.total_skipped, self.dist.world_size
-        metrics = step_metrics(result, lr=lr, epoch=epoch, world_size=world_size, skipped_total=skipped)
+        lr, epoch, skipped = self.optimizer.param_groups[0]["lr"], self.position.epoch, self.guard.total_skipped
         loss_scale = self.scaler.get_scale() if self.precision.uses_scaler else None
-        report_step(self.tracker, self.history, step=step, metrics=metrics, loss_scale=loss_scale)
-        if self.terminal_progress is not None:  # the terminal's progress line (rank 0)
-            self.terminal_progress.update(step, epoch, result.loss, metrics["train/audio_s_per_s"])
+        context = dict(lr=lr, epoch=epoch, world_size=self.dist.world_size, skipped_total=skipped)
+        metrics = report_step(self.tracker, self.history, result, loss_scale=loss_scale, **context)
+        if self.terminal_progress is not None:
+            self.terminal_progress.update(result.step, epoch, result.loss, metrics["train/audio_s_per_s"])
 
-    def _validate(self, watchdog: StallWatchdog) -> float | None:
-        """Dev loss of the current weights, logged; returned when it beats the best checkpoint's (every rank
-        gets rank 0's verdict), else None (also without dev data)."""
-        if not self.data.dev_batches:
+    def _validate(self, step: int, watchdog: StallWatchdog) -> float | None:
+        """The dev loss when the validator measured one and it beats the best checkpoint's (every rank gets
+        rank 0's verdict), else None."""
+        loss = self.validator.maybe_validate(step, self.ddp_model, watchdog.beat)
+        if loss is None:
             return None
-        loss = self.data.dev_loss(
-            self.ddp_model, precision=self.precision, dist=self.dist, device=self.device, beat=watchdog.beat
-        )
-        watchdog.beat()
-        step = self.counters.global_step
         self.counters.last_dev_loss, self.counters.last_dev_step = loss, step
         self.tracker.record(step, {"dev/loss": loss})
-        logger.info("step %d: dev loss %.4f", step, loss)
         return loss if self.checkpoints.improved(loss) else None
 
-    def _save(self, dev_loss: float | None = None, complete: bool = False) -> None:
-        """Checkpoint (every rank takes part), then send MLflow the points it covers."""
-        self.checkpoints.save(
-            self.counters.global_step, dev_loss=dev_loss, in_streak=self.guard.consecutive > 0, complete=complete
-        )
-        self.tracker.flush()
+    def _save(self, step: int, *, dev_loss: float | None = None, stop: bool = False, final: bool = False) -> None:
+        """Checkpoint when one is due (every rank takes part), then send MLflow the points it covers."""
+        in_streak = self.guard.consecutive > 0
+        if self.checkpoints.save(step, dev_loss=dev_loss, in_streak=in_streak, stop=stop, final=final):
+            self.tracker.flush()
 
     def _rollback(self) -> None:
         """Back to the newest good checkpoint with a lower learning rate; the run's guard totals are kept."""
@@ -295,7 +230,6 @@ class Trainer:
             f"{self.counters.global_step}), learning rate scaled to {lr_scale:.3g} x train.lr"
         )
 
-    # ---------------------------------------------------------------- start and end
     def _start_or_resume(self) -> Iterator[dict]:
         """Rank 0 decides (fresh or resume) and the components are restored; the data loader opens at the
         position and is returned. MLflow (rank 0) opens in the background after the first step."""
@@ -308,7 +242,7 @@ class Trainer:
                 f"{position.step_in_epoch} of the epoch"
             )
         for observer in self.observers:
-            observer.on_start(self)
+            observer.on_start(self.observed)
         loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
         if self.dist.is_main:  # names and tags the run, logs the datasets, starts MLflow's system metrics
             self.tracker = BackgroundTracker.start_training(
@@ -318,24 +252,40 @@ class Trainer:
                 run_id=state["tracker"].get("run_id") if state else None,
                 tracking_uri=self.tracking_uri,
             )
-            self.terminal_progress = TerminalProgress(
-                total_steps=self.data.steps_per_epoch(0) * self.config.epochs, start_step=self.counters.global_step
-            )
+            total_steps = self.data.steps_per_epoch(0) * self.config.epochs
+            self.terminal_progress = TerminalProgress(total_steps=total_steps, start_step=self.counters.global_step)
         self.checkpoints.register(tracker=self.tracker)
         if state is None:
             logger.info("starting a fresh run")
             self.tracker.log_params(flatten(self.all_params))
             self.tracker.set_tags({"precision": self.precision.name, "precision_reason": self.precision.reason})
-            self._save()  # step 0: a rollback target, and the MLflow run id on disk
+            self._save(0)  # a rollback target, and the MLflow run id on disk
         else:
             self.tracker.load_state_dict(state["tracker"])
             self.tracker.set_tags(precision_change_tags(state["precision"], self.precision, self.counters.global_step))
         return loader
 
-    def _finish(self) -> dict:
+    def _finish(self) -> None:
         """The final checkpoint on every rank; rank 0 then writes the bundle, the loss plot and the artifacts."""
-        self._save(complete=True)
-        summary = {
+        self._save(self.counters.global_step, final=True)
+        if self.dist.is_main:
+            write_final_model(
+                model=self.model,
+                model_config=self.model_config,
+                features=self.features,
+                data=self.data,
+                recent=self.checkpoints.late_checkpoints(self.counters.global_step, self.config.average_last),
+                precision=self.precision,
+                history=self.history,
+                summary=self._summary(),
+                paths=self.paths,
+                tracker=self.tracker,
+                all_params=self.all_params,
+                register_model_name=self.config.register_model_name,
+            )
+
+    def _summary(self) -> dict:
+        return {
             "steps": self.counters.global_step,
             "epochs": self.config.epochs,
             "best_dev_loss": self.checkpoints.best_dev_loss,
@@ -344,11 +294,3 @@ class Trainer:
             "removed_for_ctc": self.data.removed_for_ctc,
             "precision": self.precision.name,
         }
-        if self.dist.is_main:
-            write_final_model(self, summary)
-        return summary
-
-    def _on_signal(self, signum, _frame) -> None:
-        """SIGTERM/SIGINT: finish the step in flight, save, exit 75."""
-        logger.warning("received %s: finishing the current step, then saving a checkpoint", signal.Signals(signum).name)
-        self.request_stop()

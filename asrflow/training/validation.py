@@ -1,7 +1,8 @@
-"""Dev loss: the per-token CTC loss on the dev split, without augmentation."""
+"""Validation: the per-token CTC loss on the dev split, without augmentation, and when to measure it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,8 @@ from asrflow.data.manifests import pack_by_duration
 from asrflow.training.distributed import DistInfo, all_reduce_sum
 from asrflow.training.precision import PrecisionPolicy
 from asrflow.training.step import ctc_loss_sum
+
+logger = logging.getLogger(__name__)
 
 
 def dev_batches(cuts: CutSet, max_duration_s: float) -> list[tuple[str, ...]]:
@@ -60,3 +63,27 @@ def dev_loss(
     loss, tokens = all_reduce_sum(dist, [loss, tokens])
     model.train(was_training)
     return loss / max(tokens, 1.0)
+
+
+class Validator:
+    """Measures the dev loss every ``every_steps`` optimizer steps (0: never; never without dev data).
+
+    ``measure(model, beat)`` is the dev loss of ``model`` on every rank (one all-reduce); ``beat`` is
+    the stall watchdog's heartbeat, called after every dev batch.
+    """
+
+    def __init__(self, every_steps: int, measure: Callable[..., float] | None):
+        self.every_steps = every_steps
+        self.measure = measure
+
+    def due(self, step: int) -> bool:
+        return self.measure is not None and bool(self.every_steps) and step % self.every_steps == 0
+
+    def maybe_validate(self, step: int, model: nn.Module, beat: Callable[[], None]) -> float | None:
+        """The dev loss of ``model`` after optimizer step ``step`` when a validation is due, else None."""
+        if not self.due(step):
+            return None
+        loss = self.measure(model, beat=beat)
+        beat()
+        logger.info("step %d: dev loss %.4f", step, loss)
+        return loss

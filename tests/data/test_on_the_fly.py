@@ -72,9 +72,13 @@ def test_training_with_on_the_fly_features_speed_and_noise(otf_data, noise_dir, 
     config = tiny_train_config(epochs=1, speed_perturb=True, noise_dir=str(noise_dir))
     all_params = {"seed": 42, "features": asdict(OTF), "train": asdict(config)}
     paths = train_paths(otf_data, tmp_path / "exp")
-    summary = Trainer(
-        config, OTF, seed=42, all_params=all_params, paths=paths, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"
-    ).run()
+    summary = (
+        Trainer(
+            config, OTF, seed=42, all_params=all_params, paths=paths, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"
+        )
+        .run()
+        .summary
+    )
     assert summary
     bundle = load_bundle(paths.model_path)
     assert bundle.features == OTF

@@ -6,10 +6,11 @@ Usage::
     python tests/training/ddp_entry.py SPEC.json            # one process
 
 ``SPEC.json`` holds ``data`` (a folder made by the ``yesno_data`` fixture), ``exp`` (the
-output folder), ``config`` (overrides for ``tiny_train_config``) and ``tracking_uri``.
-Rank 0 writes the run's summary to ``<exp>/summary.json``. A user error exits 2 with one
-line, as the train stage does. Each rank prints ``asrflow.test.rank R pid P`` when its
-first step is next.
+output folder), ``config`` (overrides for ``tiny_train_config``, plus ``nonfinite_steps`` and
+``nonfinite_ranks`` for :class:`asrflow.testing.faults.NonFiniteSteps`) and ``tracking_uri``.
+Rank 0 writes the run's summary to ``<exp>/summary.json``. The exit code is the train stage's
+(:func:`stages.train.run_trainer`, its signal handlers included); a user error exits 2 with one
+line. Each rank prints ``asrflow.test.rank R pid P`` when its first step is next.
 
 Faults (environment variables, read only by this script through a public observer; the
 library has no test hooks of its own), each ``rank:step`` or ``rank:batch``:
@@ -34,15 +35,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's helpers
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # tests/, repo
 
 from conftest import tiny_train_config, train_paths  # noqa: E402
 
 from asrflow.data.features import FeatureConfig  # noqa: E402
 from asrflow.errors import exit_on_user_error  # noqa: E402
 from asrflow.logs import setup_logging  # noqa: E402
+from asrflow.testing.faults import NonFiniteSteps  # noqa: E402
 from asrflow.training.observers import TrainObserver  # noqa: E402
 from asrflow.training.trainer import Trainer  # noqa: E402
+from stages.train import run_trainer  # noqa: E402
 
 FAIL_ENV = "ASRFLOW_TEST_FAIL_RANK_AT_STEP"
 STALL_ENV = "ASRFLOW_TEST_STALL_RANK_AT_STEP"
@@ -81,22 +84,22 @@ class FaultyDataset:
 class Faults(TrainObserver):
     """Injects the faults the environment asks for on this rank."""
 
-    def on_start(self, trainer) -> None:
-        rank = trainer.dist.rank
+    def on_start(self, run) -> None:
+        rank = run.dist.rank
         os.write(2, f"asrflow.test.rank {rank} pid {os.getpid()}\n".encode())  # one write: lines of ranks never mix
         for name, kill in ((WORKER_STALL_ENV, False), (WORKER_KILL_ENV, True)):
             hook = _hook(name)
             if hook and hook[0] == rank:
-                trainer.data.dataset = FaultyDataset(trainer.data.dataset, hook[1], kill)
+                run.data.dataset = FaultyDataset(run.data.dataset, hook[1], kill)
 
-    def in_step(self, trainer, step: int) -> None:
-        if (trainer.dist.rank, step) == _hook(PAUSE_ENV):
-            print(f"asrflow.test.paused {trainer.dist.rank} {step}", file=sys.stderr, flush=True)
-            while not trainer.stop_requested:
+    def in_step(self, run, step: int) -> None:
+        if (run.dist.rank, step) == _hook(PAUSE_ENV):
+            print(f"asrflow.test.paused {run.dist.rank} {step}", file=sys.stderr, flush=True)
+            while not run.stop.requested:
                 time.sleep(0.02)
 
-    def after_step(self, trainer, result) -> None:
-        here = (trainer.dist.rank, trainer.counters.global_step)
+    def after_step(self, run, result) -> None:
+        here = (run.dist.rank, result.step)
         if here == _hook(FAIL_ENV):
             raise RuntimeError(f"injected failure on rank {here[0]} at step {here[1]} ({FAIL_ENV})")
         if here == _hook(STALL_ENV):
@@ -110,17 +113,20 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     setup_logging()
     exp = Path(spec["exp"])
+    overrides = dict(spec.get("config", {}))
+    nonfinite = NonFiniteSteps(overrides.pop("nonfinite_steps", ()), overrides.pop("nonfinite_ranks", ()))
     trainer = Trainer(
-        tiny_train_config(**spec.get("config", {})),
+        tiny_train_config(**overrides),
         FeatureConfig(),
         seed=int(spec.get("seed", 42)),
         paths=train_paths(Path(spec["data"]), exp),
         tracking_uri=spec.get("tracking_uri"),
-        observers=[Faults()],
+        observers=[Faults(), nonfinite],
     )
-    summary = trainer.run()
-    if trainer.dist.is_main:
-        (exp / "summary.json").write_text(json.dumps(summary))
+    code, outcome = run_trainer(trainer)
+    if outcome is not None and trainer.dist.is_main:
+        (exp / "summary.json").write_text(json.dumps(outcome.summary))
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 from asrflow.model.conformer_ctc import ModelConfig, build_model
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
-from asrflow.training.step import ctc_loss_sum, train_step
+from asrflow.training.step import StepContext, ctc_loss_sum, train_step
 
 NUM_UTTERANCES, FRAMES, MEL_BINS, TOKENS, VOCAB = 4, 120, 80, 9, 8
 LENGTHS = (120, 110, 90, 70)
@@ -72,13 +72,15 @@ def _step(model: torch.nn.Module, micro_batches: list[dict], lr: float):
     return train_step(
         model,
         micro_batches,
+        StepContext(
+            optimizer=optimizer,
+            scaler=precision.grad_scaler(),
+            precision=precision,
+            max_grad_norm=1e9,
+            dist=DistInfo(),
+            device=torch.device("cpu"),
+        ),
         step_tokens=tokens,
-        optimizer=optimizer,
-        scaler=precision.grad_scaler(),
-        precision=precision,
-        max_grad_norm=1e9,
-        dist=DistInfo(),
-        device=torch.device("cpu"),
     )
 
 

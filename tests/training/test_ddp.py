@@ -90,13 +90,17 @@ def _epoch_steps(data: Path, epoch: int, accum_grad: int, world_size: int) -> in
 def test_two_ranks_match_one_process_with_the_same_global_batch(yesno_data, ddp_reference, tmp_path):
     single = tmp_path / "single"
     config = tiny_train_config(**dict(BASE, accum_grad=4))
-    summary = Trainer(
-        config,
-        FeatureConfig(),
-        seed=SEED,
-        paths=train_paths(yesno_data, single),
-        tracking_uri=fresh_mlflow_store(single),
-    ).run()
+    summary = (
+        Trainer(
+            config,
+            FeatureConfig(),
+            seed=SEED,
+            paths=train_paths(yesno_data, single),
+            tracking_uri=fresh_mlflow_store(single),
+        )
+        .run()
+        .summary
+    )
 
     steps = sum(_epoch_steps(yesno_data, epoch, 2, 2) for epoch in range(BASE["epochs"]))
     assert steps >= 8
@@ -151,13 +155,17 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
 
     # The 2-rank checkpoint, resumed by one process (accum_grad unchanged).
     config = tiny_train_config(**dict(DDP, num_workers=0))
-    summary = Trainer(
-        config,
-        FeatureConfig(),
-        seed=SEED,
-        paths=train_paths(yesno_data, one_process),
-        tracking_uri=f"sqlite:///{one_process / 'mlflow.db'}",
-    ).run()
+    summary = (
+        Trainer(
+            config,
+            FeatureConfig(),
+            seed=SEED,
+            paths=train_paths(yesno_data, one_process),
+            tracking_uri=f"sqlite:///{one_process / 'mlflow.db'}",
+        )
+        .run()
+        .summary
+    )
     assert "written with 2 processes, this run has 1" in caplog.text
     assert "epoch 0 restarts from its first batch" in caplog.text
     assert summary["steps"] == 4 + _epoch_steps(yesno_data, 0, 2, 1) + _epoch_steps(yesno_data, 1, 2, 1)
@@ -218,7 +226,7 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
 def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_path, jobs):
     """Step 2 is non-finite on both ranks: rank 0 alone writes one line, naming all 4 batches of the step."""
     exp = tmp_path / "nan"
-    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, inject_nonfinite_steps=[2]))
+    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, nonfinite_steps=[2]))
     assert job.wait() == 0, job.log()
     lines = (exp / "bad_batches.jsonl").read_text().splitlines()
     assert len(lines) == 1, lines
@@ -341,9 +349,7 @@ def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_d
 
 def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, jobs):
     exp = tmp_path / "exp"
-    job = jobs(
-        yesno_data, exp, dict(DDP, epochs=1, num_workers=0, inject_nonfinite_steps=[2], inject_nonfinite_ranks=[1])
-    )
+    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, nonfinite_steps=[2], nonfinite_ranks=[1]))
     code, log = _ends_cleanly(job)
     assert code == 0, log
     for rank in (0, 1):

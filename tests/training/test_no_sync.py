@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
-from asrflow.training.step import train_step
+from asrflow.training.step import StepContext, train_step
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -52,13 +52,15 @@ def _count_allreduces(rank: int, folder: str) -> None:
             train_step(
                 model,
                 _split(batch, accum_grad),
+                StepContext(
+                    optimizer=optimizer,
+                    scaler=precision.grad_scaler(),
+                    precision=precision,
+                    max_grad_norm=1e9,
+                    dist=info,
+                    device=torch.device("cpu"),
+                ),
                 step_tokens=NUM_UTTERANCES * TOKENS * WORLD_SIZE,
-                optimizer=optimizer,
-                scaler=precision.grad_scaler(),
-                precision=precision,
-                max_grad_norm=1e9,
-                dist=info,
-                device=torch.device("cpu"),
             )
             counts.append(len(calls) - before)
         return counts

@@ -1,7 +1,7 @@
 """Non-finite guard: a NaN step is skipped and logged; persistent NaNs roll back, then stop.
 
-NaNs are injected with ``train.inject_nonfinite_steps`` (the step's loss is multiplied by
-NaN on every rank). Runs use the real ``Trainer`` on the prepared yesno data.
+NaNs are injected with :class:`asrflow.testing.faults.NonFiniteSteps` (the step's batches
+carry NaN features, so its loss is NaN). Runs use the real ``Trainer`` on the prepared yesno data.
 
 The WER check trains a tiny model that reaches a low test WER in six epochs (lr 0.01,
 one or two utterances per step, no SpecAugment or dropout; about 6 % WER on the yesno test
@@ -31,18 +31,22 @@ from asrflow.data.features import FeatureConfig
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
+from asrflow.testing.faults import NonFiniteSteps
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
+from asrflow.training.config import set_train_keys
 from asrflow.training.step import warmup_factor
 from asrflow.training.trainer import Trainer
 
 SEED = 42
 
 
-def _train(data: Path, exp: Path, **overrides) -> dict:
-    """Train ``tiny_train_config(**overrides)``; MLflow goes to ``exp/mlflow.db``."""
+def _train(data: Path, exp: Path, nonfinite_steps=(), **overrides) -> dict:
+    """Train ``tiny_train_config(**overrides)`` with ``nonfinite_steps`` made NaN; MLflow goes to ``exp/mlflow.db``."""
     config = tiny_train_config(**overrides)
     uri = fresh_mlflow_store(exp)
-    return Trainer(config, FeatureConfig(), seed=SEED, paths=train_paths(data, exp), tracking_uri=uri).run()
+    observers = [NonFiniteSteps(nonfinite_steps)]
+    paths = train_paths(data, exp)
+    return Trainer(config, FeatureConfig(), seed=SEED, paths=paths, tracking_uri=uri, observers=observers).run().summary
 
 
 def _model_at(exp: Path, step: int) -> dict[str, torch.Tensor]:
@@ -68,7 +72,7 @@ def _bad_batches(exp: Path) -> list[dict]:
 def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
     """Step 3's loss is NaN: no optimizer update, no checkpoint inside the streak; step 4 trains."""
     summary = _train(
-        yesno_data, tmp_path, epochs=1, inject_nonfinite_steps=[3], checkpoint_every_steps=1, validate_every_steps=0
+        yesno_data, tmp_path, epochs=1, nonfinite_steps=[3], checkpoint_every_steps=1, validate_every_steps=0
     )
 
     assert summary["nonfinite_skipped"] == 1
@@ -120,7 +124,7 @@ def _fast_wer_run(data: Path, exp: Path, **overrides) -> tuple[dict, float]:
 
 def test_run_with_a_nan_step_reaches_the_clean_wer(yesno_data, tmp_path):
     clean_summary, clean_wer = _fast_wer_run(yesno_data, tmp_path / "clean")
-    nan_summary, nan_wer = _fast_wer_run(yesno_data, tmp_path / "nan", inject_nonfinite_steps=[10])
+    nan_summary, nan_wer = _fast_wer_run(yesno_data, tmp_path / "nan", nonfinite_steps=[10])
 
     assert clean_summary["nonfinite_skipped"] == 0
     assert nan_summary["nonfinite_skipped"] == 1
@@ -144,9 +148,9 @@ PERSISTENT = dict(
     max_consecutive_nonfinite=3,
     max_rollbacks=2,
     rollback_lr_factor=0.5,
-    inject_nonfinite_steps=list(range(5, 19)),
     experiment="persistent-nan",
 )
+PERSISTENT_NAN_STEPS = list(range(5, 19))
 
 
 def _mlflow_history(exp: Path, experiment: str) -> tuple[MlflowClient, str]:
@@ -157,7 +161,7 @@ def _mlflow_history(exp: Path, experiment: str) -> tuple[MlflowClient, str]:
 
 def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path, caplog):
     with pytest.raises(AsrflowError) as raised:
-        _train(yesno_data, tmp_path, **PERSISTENT)
+        _train(yesno_data, tmp_path, PERSISTENT_NAN_STEPS, **PERSISTENT)
 
     log = caplog.text
     assert re.search(
@@ -221,7 +225,7 @@ def test_a_streak_at_the_end_keeps_the_last_good_checkpoint_through_keep_last(ye
         checkpoint_every_steps=2,
         keep_last=1,
         validate_every_steps=0,
-        inject_nonfinite_steps=[8, 9],
+        nonfinite_steps=[8, 9],
         max_consecutive_nonfinite=3,
     )
     checkpoints = tmp_path / "checkpoints"
@@ -238,8 +242,8 @@ def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
     (work / "data").mkdir(parents=True)
     for name in ("fbank", "lang"):
         (work / "data" / name).symlink_to(yesno_data / name)
-    config = tiny_train_config(**{**PERSISTENT, "max_rollbacks": 1})
-    params = {"seed": SEED, "features": {}, "train": asdict(config)}
+    params = {"seed": SEED, "features": {}}
+    set_train_keys(params, asdict(tiny_train_config(**{**PERSISTENT, "max_rollbacks": 1})))
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     env = {
         **os.environ,
@@ -247,14 +251,11 @@ def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
         "MLFLOW_TRACKING_URI": fresh_mlflow_store(work),
         "GIT_PYTHON_REFRESH": "quiet",
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "stages.train", "--params", "params.yaml", "--exp", "exp"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    stage = (  # the stage's own main, with the NaN steps as its one observer
+        "from asrflow.testing.faults import NonFiniteSteps; from stages.train import main; "
+        f"main(['--params', 'params.yaml', '--exp', 'exp'], observers=[NonFiniteSteps({PERSISTENT_NAN_STEPS!r})])"
     )
+    done = subprocess.run([sys.executable, "-c", stage], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == EXIT_USER_ERROR, output
     assert "Traceback" not in output

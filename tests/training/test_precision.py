@@ -81,13 +81,17 @@ def test_native_bf16_flags_are_read_from_cpuinfo(tmp_path):
 def test_the_trainer_resolves_auto_from_this_cpu(yesno_data, tmp_path):
     """``auto`` on this machine trains in what its CPU flags say: bf16 with native bf16, else fp32."""
     config = tiny_train_config(precision="auto", epochs=1, validate_every_steps=0)
-    summary = Trainer(
-        config,
-        FeatureConfig(),
-        seed=42,
-        paths=train_paths(yesno_data, tmp_path),
-        tracking_uri=fresh_mlflow_store(tmp_path),
-    ).run()
+    summary = (
+        Trainer(
+            config,
+            FeatureConfig(),
+            seed=42,
+            paths=train_paths(yesno_data, tmp_path),
+            tracking_uri=fresh_mlflow_store(tmp_path),
+        )
+        .run()
+        .summary
+    )
     assert summary["precision"] == ("bf16" if native_bf16_cpu_flags() else "fp32")
 
 
@@ -126,7 +130,8 @@ def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
         max_consecutive_nonfinite=2,
     )
     paths = train_paths(yesno_data, tmp_path)
-    summary = Trainer(config, FeatureConfig(), seed=42, paths=paths, tracking_uri=fresh_mlflow_store(tmp_path)).run()
+    trainer = Trainer(config, FeatureConfig(), seed=42, paths=paths, tracking_uri=fresh_mlflow_store(tmp_path))
+    summary = trainer.run().summary
 
     assert summary["precision"] == precision
     assert summary["steps"] == 18

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
-    """Set up a Trainer on ``rank``; record what ``_resume_decision`` gives for each scenario."""
+    """Build a Trainer on ``rank``; record what its checkpoint manager decides for each scenario."""
     os.environ.update(
         {
             "WORLD_SIZE": str(WORLD_SIZE),
@@ -50,12 +50,11 @@ def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
         }
     )
     exp = Path(folders[f"rank{rank}"])
-    trainer = Trainer(
-        tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), seed=SEED, paths=train_paths(Path(data), exp)
-    )
     result = {}
-    try:
-        trainer.setup()
+    try:  # constructing the Trainer joins the process group and builds the run
+        trainer = Trainer(
+            tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), seed=SEED, paths=train_paths(Path(data), exp)
+        )
         fingerprint = trainer.checkpoints.facts["fingerprint"]
         decision, state, path = trainer.checkpoints.resume(fingerprint, trainer.train_params)
         result["finished"] = {"decision": decision, "path": str(path), "step": state["step"]}

@@ -18,7 +18,7 @@ import torch
 from train_entry import TrainingProcess, fresh_mlflow_store, run_training
 
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
-from asrflow.training.trainer import EXIT_INTERRUPTED
+from asrflow.training.outcome import Outcome, exit_code
 
 OVERRIDES = {
     "epochs": 3,
@@ -130,7 +130,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp
     )
     process.wait_paused()
     process.signal(signal.SIGTERM)  # to the trainer and its data workers, as a scheduler would
-    assert process.wait() == EXIT_INTERRUPTED, process.log()
+    assert process.wait() == exit_code(Outcome.STOPPED), process.log()
     log = process.log()
     assert "received SIGTERM" in log
     # The signal came during step 13 (held just before the step's stop decision): that step

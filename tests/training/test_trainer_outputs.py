@@ -117,9 +117,9 @@ def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesn
 class _LowScale(TrainObserver):
     """Starts the run's (real) fp16 gradient scaler below the warning floor, through its public state."""
 
-    def on_start(self, trainer) -> None:
-        state = trainer.scaler.state_dict()
-        trainer.scaler.load_state_dict({**state, "scale": LOSS_SCALE_FLOOR / 4})
+    def on_start(self, run) -> None:
+        state = run.scaler.state_dict()
+        run.scaler.load_state_dict({**state, "scale": LOSS_SCALE_FLOOR / 4})
 
 
 def test_fp16_loss_scale_is_logged_and_a_collapse_warned(yesno_data, tmp_path, caplog):
@@ -167,7 +167,7 @@ def test_a_changed_batch_plan_restarts_the_epoch_from_its_first_batch(yesno_data
     other_plan = {**state, "position": {**state["position"], "plan_digest": "0" * 16}}
     ckpt.save_checkpoint(other_plan, path.parent, 4, keep_last=20, is_best=False)
 
-    summary = _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="fp32", validate_every_steps=0).run()
+    summary = _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="fp32", validate_every_steps=0).run().summary
     assert "the batch plan of epoch 0 differs from the checkpoint's" in caplog.text
     assert "epoch 0 restarts from its first batch" in caplog.text
     assert summary["steps"] == 4 + 9  # the whole of epoch 0 again, after the 4 steps already taken
@@ -175,7 +175,7 @@ def test_a_changed_batch_plan_restarts_the_epoch_from_its_first_batch(yesno_data
 
 def test_an_unchanged_plan_resumes_mid_epoch(yesno_data, finished_run, tmp_path, caplog):
     _unfinished_copy(finished_run, tmp_path / "exp")
-    summary = _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="fp32", validate_every_steps=0).run()
+    summary = _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="fp32", validate_every_steps=0).run().summary
     assert "restarts from its first batch" not in caplog.text
     assert summary["steps"] == 9
 

@@ -8,8 +8,9 @@ Usage::
 ``DATA`` holds ``fbank/`` and ``lang/`` (see the ``yesno_data`` fixture); ``EXP`` receives
 ``checkpoints/``, ``model.pt`` and ``plots/``. The config is ``tiny_train_config(**overrides)``
 from ``tests/conftest.py``. MLflow goes to ``$MLFLOW_TRACKING_URI``, or to
-``sqlite:///EXP/mlflow.db`` when that is unset. The exit status is the trainer's: 0 when
-training finished, 75 after SIGTERM/SIGINT (checkpoint saved), 2 for a user error.
+``sqlite:///EXP/mlflow.db`` when that is unset. The exit status is the train stage's
+(:func:`stages.train.run_trainer`, its SIGTERM/SIGINT handlers included): 0 when training
+finished, 75 after SIGTERM/SIGINT (checkpoint saved), 2 for a user error.
 
 Three test hooks observe the loop without changing what it computes:
 
@@ -64,21 +65,21 @@ class StepHooks(TrainObserver):
         self.pause_after_step = pause_after_step
         self.pause_in_step = pause_in_step
 
-    def in_step(self, trainer, step: int) -> None:
+    def in_step(self, run, step: int) -> None:
         if step == self.pause_in_step:
-            _wait_for_stop(trainer, step)
+            _wait_for_stop(run, step)
 
-    def after_step(self, trainer, result) -> None:
-        step = trainer.counters.global_step
+    def after_step(self, run, result) -> None:
+        step = result.step
         if self.log_every_step:
             print(f"{STEP_MARK} {step} {time.time():.6f} {time.process_time():.6f}", file=sys.stderr, flush=True)
         if step == self.pause_after_step:
-            _wait_for_stop(trainer, step)
+            _wait_for_stop(run, step)
 
 
-def _wait_for_stop(trainer, step: int) -> None:
+def _wait_for_stop(run, step: int) -> None:
     print(f"{PAUSE_MARK} {step}", file=sys.stderr, flush=True)
-    while not trainer.stop_requested:
+    while not run.stop.requested:
         time.sleep(0.02)
 
 
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     from asrflow.errors import exit_on_user_error
     from asrflow.logs import setup_logging
     from asrflow.training.trainer import Trainer
+    from stages.train import run_trainer
 
     setup_logging(logging.INFO)
     config = tiny_train_config(**json.loads(args.overrides))
@@ -116,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         tracking_uri=tracking_uri,
         observers=[hooks],
     )
-    summary = exit_on_user_error(trainer.run)()
-    print(json.dumps({"summary": summary}), flush=True)
+    code, outcome = exit_on_user_error(run_trainer)(trainer)
+    if code == 0:
+        print(json.dumps({"summary": outcome.summary}), flush=True)
+    raise SystemExit(code)
 
 
 # ---------------------------------------------------------------------- launching it
@@ -237,9 +241,13 @@ def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, 
     config = tiny_train_config(**overrides)
     features = FeatureConfig(num_jobs=1)
     all_params = {"seed": seed, "features": asdict(features), "train": asdict(config)}
-    return Trainer(
-        config, features, seed=seed, all_params=all_params, paths=train_paths(data, exp), tracking_uri=tracking_uri
-    ).run()
+    return (
+        Trainer(
+            config, features, seed=seed, all_params=all_params, paths=train_paths(data, exp), tracking_uri=tracking_uri
+        )
+        .run()
+        .summary
+    )
 
 
 if __name__ == "__main__":
