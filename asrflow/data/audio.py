@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
+from lhotse.augmentation.torchaudio import Resample
+
 
 def to_mono(cut):
     """A one-channel cut: the average of the cut's channels (Lhotse's downmix sums them).
 
     Averaging keeps the level of a file whose channels carry the same signal, so a stereo
-    copy of a recording gives the same features as the mono original.
+    copy of a recording gives the same features as the mono original. The downmixed audio
+    is held in memory (a cut that cannot be written to a manifest): for manifests, keep the
+    cut as it is and downmix its samples with :func:`mono_samples`.
     """
     channels = cut.num_channels or 1
     if channels <= 1:
@@ -21,3 +26,19 @@ def to_mono_at_rate(cut, sampling_rate: int):
     if cut.sampling_rate != sampling_rate:
         cut = cut.resample(sampling_rate)
     return cut
+
+
+def mono_samples(cut, sampling_rate: int) -> np.ndarray:
+    """The audio of ``cut`` as one channel at ``sampling_rate`` Hz: float32, shape ``(1, samples)``.
+
+    Channels are averaged (as :func:`to_mono` does) before resampling, so a stereo file is
+    resampled once, with the resampler Lhotse uses for ``cut.resample(sampling_rate)``.
+    """
+    audio = cut.load_audio()  # (channels, samples) at cut.sampling_rate
+    if audio.ndim == 1:
+        audio = audio[np.newaxis]
+    if audio.shape[0] > 1:
+        audio = audio.mean(axis=0, keepdims=True, dtype=np.float32)
+    if cut.sampling_rate != sampling_rate:
+        audio = Resample(cut.sampling_rate, sampling_rate)(audio)
+    return np.ascontiguousarray(audio, dtype=np.float32)

@@ -8,6 +8,11 @@ train split) are written as JSON and applied by :class:`lhotse.dataset.GlobalMVN
 Memory stays bounded on long corpora: cuts are read lazily from the manifests, streamed
 through extraction into per-job manifests, and the statistics are accumulated in one
 streaming pass; nothing holds a whole split.
+
+A multi-channel cut (prepare's ``channel: mix``) is written as it came, pointing at its
+file and channels; its features are those of the average of its channels, downmixed when
+they are extracted (:func:`asrflow.data.audio.mono_samples`). Before anything is written,
+the features' size is estimated and compared with the free space (:func:`check_disk_space`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -30,11 +36,12 @@ import torch
 from lhotse import CutSet, Fbank, FbankConfig, LilcomChunkyWriter
 from lhotse.cut import Cut
 from lhotse.cut.set import null_result_on_audio_loading_error
+from lhotse.utils import fastcopy
 from lhotse.dataset import GlobalMVN
 from lhotse.features.base import compute_global_stats
 from lhotse.lazy import Dillable, LazySlicer
 
-from asrflow.data.audio import to_mono_at_rate
+from asrflow.data.audio import mono_samples
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
@@ -56,6 +63,13 @@ AUDIO_S_PER_JOB = 3600.0
 MIN_MEL_BINS = 4
 #: Inside the output's temporary folder: per-job cut manifests, removed before it is renamed.
 STAGING_DIR = ".staging"
+#: Bytes per stored feature value with ``LilcomChunkyWriter`` (log-mel fbank; measured in bench/RESULTS.md).
+LILCOM_BYTES_PER_VALUE = 1.0
+#: Bytes per cut of the written cut manifests (gzipped JSON lines), an upper bound.
+MANIFEST_BYTES_PER_CUT = 400
+#: Environment variable: the factor the estimated size is multiplied by before it is compared with the free space.
+DISK_MARGIN_ENV = "ASRFLOW_FEATURES_DISK_MARGIN"
+DEFAULT_DISK_MARGIN = 1.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +123,9 @@ def cmvn_from_dict(stats: dict[str, list[float]]) -> GlobalMVN:
     return mvn
 
 
-def compute_features(manifests_dir: str | Path, output_dir: str | Path, config: FeatureConfig) -> dict[str, int]:
+def compute_features(
+    manifests_dir: str | Path, output_dir: str | Path, config: FeatureConfig, *, free_bytes: int | None = None
+) -> dict[str, int]:
     """Compute fbank for train/dev/test cuts of ``manifests_dir`` into ``output_dir``.
 
     Writes ``{split}_cuts.jsonl.gz`` (cuts pointing at ``output_dir/{split}_feats``),
@@ -123,17 +139,131 @@ def compute_features(manifests_dir: str | Path, output_dir: str | Path, config: 
     Extraction runs at one torch thread here as in the spawned workers: its operations
     (resampling, fbank of one utterance) are too small to share, and on a busy machine
     two threads spin against each other (measured 5x slower with 2 threads, load 7).
+
+    ``free_bytes`` stands for the free space of ``output_dir``'s disk (default: asked of the disk).
+
+    Raises:
+        AsrflowError: a manifest missing or unsorted, an empty train split, multi-channel
+            cuts with ``on_the_fly``, or features that would not fit the free space
+            (checked before anything is written).
     """
     output_dir = Path(output_dir)
-    counts: dict[str, int] = {}
+    scans = {split: scan_split(manifests_dir, split) for split in SPLITS}
+    if scans["train"].count == 0:
+        raise AsrflowError("the train split has no cuts: check data/manifests/rejected.jsonl")
+    if config.on_the_fly:
+        _refuse_multichannel_on_the_fly(scans, manifests_dir)
+    else:
+        check_disk_space(
+            output_dir, estimate_bytes(scans.values(), config), free_bytes=free_bytes, margin=disk_margin()
+        )
     with one_torch_thread(), atomic_path(output_dir) as tmp_dir, ExtractionWorkers() as workers:
         tmp_dir.mkdir(parents=True)
         for split in SPLITS:
-            counts[split] = _split_features(
-                manifests_dir, split, tmp_dir=tmp_dir, final_dir=output_dir, config=config, workers=workers
+            _split_features(
+                manifests_dir, split, scans[split], tmp_dir=tmp_dir, final_dir=output_dir, config=config, workers=workers
             )
         (tmp_dir / CONFIG_FILE).write_text(json.dumps(asdict(config), indent=1) + "\n")
-    return counts
+    return {split: scan.count for split, scan in scans.items()}
+
+
+@dataclass(frozen=True)
+class SplitScan:
+    """What one pass over a split's manifest found: its cuts, seconds of audio, multi-channel cuts."""
+
+    count: int
+    audio_s: float
+    multichannel: int
+
+
+def scan_split(manifests_dir: str | Path, split: str) -> SplitScan:
+    """Count the cuts of a split and their audio, checking that they come in id order (as prepare writes them).
+
+    Raises:
+        AsrflowError: the manifest is missing, or two cuts are out of order (a manifest not written by prepare).
+    """
+    count, audio_s, multichannel, previous = 0, 0.0, 0, None
+    for cut in load_cuts(manifests_dir, split):
+        if previous is not None and cut.id <= previous:
+            raise AsrflowError(
+                f"{cuts_path(manifests_dir, split)}: cut {cut.id!r} comes after {previous!r}; the features "
+                "stage needs the cuts sorted by id, each id once (as the prepare stage writes them): re-run prepare"
+            )
+        previous = cut.id
+        count += 1
+        audio_s += cut.duration
+        multichannel += (cut.num_channels or 1) > 1
+    if count == 0:
+        logger.warning("split %s is empty", split)
+    return SplitScan(count=count, audio_s=audio_s, multichannel=multichannel)
+
+
+def estimate_bytes(scans: Iterable[SplitScan], config: FeatureConfig) -> int:
+    """Bytes the features folder of these splits will take: lilcom-stored frames plus the cut manifests."""
+    total = 0.0
+    for scan in scans:
+        frames = scan.audio_s / config.frame_shift_s + scan.count  # (one more frame per cut at most)
+        total += frames * config.num_mel_bins * LILCOM_BYTES_PER_VALUE + scan.count * MANIFEST_BYTES_PER_CUT
+    return int(total)
+
+
+def disk_margin() -> float:
+    """The factor on the size estimate (environment variable :data:`DISK_MARGIN_ENV`, default 1.2).
+
+    Raises:
+        AsrflowError: the variable is set but is not a number >= 0.
+    """
+    raw = os.environ.get(DISK_MARGIN_ENV, str(DEFAULT_DISK_MARGIN))
+    try:
+        margin = float(raw)
+    except ValueError:
+        margin = -1.0
+    if not margin >= 0:
+        raise AsrflowError(f"{DISK_MARGIN_ENV}={raw!r}: give a number >= 0 (the default is {DEFAULT_DISK_MARGIN})")
+    return margin
+
+
+def check_disk_space(
+    output_dir: str | Path, needed_bytes: int, *, free_bytes: int | None = None, margin: float = DEFAULT_DISK_MARGIN
+) -> None:
+    """Refuse to start when ``needed_bytes`` x ``margin`` exceed the free space where ``output_dir`` goes.
+
+    ``free_bytes`` stands for the free space of that disk (default: ``shutil.disk_usage`` of the
+    nearest existing folder on the way to ``output_dir``).
+
+    Raises:
+        AsrflowError: naming the space needed and available, and what to do.
+    """
+    output_dir = Path(output_dir).absolute()
+    if free_bytes is None:
+        existing = next(folder for folder in (output_dir, *output_dir.parents) if folder.exists())
+        free_bytes = shutil.disk_usage(existing).free
+    wanted = needed_bytes * margin
+    if wanted > free_bytes:
+        raise AsrflowError(
+            f"the features need about {_gib(needed_bytes)} (x {margin:g} margin: {_gib(wanted)}) in {output_dir}, "
+            f"but {_gib(free_bytes)} are free there: free some space, point --out at a larger disk, "
+            f"or lower the margin with {DISK_MARGIN_ENV} (nothing was written)"
+        )
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def _refuse_multichannel_on_the_fly(scans: dict[str, SplitScan], manifests_dir: str | Path) -> None:
+    """On-the-fly features read each cut's audio as it is: a multi-channel cut would give per-channel features.
+
+    Raises:
+        AsrflowError: naming the splits with multi-channel cuts and the two ways out.
+    """
+    found = [f"{split} {scan.multichannel}" for split, scan in scans.items() if scan.multichannel]
+    if found:
+        raise AsrflowError(
+            f"{manifests_dir} has multi-channel cuts ({', '.join(found)}) and features.on_the_fly is true: "
+            "on-the-fly features need one channel; set prepare.channel to a channel index, or "
+            "features.on_the_fly: false (precomputed features downmix the channels)"
+        )
 
 
 def check_same_features(config: FeatureConfig, features_dir: str | Path) -> None:
@@ -175,7 +305,7 @@ class ExtractionWorkers:
         """The pool, started with ``num_jobs`` processes if it is not running yet."""
         if self._executor is None:
             context = multiprocessing.get_context("spawn")
-            self._executor = ProcessPoolExecutor(num_jobs, mp_context=context, initializer=_single_thread)
+            self._executor = ProcessPoolExecutor(num_jobs, mp_context=context, initializer=_init_worker)
         return self._executor
 
     def __enter__(self) -> ExtractionWorkers:
@@ -189,27 +319,25 @@ class ExtractionWorkers:
 def _split_features(
     manifests_dir: str | Path,
     split: str,
+    scan: SplitScan,
     *,
     tmp_dir: Path,
     final_dir: Path,
     config: FeatureConfig,
     workers: ExtractionWorkers,
 ) -> int:
-    """Features (or, ``on_the_fly``, only the mono, resampled cuts) of one split into ``tmp_dir``.
+    """Features (or, ``on_the_fly``, only the cuts at the feature rate) of one split into ``tmp_dir``.
 
-    Returns the number of cuts read (cuts whose audio cannot be read are dropped and logged).
+    Cuts whose audio cannot be read are dropped and logged.
     """
-    cuts = load_cuts(manifests_dir, split).map(functools.partial(to_mono_at_rate, sampling_rate=config.sampling_rate))
-    count = _count_sorted(cuts, manifests_dir, split)
-    if count == 0:
-        logger.warning("split %s is empty", split)
-        if split == "train":
-            raise AsrflowError("the train split has no cuts: check data/manifests/rejected.jsonl")
+    cuts = load_cuts(manifests_dir, split)
     staging = tmp_dir / STAGING_DIR
-    if count and not config.on_the_fly:
+    if config.on_the_fly:
+        cuts = cuts.map(functools.partial(_at_rate, sampling_rate=config.sampling_rate))
+    elif scan.count:
         cuts = _extract(
             cuts,
-            count,
+            scan,
             config=config,
             storage_path=tmp_dir / f"{split}_feats",
             staging=staging / split,
@@ -222,7 +350,11 @@ def _split_features(
         cuts = cuts.map(functools.partial(_relocate_features, tmp_dir=tmp_dir, final_dir=final_dir))
     cuts.to_file(cuts_path(tmp_dir, split))
     shutil.rmtree(staging, ignore_errors=True)
-    return count
+
+
+def _at_rate(cut: Cut, sampling_rate: int) -> Cut:
+    """``cut`` resampled lazily to ``sampling_rate`` (Hz) when it has another rate (its manifest stays on file)."""
+    return cut if cut.sampling_rate == sampling_rate else cut.resample(sampling_rate)
 
 
 def available_cores() -> int:
@@ -232,26 +364,34 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def resolve_jobs(config: FeatureConfig, cuts: CutSet) -> int:
-    """Feature-extraction processes for one split: ``features.num_jobs``, or with ``0``
-    :func:`jobs_for` over all :func:`available_cores`."""
-    return config.num_jobs or jobs_for(cuts, available_cores())
+def resolve_jobs(config: FeatureConfig, audio_s: float) -> int:
+    """Feature-extraction processes for a split of ``audio_s`` seconds: ``features.num_jobs``, or
+    with ``0`` :func:`jobs_for` over all :func:`available_cores`."""
+    return config.num_jobs or jobs_for(audio_s, available_cores())
 
 
-def jobs_for(cuts: CutSet, cores: int) -> int:
-    """With ``features.num_jobs: 0``, the processes worth starting for a split:
-    ``max(1, min(cores, floor(audio seconds / AUDIO_S_PER_JOB)))``.
+def jobs_for(audio_s: float, cores: int) -> int:
+    """With ``features.num_jobs: 0``, the processes worth starting for a split of ``audio_s`` seconds:
+    ``max(1, min(cores, floor(audio_s / AUDIO_S_PER_JOB)))``.
 
     One process per hour of audio, so a split of at least ``cores`` hours uses every core.
     Spawning a worker costs seconds (it imports torch and Lhotse), more than half an hour
     of audio takes to extract on one core.
     """
-    total = sum(cut.duration for cut in cuts)
-    return max(1, min(cores, int(total // AUDIO_S_PER_JOB)))
+    return max(1, min(cores, int(audio_s // AUDIO_S_PER_JOB)))
 
 
-def _single_thread() -> None:
+#: ``prctl`` option: the signal a process gets when the process that started it dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _init_worker() -> None:
+    """One torch thread; and on Linux, die with the stage (a killed stage leaves no worker writing)."""
     torch.set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -267,7 +407,7 @@ def one_torch_thread() -> Iterator[None]:
 
 def _extract(
     cuts: CutSet,
-    count: int,
+    scan: SplitScan,
     *,
     config: FeatureConfig,
     storage_path: Path,
@@ -280,19 +420,19 @@ def _extract(
     With one job the features go to ``<storage_path>.lca``; with ``n`` jobs, job ``k`` takes
     every ``n``-th cut from the ``k``-th on (``LazySlicer``) into
     ``<storage_path>/feats-<k>.lca``. The result lists the cuts in id order (the order of the
-    input, which :func:`_count_sorted` checked), merged from the jobs' manifests: the same
+    input, which :func:`scan_split` checked), merged from the jobs' manifests: the same
     manifest whatever the number of jobs or the order they finish in (only the storage
     paths differ). Each job writes its cuts to a manifest under
     ``staging`` as it goes, in the shared ``workers``. Dropped cuts are reported.
-    One job shows a progress bar over the ``count`` cuts (a log line now and then off a terminal).
+    One job shows a progress bar over the split's cuts (a log line now and then off a terminal).
     """
-    num_jobs = resolve_jobs(config, cuts)
-    logger.info("%s: fbank for %d cuts with %d job(s)", split, count, num_jobs)
+    num_jobs = resolve_jobs(config, scan.audio_s)
+    logger.info("%s: fbank for %d cuts with %d job(s)", split, scan.count, num_jobs)
     staging.mkdir(parents=True)
     extractor = config.extractor()
     if num_jobs == 1:
         parts = [staging / "cuts.jsonl.gz"]
-        lost = _extract_part(progress(cuts, f"fbank ({split})", total=count), extractor, storage_path, parts[0])
+        lost = _extract_part(progress(cuts, f"fbank ({split})", total=scan.count), extractor, storage_path, parts[0])
     else:
         storage_path.mkdir()
         parts = [staging / f"cuts-{k}.jsonl.gz" for k in range(num_jobs)]
@@ -330,40 +470,34 @@ class LazyMergeById(Dillable):
         return sum(len(part) for part in self.parts)
 
 
-def _count_sorted(cuts: CutSet, manifests_dir: str | Path, split: str) -> int:
-    """The number of ``cuts``, checking that they come in id order (as the prepare stage writes them).
-
-    Raises:
-        AsrflowError: two cuts out of order (a manifest not written by the prepare stage).
-    """
-    count, previous = 0, None
-    for cut in cuts:
-        if previous is not None and cut.id <= previous:
-            raise AsrflowError(
-                f"{cuts_path(manifests_dir, split)}: cut {cut.id!r} comes after {previous!r}; the features "
-                "stage needs the cuts sorted by id, each id once (as the prepare stage writes them): re-run prepare"
-            )
-        previous = cut.id
-        count += 1
-    return count
-
-
 def _extract_part(cuts: Iterable[Cut], extractor: Fbank, storage_path: Path, manifest: Path) -> list[str]:
     """Fbank of ``cuts``, one at a time, into ``storage_path`` and their cuts into ``manifest``.
 
     Returns the ids of the cuts dropped because their audio could not be read.
     """
     lost = []
+    extract = null_result_on_audio_loading_error(_cut_with_features)
     with LilcomChunkyWriter(storage_path) as storage, CutSet.open_writer(manifest) as writer:
         for cut in cuts:
-            done = null_result_on_audio_loading_error(cut.compute_and_store_features)(
-                extractor=extractor, storage=storage
-            )
+            done = extract(cut, extractor, storage)
             if done is None:
                 lost.append(cut.id)
             else:
                 writer.write(done)
     return lost
+
+
+def _cut_with_features(cut: Cut, extractor: Fbank, storage: LilcomChunkyWriter) -> Cut:
+    """``cut`` at the extractor's rate with the features of its channels' average attached.
+
+    The cut keeps its recording and channels (a ``MultiCut`` stays one); its audio is resampled
+    lazily (``cut.resample``), so it loads at the rate its features were computed at.
+    """
+    rate = extractor.config.sampling_rate
+    features = extractor.extract_from_samples_and_store(
+        samples=mono_samples(cut, rate), storage=storage, sampling_rate=rate, offset=cut.start, channel=cut.channel
+    )
+    return fastcopy(_at_rate(cut, rate), features=features)
 
 
 def _relocate_features(cut, tmp_dir: Path, final_dir: Path):
