@@ -394,6 +394,56 @@ def generate_corpus(
     return {"utterances": num_utterances, "audio_s": total_s}
 
 
+def write_segment_manifests(
+    folder: Path,
+    audio_dir: Path,
+    cuts_per_split: dict[str, int],
+    *,
+    seed: int = 0,
+    min_s: float = 0.5,
+    max_s: float = 1.5,
+    recordings: int = 8,
+    recording_s: float = 60.0,
+) -> float:
+    """Cut manifests as the prepare stage writes them (sorted by id), of any size, at little cost.
+
+    ``recordings`` generated recordings of ``recording_s`` seconds (16 kHz FLAC, in ``audio_dir``)
+    are cut into ``cuts_per_split[split]`` segments of ``min_s``-``max_s`` seconds at random
+    offsets: every cut has its own length, and the audio on disk stays the same whatever the
+    count. Deterministic for ``seed``. Returns the seconds of audio listed.
+    """
+    import numpy as np
+    import soundfile as sf
+    from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
+
+    from asrflow.data.manifests import cuts_path
+
+    rng = np.random.default_rng(seed)
+    audio_dir.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    pool = []
+    for index in range(recordings):
+        path = audio_dir / f"long{index:03d}.flac"
+        if not path.is_file():
+            audio, _text = synth_utterance(rng, recording_s)
+            sf.write(path, audio, SAMPLING_RATE, format="FLAC", subtype="PCM_16")
+        pool.append(Recording.from_file(path, recording_id=f"long{index:03d}"))
+    total = 0.0
+    for split, count in cuts_per_split.items():
+        with CutSet.open_writer(cuts_path(folder, split)) as writer:
+            for index in range(count):
+                recording = pool[index % len(pool)]
+                duration = round(float(rng.uniform(min_s, max_s)), 3)
+                start = round(float(rng.uniform(0.0, recording.duration - duration)), 3)
+                cut_id = f"{split}-{index:08d}"
+                supervision = SupervisionSegment(cut_id, recording.id, 0.0, duration, channel=0, text="YES NO")
+                writer.write(
+                    MonoCut(cut_id, start, duration, channel=0, recording=recording, supervisions=[supervision])
+                )
+                total += duration
+    return total
+
+
 def data_features(data: Path):
     """The ``FeatureConfig`` that ``data/fbank`` was computed with (its ``config.json``): what a
     trainer on ``data`` must be given."""

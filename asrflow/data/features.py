@@ -36,10 +36,10 @@ import torch
 from lhotse import CutSet, Fbank, FbankConfig, LilcomChunkyWriter
 from lhotse.cut import Cut
 from lhotse.cut.set import null_result_on_audio_loading_error
-from lhotse.utils import fastcopy
 from lhotse.dataset import GlobalMVN
 from lhotse.features.base import compute_global_stats
 from lhotse.lazy import Dillable, LazySlicer
+from lhotse.utils import fastcopy
 
 from asrflow.data.audio import mono_samples
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
@@ -161,7 +161,13 @@ def compute_features(
         tmp_dir.mkdir(parents=True)
         for split in SPLITS:
             _split_features(
-                manifests_dir, split, scans[split], tmp_dir=tmp_dir, final_dir=output_dir, config=config, workers=workers
+                manifests_dir,
+                split,
+                scans[split],
+                tmp_dir=tmp_dir,
+                final_dir=output_dir,
+                config=config,
+                workers=workers,
             )
         (tmp_dir / CONFIG_FILE).write_text(json.dumps(asdict(config), indent=1) + "\n")
     return {split: scan.count for split, scan in scans.items()}

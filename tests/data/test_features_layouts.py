@@ -52,7 +52,11 @@ def write_corpus(folder, layouts=LAYOUTS) -> None:
 def prepared(tmp_path, **prepare):
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
-    section = {"corpus": "folder", "corpus_dir": str(corpus), "splits": {"train": "train", "dev": "dev", "test": "test"}}
+    section = {
+        "corpus": "folder",
+        "corpus_dir": str(corpus),
+        "splits": {"train": "train", "dev": "dev", "test": "test"},
+    }
     config = PrepareConfig.from_section({**section, **prepare})
     prepare_corpus(config, tmp_path / "manifests", seed=42)
     return tmp_path / "manifests"

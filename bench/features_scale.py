@@ -1,0 +1,109 @@
+"""The features stage at 5 and 50 hours: peak memory of its process tree, and speed.
+
+Generated cut manifests (:func:`bench.common.write_segment_manifests`: segments of 2-7 s,
+each of its own length, cut at random offsets out of a few generated 16 kHz FLAC
+recordings, so the audio on disk stays small whatever the hours) are extracted by the
+real stage, as the pipeline runs it, with params.yaml's ``features:`` section at 16 kHz
+and 80 bins (``num_jobs: 0``: one process per core on these sizes)::
+
+    python -m stages.features --params P --manifests M --out F
+
+Figures per size (:func:`bench.memory.measure`): ``peak_tree_pss_mb`` (the stage and its
+workers, shared pages split), ``peak_rss_mb`` (the stage's own process), ``elapsed_s``, and
+``audio_s_per_s_per_core`` = audio seconds / elapsed / cores. ``scaling``: the ratio of the
+large to the small peak (goal <= 1.10) and the growth in MB per hour of audio.
+
+Usage: ``python -m bench.features_scale [--quick] [--workdir DIR] [--hours SMALL LARGE]``
+(5 and 50 hours; 0.1 and 0.4 hours with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import yaml
+
+from bench.common import (
+    emit,
+    load_average,
+    machine,
+    parse_args,
+    ratio,
+    repo_params,
+    rounded,
+    workdir,
+    write_segment_manifests,
+)
+from bench.memory import measure
+
+#: Hours of audio compared, per mode.
+HOURS = {"full": (5.0, 50.0), "quick": (0.1, 0.4)}
+#: Cut lengths, seconds (a spoken sentence).
+MIN_S, MAX_S = 2.0, 7.0
+
+
+def manifests_for(work, hours: float):
+    """Manifests of ``hours`` of audio (98 % train, 1 % dev, 1 % test); the folder and the audio seconds."""
+    cuts = int(hours * 3600 / ((MIN_S + MAX_S) / 2))
+    folder = work / f"manifests-{hours:g}h"
+    split = {"train": cuts - 2 * max(1, cuts // 100), "dev": max(1, cuts // 100), "test": max(1, cuts // 100)}
+    audio_s = write_segment_manifests(
+        folder, work / "audio", split, min_s=MIN_S, max_s=MAX_S, recordings=16, recording_s=120.0
+    )
+    return folder, audio_s
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+
+    def configure(parser) -> None:
+        parser.add_argument("--hours", type=float, nargs=2, metavar=("SMALL", "LARGE"), help="the two sizes, hours")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
+    sizes = tuple(args.hours) if args.hours else HOURS["quick" if args.quick else "full"]
+    cores = len(os.sched_getaffinity(0))
+    with workdir(args.workdir) as work:
+        emit({"benchmark": "machine", **machine()})
+        features = {**repo_params().get("features", {}), "sampling_rate": 16000, "num_mel_bins": 80, "num_jobs": 0}
+        params = work / "params.yaml"
+        params.write_text(yaml.safe_dump({"features": features}))
+        figures = {}
+        for hours in sizes:
+            folder, audio_s = manifests_for(work, hours)
+            out = work / f"fbank-{hours:g}h"
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"features: {hours:g} h", file=sys.stderr)
+            argv_ = ["--params", str(params), "--manifests", str(folder), "--out", str(out)]
+            load_before = load_average()
+            figures[hours] = measure("stages.features", argv_, work / f"features-{hours:g}h.log")
+            shutil.rmtree(out, ignore_errors=True)
+            emit(
+                {
+                    "benchmark": "features_scale",
+                    "hours": hours,
+                    "audio_s": rounded(audio_s),
+                    "command": "python -m stages.features " + " ".join(argv_),
+                    **figures[hours],
+                    "audio_s_per_s_per_core": rounded(audio_s / figures[hours]["elapsed_s"] / cores),
+                    "load_before": load_before,
+                    "load_after": load_average(),
+                }
+            )
+        small, large = sizes
+        lo, hi = figures[small], figures[large]
+        emit(
+            {
+                "benchmark": "features_scale_scaling",
+                "hours": [small, large],
+                "tree_pss_ratio": rounded(ratio(hi["peak_tree_pss_mb"] or 0, lo["peak_tree_pss_mb"] or 0)),
+                "tree_pss_mb_per_hour": rounded(
+                    ((hi["peak_tree_pss_mb"] or 0) - (lo["peak_tree_pss_mb"] or 0)) / (large - small)
+                ),
+                "rss_ratio": rounded(ratio(hi["peak_rss_mb"], lo["peak_rss_mb"])),
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
