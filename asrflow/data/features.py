@@ -311,7 +311,9 @@ class ExtractionWorkers:
         """The pool, started with ``num_jobs`` processes if it is not running yet."""
         if self._executor is None:
             context = multiprocessing.get_context("spawn")
-            self._executor = ProcessPoolExecutor(num_jobs, mp_context=context, initializer=_init_worker)
+            self._executor = ProcessPoolExecutor(
+                num_jobs, mp_context=context, initializer=_init_worker, initargs=(os.getpid(),)
+            )
         return self._executor
 
     def __enter__(self) -> ExtractionWorkers:
@@ -391,13 +393,19 @@ def jobs_for(audio_s: float, cores: int) -> int:
 _PR_SET_PDEATHSIG = 1
 
 
-def _init_worker() -> None:
-    """One torch thread; and on Linux, die with the stage (a killed stage leaves no worker writing)."""
+def _init_worker(stage_pid: int) -> None:
+    """One torch thread; and on Linux, die with the stage (a killed stage leaves no worker writing).
+
+    The stage may have died while this process was starting (before the death signal was
+    asked for): then it ends here.
+    """
     torch.set_num_threads(1)
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != stage_pid:
+        os._exit(1)
 
 
 @contextlib.contextmanager
