@@ -13,7 +13,16 @@ workers, shared pages split), ``peak_rss_mb`` (the stage's own process), ``elaps
 ``audio_s_per_s_per_core`` = audio seconds / elapsed / cores. ``scaling``: the ratio of the
 large to the small peak (goal <= 1.10) and the growth in MB per hour of audio.
 
-Usage: ``python -m bench.features_scale [--quick] [--workdir DIR] [--hours SMALL LARGE]``
+``profile`` (``--profile N``, on the first N train cuts of the small size; no sizes are run
+then): where the time goes, in this process at one torch thread, each figure in audio
+seconds per second of one core, the variants interleaved twice: ``before`` (the stage's
+former per-cut path: ``to_mono_at_rate(cut).compute_and_store_features``), ``after``
+(``_cut_with_features``: downmix and resample the samples, extract, store), and the parts
+of ``after``: ``load_audio`` (decode, downmix, resample), ``fbank`` (Lhotse's ``Fbank``),
+``lilcom_write`` (compress and write), and ``read_back`` (the CMVN pass that reads every
+train feature matrix again).
+
+Usage: ``python -m bench.features_scale [--quick] [--workdir DIR] [--hours SMALL LARGE] [--profile N]``
 (5 and 50 hours; 0.1 and 0.4 hours with ``--quick``).
 """
 
@@ -54,11 +63,67 @@ def manifests_for(work, hours: float):
     return folder, audio_s
 
 
+def profile(manifests, cuts: int) -> dict:
+    """Audio seconds per second of one core of the per-cut paths and parts (see the module docstring)."""
+    import itertools
+    import tempfile
+    import time
+
+    import torch
+    from lhotse import LilcomChunkyWriter
+    from lhotse.features.base import compute_global_stats, store_feature_array
+
+    from asrflow.data.audio import mono_samples, to_mono_at_rate
+    from asrflow.data.features import FeatureConfig, _cut_with_features, one_torch_thread
+    from asrflow.data.manifests import load_cuts
+
+    chosen = list(itertools.islice(load_cuts(manifests, "train"), cuts))
+    audio_s = sum(cut.duration for cut in chosen)
+    extractor = FeatureConfig().extractor()
+    seconds = dict.fromkeys(("before", "after", "load_audio", "fbank", "lilcom_write", "read_back"), 0.0)
+    with one_torch_thread(), tempfile.TemporaryDirectory() as tmp:
+        torch.set_num_threads(1)
+        for round_ in range(2):
+            for variant in ("before", "after"):
+                start = time.perf_counter()
+                with LilcomChunkyWriter(f"{tmp}/{variant}-{round_}") as storage:
+                    done = [
+                        to_mono_at_rate(cut, 16000).compute_and_store_features(extractor=extractor, storage=storage)
+                        if variant == "before"
+                        else _cut_with_features(cut, extractor, storage)
+                        for cut in chosen
+                    ]
+                seconds[variant] += time.perf_counter() - start
+            with LilcomChunkyWriter(f"{tmp}/parts-{round_}") as storage:
+                for cut in chosen:
+                    start = time.perf_counter()
+                    samples = mono_samples(cut, 16000)
+                    loaded = time.perf_counter()
+                    features = extractor.extract(samples, 16000)
+                    extracted = time.perf_counter()
+                    store_feature_array(features, storage)
+                    seconds["load_audio"] += loaded - start
+                    seconds["fbank"] += extracted - loaded
+                    seconds["lilcom_write"] += time.perf_counter() - extracted
+            start = time.perf_counter()
+            compute_global_stats([cut.features for cut in done])
+            seconds["read_back"] += time.perf_counter() - start
+    return {
+        "benchmark": "features_profile",
+        "cuts": len(chosen),
+        "audio_s": rounded(audio_s),
+        "audio_s_per_s_one_core": {name: rounded(2 * audio_s / value) for name, value in seconds.items()},
+        "after_vs_before": rounded(seconds["before"] / seconds["after"]),
+        "load_average": load_average(),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     import os
 
     def configure(parser) -> None:
         parser.add_argument("--hours", type=float, nargs=2, metavar=("SMALL", "LARGE"), help="the two sizes, hours")
+        parser.add_argument("--profile", type=int, metavar="N", help="only profile the per-cut path on N cuts")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     sizes = tuple(args.hours) if args.hours else HOURS["quick" if args.quick else "full"]
@@ -68,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         features = {**repo_params().get("features", {}), "sampling_rate": 16000, "num_mel_bins": 80, "num_jobs": 0}
         params = work / "params.yaml"
         params.write_text(yaml.safe_dump({"features": features}))
+        if args.profile:
+            emit(profile(manifests_for(work, sizes[0])[0], args.profile))
+            return
         figures = {}
         for hours in sizes:
             folder, audio_s = manifests_for(work, hours)
