@@ -159,7 +159,7 @@ def clone_run(source: Path, target: Path, upto_step: int) -> str:
     # them, as its watermark tag says they are not there.)
     from mlflow.tracking import MlflowClient
 
-    from asrflow.tracking.tracker import LOGGED_THROUGH_TAG
+    from asrflow.tracking.run import LOGGED_THROUGH_TAG
     from asrflow.training.checkpoint import load_checkpoint
 
     run_id = load_checkpoint(checkpoint_path(target / "exp" / "checkpoints", upto_step))["tracker"]["run_id"]

@@ -73,7 +73,7 @@ MARKERS = {
     "imports": ("stages.train", "train stage started"),
     "data": ("asrflow.training.train_data", "train data ready"),
     "model": ("asrflow.training.trainer", "model: "),
-    "mlflow_ready": ("asrflow.tracking.tracker", "MLflow run "),
+    "mlflow_ready": ("asrflow.tracking.run", "MLflow run "),
     "first_batch": ("asrflow.training.train_data", "first batch"),
     "first_step": ("asrflow.progress", "step "),
 }

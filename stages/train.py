@@ -35,7 +35,7 @@ from asrflow.launch.multinode import rendezvous_from_environment
 from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_command
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
-from asrflow.tracking.tracker import check_tracking_uri
+from asrflow.tracking.store import check_tracking_uri
 from asrflow.training.config import TrainPaths, load_train_config
 from asrflow.training.observers import TrainObserver
 from asrflow.training.outcome import Outcome, TrainingFailure, TrainOutcome, exit_code

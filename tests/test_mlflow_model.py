@@ -29,7 +29,7 @@ from asrflow.evaluation.metrics import score_corpus
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.pyfunc import log_bundle
 from asrflow.tracking.datasets import manifest_digest
-from asrflow.tracking.tracker import RunTracker
+from asrflow.tracking.run import MlflowRun
 
 #: The session's trained model, ``yesno_model``: one fixture however many modules use it.
 pytest_plugins = ["trained_model"]
@@ -49,7 +49,7 @@ def logged(yesno_model, tmp_path_factory):
     """``(tracking uri, run id, ModelInfo)`` of the bundle logged as the model of a new run."""
     folder = tmp_path_factory.mktemp("mlflow_model")
     uri = f"sqlite:///{folder / 'mlflow.db'}"
-    tracker = RunTracker.start(tracking_uri=uri, run_name="train")
+    tracker = MlflowRun.start(experiment="asrflow", tracking_uri=uri, run_name="train")
     tracker.record(5, {"train/loss": 0.5})
     tracker.flush()
     info = tracker.log_model(yesno_model, registered_model_name="yesno-asr", step=5)
@@ -77,6 +77,19 @@ def test_logged_model_is_linked_to_the_run_with_signature_and_requirements(logge
     assert (local / "code" / "asrflow" / "serving" / "bundle.py").is_file()
     versions = client.search_model_versions("name='yesno-asr'")
     assert [str(version.version) for version in versions] == ["1"]
+
+
+def test_logged_model_lives_in_the_runs_experiment(logged):
+    """The runs table's Model column lists the experiment's logged models: none may land in Default."""
+    uri, run_id, info = logged
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    assert client.get_experiment(experiment_id).name == "asrflow"
+    with mlflow.tracking._tracking_service.utils._use_tracking_uri(uri):
+        found = mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list")
+        default = mlflow.search_logged_models(experiment_ids=["0"], output_format="list")
+    assert [model.model_id for model in found] == [info.model_id]
+    assert found[0].experiment_id == experiment_id and default == []
 
 
 def test_pyfunc_load_model_transcribes_yesno_test_files(logged, yesno_data, monkeypatch):
@@ -175,7 +188,7 @@ def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, ye
     shutil.copyfile(yesno_model.parent / "mlflow.db", tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = load_bundle(yesno_model).run_id
-    tracker = RunTracker.start(run_id=run_id, tracking_uri=uri)
+    tracker = MlflowRun.start(run_id=run_id, tracking_uri=uri)
     info = tracker.log_model(yesno_model)
     tracker.end()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asrflow.params import flatten
-from asrflow.tracking.tracker import RunTracker
+from asrflow.tracking.run import MlflowRun
 
 STARTUP_TIMEOUT_S = 60
 
@@ -76,7 +76,7 @@ def test_mlflow_ui_shows_run_metrics_and_artifacts(tmp_path, monkeypatch):
     model = tmp_path / "model.pt"
     model.write_bytes(b"\x00weights\x01")
 
-    tracker = RunTracker.start(experiment="asrflow", run_name="train")
+    tracker = MlflowRun.start(experiment="asrflow", run_name="train")
     tracker.log_params(flatten({"train": {"lr": 0.001, "epochs": 2}, "seed": 1}))
     for step in range(1, 6):
         tracker.record(step, {"train/loss": 10.0 / step})

@@ -18,7 +18,7 @@ import logging
 from asrflow.logs import TerminalProgress, setup_logging
 setup_logging()
 logging.getLogger("asrflow.train").info("detail only for the log file")
-logging.getLogger("asrflow.tracking.tracker").info("MLflow run abc", extra={"terminal": True})
+logging.getLogger("asrflow.tracking.run").info("MLflow run abc", extra={"terminal": True})
 progress = TerminalProgress(total_steps=10, every_s=3600)
 for step in range(1, 11):
     progress.update(step, epoch=0, loss=1.0 / step, audio_s_per_s=50.0)
@@ -52,7 +52,7 @@ def test_terminal_filter():
     keep = TerminalFilter().filter
     assert keep(record(PROGRESS_LOGGER, logging.INFO))
     assert keep(record("asrflow.train", logging.WARNING))
-    assert keep(record("asrflow.tracking.tracker", logging.INFO, terminal=True))
+    assert keep(record("asrflow.tracking.run", logging.INFO, terminal=True))
     assert not keep(record("asrflow.train", logging.INFO))
 
 

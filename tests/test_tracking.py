@@ -1,4 +1,5 @@
-"""Tests for asrflow.tracking.tracker against a real SQLite MLflow store in a temporary folder."""
+"""The MLflow writer (asrflow.tracking.run) against a real SQLite MLflow store in a temporary folder: store URIs,
+params and tags, flushes that die half-way, crash and resume, reopened runs, artifacts."""
 
 from __future__ import annotations
 
@@ -11,20 +12,13 @@ from pathlib import Path
 
 import pytest
 from conftest import fresh_mlflow_store
-from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
 from asrflow.params import flatten
-from asrflow.tracking.tracker import (
-    LOGGED_THROUGH_TAG,
-    REOPENED_END_STATUS_TAG,
-    RunTracker,
-    default_artifact_location,
-    default_tracking_uri,
-    param_value,
-    resolve_tracking_uri,
-)
+from asrflow.tracking.naming import param_value
+from asrflow.tracking.run import LOGGED_THROUGH_TAG, REOPENED_END_STATUS_TAG, MlflowRun
+from asrflow.tracking.store import default_artifact_location, default_tracking_uri, resolve_tracking_uri
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("train/loss", "train/lr")
@@ -40,7 +34,7 @@ def point(step: int) -> dict[str, float]:
     return {"train/loss": 10.0 / step, "train/lr": 1e-3 * step}
 
 
-def record_steps(tracker: RunTracker, first: int, last: int) -> None:
+def record_steps(tracker: MlflowRun, first: int, last: int) -> None:
     for step in range(first, last + 1):
         tracker.record(step, point(step))
 
@@ -64,18 +58,23 @@ class Crash(BaseException):
     """Stands for the process dying (SIGKILL) at the point where it is raised."""
 
 
-class CrashingTracker(RunTracker):
+class CrashingTracker(MlflowRun):
     """A real tracker that 'dies' after ``chunks_before_crash`` metric writes, or before its tag."""
 
     chunks_before_crash: int | None = None
     crash_before_tag = False
 
-    def _write_metrics(self, metrics: list[Metric]) -> None:
+    def _write_metrics(self, points):
         if self.chunks_before_crash is not None:
             if self.chunks_before_crash == 0:
                 raise Crash
             self.chunks_before_crash -= 1
-        super()._write_metrics(metrics)
+        return super()._write_metrics(points)
+
+    def commit_in_flight(self) -> None:
+        """What was handed to MLflow's async queue before the death reaches the store."""
+        for operation, _ in self._in_flight:
+            operation.wait()
 
     def _write_watermark(self, step: int) -> None:
         if self.crash_before_tag:
@@ -90,7 +89,7 @@ def test_default_tracking_uri_and_env_override(monkeypatch, tmp_path):
     assert default_tracking_uri() == "sqlite:///mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
     assert default_tracking_uri() == other
-    tracker = RunTracker.start(run_name="train")
+    tracker = MlflowRun.start(run_name="train")
     tracker.end()
     assert tracker.tracking_uri == other
     client = MlflowClient(tracking_uri=other)
@@ -103,12 +102,16 @@ def test_default_store_in_cwd_with_artifacts_beside(monkeypatch, tmp_path):
     fresh_mlflow_store(work)
     monkeypatch.chdir(work)
     (work / "notes.txt").write_text("hello")
-    tracker = RunTracker.start(experiment="my exp", run_name="train")
+    tracker = MlflowRun.start(experiment="my exp", run_name="train")
     tracker.log_artifact("notes.txt", artifact_path="docs")
     tracker.end()
 
     assert tracker.tracking_uri == f"sqlite:///{work}/mlflow.db"
-    assert tracker.artifact_uri.startswith((work / "mlartifacts").resolve().as_uri() + "/")
+    assert (
+        MlflowClient(tracking_uri=tracker.tracking_uri)
+        .get_run(tracker.run_id)
+        .info.artifact_uri.startswith((work / "mlartifacts").resolve().as_uri() + "/")
+    )
     stored = work / "mlartifacts" / "my_exp" / tracker.run_id / "artifacts" / "docs" / "notes.txt"
     assert stored.read_text() == "hello"
 
@@ -125,7 +128,7 @@ def test_relative_store_follows_cwd(monkeypatch, tmp_path):
     for name in ("a", "b"):
         fresh_mlflow_store(tmp_path / name)
         monkeypatch.chdir(tmp_path / name)
-        tracker = RunTracker.start(tracking_uri="sqlite:///mlflow.db")
+        tracker = MlflowRun.start(tracking_uri="sqlite:///mlflow.db")
         tracker.end()
         assert tracker.tracking_uri == f"sqlite:///{tmp_path / name / 'mlflow.db'}"
         client = MlflowClient(tracking_uri=tracker.tracking_uri)
@@ -145,7 +148,7 @@ def test_artifact_location_for_uris(tmp_path):
 
 def test_fresh_store_in_new_folder_quietly(tmp_path, capfd):
     """Creating a store (and its folder), truncating a param and flushing print nothing."""
-    tracker = RunTracker.start(tracking_uri=f"sqlite:///{tmp_path}/deep/er/mlflow.db", run_name="train")
+    tracker = MlflowRun.start(tracking_uri=f"sqlite:///{tmp_path}/deep/er/mlflow.db", run_name="train")
     tracker.log_params({"long": "x" * 7000})
     record_steps(tracker, 1, 3)
     tracker.flush()
@@ -164,7 +167,7 @@ def test_params_flattened_many_long_and_null(uri, client):
         "tokenizer": {"vocab": "x" * 7000},
         "many": {f"k{i:03d}": i for i in range(150)},
     }
-    tracker = RunTracker.start(tracking_uri=uri, run_name="train")
+    tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
     tracker.log_params(flatten(params))
     tracker.end()
 
@@ -182,7 +185,7 @@ def test_params_flattened_many_long_and_null(uri, client):
 
 
 def test_log_params_again_same_ok_changed_is_clear_error(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     tracker.log_params({"a": 1, "b": "x"})
     tracker.log_params({"a": 1, "c": None})  # same value again + a new one: fine
     with pytest.raises(AsrflowError, match=r"a: '1' -> '2'"):
@@ -200,7 +203,7 @@ def test_param_value_rendering():
 
 
 def test_set_tags(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri, tags={"stage": "train"})
+    tracker = MlflowRun.start(tracking_uri=uri, tags={"stage": "train"})
     tracker.set_tags({f"t{i}": i for i in range(120)})
     tracker.end()
     tags = client.get_run(tracker.run_id).data.tags
@@ -210,20 +213,20 @@ def test_set_tags(uri, client):
 
 # --------------------------------------------------------------------------- metrics
 def test_record_is_buffered_until_flush(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     record_steps(tracker, 1, 5)
-    assert tracker.pending == 10
+    assert len(tracker.metrics.pending) == 10
     assert client.get_metric_history(tracker.run_id, "train/loss") == []
     tracker.flush()
-    assert tracker.pending == 0
-    assert tracker.logged_through_step == 5
+    assert len(tracker.metrics.pending) == 0
+    assert tracker.metrics.logged_through == 5
     assert client.get_run(tracker.run_id).data.tags[LOGGED_THROUGH_TAG] == "5"
     tracker.end()
     assert_history(client, tracker.run_id, 5)
 
 
 def test_flush_more_than_one_batch(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     record_steps(tracker, 1, 700)  # 1,400 points: two log_batch calls
     tracker.record(700, {"valid/wer": None})  # None values are skipped
     tracker.flush()
@@ -239,12 +242,12 @@ def test_flush_failed_half_way_can_be_called_again(uri, client):
     tracker.chunks_before_crash = 2
     with pytest.raises(Crash):
         tracker.flush()
-    assert tracker.pending == 12
+    assert len(tracker.metrics.pending) == 20 and len(tracker._in_flight) == 2  # sent, not yet confirmed
     tracker.chunks_before_crash = None
     tracker.crash_before_tag = True
     with pytest.raises(Crash):
         tracker.flush()
-    assert tracker.pending == 0
+    assert len(tracker.metrics.pending) == 0
     tracker.crash_before_tag = False
     tracker.flush()  # nothing left to write, but the tag is still due
     assert client.get_run(tracker.run_id).data.tags[LOGGED_THROUGH_TAG] == "10"
@@ -253,7 +256,7 @@ def test_flush_failed_half_way_can_be_called_again(uri, client):
 
 
 def test_state_dict_is_plain_json(uri):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     record_steps(tracker, 1, 3)
     state = tracker.state_dict()
     assert json.loads(json.dumps(state)) == state
@@ -265,7 +268,7 @@ def test_state_dict_is_plain_json(uri):
 
 
 def test_steps_must_not_be_negative(uri):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     with pytest.raises(ValueError):
         tracker.record(-1, {"a": 1.0})
     tracker.end()
@@ -274,7 +277,7 @@ def test_steps_must_not_be_negative(uri):
 # --------------------------------------------------------------------------- crash and resume
 def test_killed_after_checkpoint_flush_resumes_same_run(uri, client):
     """Steps 1..10, checkpoint, flush; 11..13 recorded, never flushed; resume from 10."""
-    tracker = RunTracker.start(tracking_uri=uri, run_name="train")
+    tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
     tracker.log_params({"train.lr": 0.001})
     record_steps(tracker, 1, 10)
     checkpoint = json.loads(json.dumps(tracker.state_dict()))  # saved with the checkpoint
@@ -282,7 +285,7 @@ def test_killed_after_checkpoint_flush_resumes_same_run(uri, client):
     record_steps(tracker, 11, 13)
     del tracker  # SIGKILL: no flush, no end
 
-    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"], run_name="train")
+    resumed = MlflowRun.start(tracking_uri=uri, run_id=checkpoint["run_id"], run_name="train")
     resumed.load_state_dict(checkpoint)
     record_steps(resumed, 11, 25)
     resumed.flush()
@@ -317,11 +320,12 @@ def test_killed_during_flush_does_not_duplicate(uri, client, crash):
     else:
         with pytest.raises(Crash):
             tracker.flush()
+        tracker.commit_in_flight()
     del tracker
 
-    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+    resumed = MlflowRun.start(tracking_uri=uri, run_id=checkpoint["run_id"])
     resumed.load_state_dict(checkpoint)
-    assert resumed.logged_through_step == 20
+    assert resumed.metrics.logged_through == 20
     record_steps(resumed, 21, 30)
     resumed.end()
 
@@ -332,7 +336,7 @@ def test_killed_during_flush_does_not_duplicate(uri, client, crash):
 
 def test_flushed_past_checkpoint_then_killed(uri, client):
     """The last attempt flushed beyond its last checkpoint; re-recorded points are dropped."""
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     record_steps(tracker, 1, 10)
     checkpoint = tracker.state_dict()
     tracker.flush()
@@ -341,7 +345,7 @@ def test_flushed_past_checkpoint_then_killed(uri, client):
     tracker.record(15, {"valid/wer": 40.0})  # recorded after that flush: never stored
     del tracker
 
-    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+    resumed = MlflowRun.start(tracking_uri=uri, run_id=checkpoint["run_id"])
     resumed.load_state_dict(checkpoint)
     record_steps(resumed, 11, 20)
     resumed.record(15, {"valid/wer": 40.0})
@@ -354,7 +358,7 @@ def test_flushed_past_checkpoint_then_killed(uri, client):
 @pytest.mark.parametrize("flushed_past_checkpoint", [False, True])
 def test_rollback_in_the_same_process_logs_every_step_once(uri, client, flushed_past_checkpoint):
     """A rollback to checkpoint 10: the abandoned steps 11..13 are trained and recorded again."""
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     record_steps(tracker, 1, 10)
     checkpoint = tracker.state_dict()
     tracker.flush()
@@ -362,7 +366,7 @@ def test_rollback_in_the_same_process_logs_every_step_once(uri, client, flushed_
     if flushed_past_checkpoint:  # e.g. a later checkpoint that is not the rollback target
         tracker.flush()
     assert tracker.discard_after(10) == (0 if flushed_past_checkpoint else 3 * len(point(1)))
-    assert tracker.pending == 0
+    assert len(tracker.metrics.pending) == 0
     tracker.load_state_dict(checkpoint)
     record_steps(tracker, 11, 16)
     tracker.end()
@@ -371,16 +375,16 @@ def test_rollback_in_the_same_process_logs_every_step_once(uri, client, flushed_
 
 
 def test_resume_twice_from_same_checkpoint(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     record_steps(tracker, 1, 10)
     checkpoint = tracker.state_dict()
     del tracker  # died before the first flush
     for _ in range(2):
-        resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+        resumed = MlflowRun.start(tracking_uri=uri, run_id=checkpoint["run_id"])
         resumed.load_state_dict(checkpoint)
         record_steps(resumed, 11, 12)
         del resumed  # died again before the next checkpoint
-    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"])
+    resumed = MlflowRun.start(tracking_uri=uri, run_id=checkpoint["run_id"])
     resumed.load_state_dict(checkpoint)
     record_steps(resumed, 11, 14)
     resumed.end()
@@ -390,18 +394,20 @@ def test_resume_twice_from_same_checkpoint(uri, client):
 
 CHILD = r"""
 import json, os, signal, sys
-from asrflow.tracking.tracker import RunTracker
+from asrflow.tracking.run import MlflowRun
 
 uri, mode, ckpt = sys.argv[1:4]
 
-class Dying(RunTracker):
+class Dying(MlflowRun):
     chunks_left = None
-    def _write_metrics(self, metrics):
-        super()._write_metrics(metrics)
+    def _write_metrics(self, points):
+        operation = super()._write_metrics(points)
         if self.chunks_left is not None:
             self.chunks_left -= 1
             if self.chunks_left == 0:
+                operation.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
+        return operation
 
 def save(state):
     tmp = ckpt + ".tmp"
@@ -451,7 +457,7 @@ def test_real_sigkill_then_resume(tmp_path, uri, client, mode):
         assert client.get_run(checkpoint["run_id"]).data.tags[LOGGED_THROUGH_TAG] == "10"
         assert 10 < len(stored) < 20  # killed half-way through writing 11..20
 
-    resumed = RunTracker.start(tracking_uri=uri, run_id=checkpoint["run_id"], run_name="train")
+    resumed = MlflowRun.start(tracking_uri=uri, run_id=checkpoint["run_id"], run_name="train")
     resumed.load_state_dict(checkpoint)
     record_steps(resumed, 21, 30)
     resumed.end()
@@ -463,10 +469,10 @@ def test_real_sigkill_then_resume(tmp_path, uri, client, mode):
 
 
 def test_load_state_dict_from_other_run_is_refused(uri):
-    first = RunTracker.start(tracking_uri=uri)
+    first = MlflowRun.start(tracking_uri=uri)
     state = first.state_dict()
     first.end()
-    second = RunTracker.start(tracking_uri=uri)
+    second = MlflowRun.start(tracking_uri=uri)
     with pytest.raises(AsrflowError, match="belongs to MLflow run"):
         second.load_state_dict(state)
     with pytest.raises(AsrflowError, match="version"):
@@ -476,10 +482,10 @@ def test_load_state_dict_from_other_run_is_refused(uri):
 
 # --------------------------------------------------------------------------- status and reopening
 def test_resumed_killed_run_is_running_again_and_can_fail(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     tracker.end("KILLED")
     assert client.get_run(tracker.run_id).info.status == "KILLED"
-    resumed = RunTracker.start(tracking_uri=uri, run_id=tracker.run_id)
+    resumed = MlflowRun.start(tracking_uri=uri, run_id=tracker.run_id)
     assert client.get_run(tracker.run_id).info.status == "RUNNING"
     with pytest.raises(RuntimeError), resumed:
         raise RuntimeError("boom")
@@ -487,7 +493,7 @@ def test_resumed_killed_run_is_running_again_and_can_fail(uri, client):
 
 
 def test_evaluate_reopens_finished_run_and_leaves_it_finished(tmp_path, uri, client):
-    with RunTracker.start(tracking_uri=uri, run_name="train") as train:
+    with MlflowRun.start(tracking_uri=uri, run_name="train") as train:
         record_steps(train, 1, 3)
         train.flush()
     info = client.get_run(train.run_id).info
@@ -497,7 +503,7 @@ def test_evaluate_reopens_finished_run_and_leaves_it_finished(tmp_path, uri, cli
     results.mkdir()
     (results / "metrics.json").write_text('{"wer": 12.5}')
     (results / "per_utt.txt").write_text("utt1 ok\n")
-    evaluate = RunTracker.start(tracking_uri=uri, run_id=train.run_id)
+    evaluate = MlflowRun.start(tracking_uri=uri, run_id=train.run_id)
     assert client.get_run(train.run_id).info.status == "FINISHED"
     evaluate.log_metrics({"test/wer": 12.5, "test/cer": 4.0})
     evaluate.record(3, {"test/loss": 0.5})
@@ -518,7 +524,7 @@ def test_evaluate_reopens_finished_run_and_leaves_it_finished(tmp_path, uri, cli
     local = client.download_artifacts(run.info.run_id, "eval/metrics.json", str(tmp_path))
     assert json.loads(Path(local).read_text()) == {"wer": 12.5}
 
-    failed = RunTracker.start(tracking_uri=uri, run_id=train.run_id)
+    failed = MlflowRun.start(tracking_uri=uri, run_id=train.run_id)
     failed.end("FAILED")
     run = client.get_run(train.run_id)
     assert run.info.status == "FINISHED"
@@ -526,7 +532,7 @@ def test_evaluate_reopens_finished_run_and_leaves_it_finished(tmp_path, uri, cli
 
 
 def test_end_is_idempotent_and_checks_status(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     with pytest.raises(ValueError):
         tracker.end("DONE")
     record_steps(tracker, 1, 2)
@@ -540,8 +546,8 @@ def test_end_is_idempotent_and_checks_status(uri, client):
 def test_missing_run_is_clear_error_or_replaced(uri, client):
     ghost = "0" * 32
     with pytest.raises(AsrflowError, match="not in the tracking store"):
-        RunTracker.start(tracking_uri=uri, run_id=ghost)
-    tracker = RunTracker.start(tracking_uri=uri, run_id=ghost, create_if_missing=True)
+        MlflowRun.start(tracking_uri=uri, run_id=ghost)
+    tracker = MlflowRun.start(tracking_uri=uri, run_id=ghost, create_if_missing=True)
     assert tracker.run_id != ghost
     tracker.load_state_dict(
         {
@@ -557,18 +563,18 @@ def test_missing_run_is_clear_error_or_replaced(uri, client):
 
 
 def test_deleted_run_and_experiment_are_clear_errors(uri, client):
-    tracker = RunTracker.start(tracking_uri=uri, experiment="gone")
+    tracker = MlflowRun.start(tracking_uri=uri, experiment="gone")
     tracker.end()
     client.delete_run(tracker.run_id)
     with pytest.raises(AsrflowError, match="is deleted"):
-        RunTracker.start(tracking_uri=uri, run_id=tracker.run_id)
+        MlflowRun.start(tracking_uri=uri, run_id=tracker.run_id)
     client.delete_experiment(tracker.experiment_id)
     with pytest.raises(AsrflowError, match="experiment 'gone' is deleted"):
-        RunTracker.start(tracking_uri=uri, experiment="gone")
+        MlflowRun.start(tracking_uri=uri, experiment="gone")
 
 
 def test_missing_artifact_is_clear_error(tmp_path, uri):
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     with pytest.raises(AsrflowError, match="no such file"):
         tracker.log_artifact(tmp_path / "nope.pt")
     tracker.end()
@@ -577,7 +583,7 @@ def test_missing_artifact_is_clear_error(tmp_path, uri):
 def test_artifact_store_unreachable_is_clear_error(tmp_path, uri, client):
     """An experiment made by `mlflow server` stores artifacts through it, not through SQLite."""
     client.create_experiment("served", artifact_location="mlflow-artifacts:/served")
-    tracker = RunTracker.start(tracking_uri=uri, experiment="served")
+    tracker = MlflowRun.start(tracking_uri=uri, experiment="served")
     (tmp_path / "model.pt").write_bytes(b"x")
     with pytest.raises(AsrflowError, match="MLFLOW_TRACKING_URI"):
         tracker.log_artifact(tmp_path / "model.pt")

@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from test_mlflow_ui import free_port, stop, wait_healthy
 
-from asrflow.tracking.tracker import LOGGED_THROUGH_TAG, RunTracker
+from asrflow.tracking.run import LOGGED_THROUGH_TAG, MlflowRun
 
 pytestmark = pytest.mark.serve
 
@@ -46,7 +46,7 @@ def start_server(folder: Path, port: int, log: Path) -> subprocess.Popen:
     return server
 
 
-def record(tracker: RunTracker, first: int, last: int) -> None:
+def record(tracker: MlflowRun, first: int, last: int) -> None:
     for step in range(first, last + 1):
         tracker.record(step, {"train/loss": 10.0 / step, "train/lr": 1e-3 * step})
 
@@ -57,14 +57,14 @@ def test_points_logged_while_the_server_is_down_are_sent_when_it_is_back(tmp_pat
     log = tmp_path / "server.log"
     server = start_server(tmp_path, port, log)
     try:
-        tracker = RunTracker.start(tracking_uri=uri, run_name="train")
+        tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
         record(tracker, 1, 5)
         assert tracker.flush()
 
         stop(server)
         record(tracker, 6, 10)
         assert tracker.flush() is False  # no exception: training would go on
-        assert tracker.pending == 10
+        assert len(tracker.metrics.pending) == 10
         assert len(tracker.state_dict()["pending"]) == 10  # what the next checkpoint keeps
         record(tracker, 11, 12)
         assert tracker.flush() is False
@@ -73,7 +73,7 @@ def test_points_logged_while_the_server_is_down_are_sent_when_it_is_back(tmp_pat
         server = start_server(tmp_path, port, log)
         record(tracker, 13, 14)
         assert tracker.flush()
-        assert tracker.pending == 0
+        assert len(tracker.metrics.pending) == 0
         tracker.end()
 
         client = MlflowClient(tracking_uri=uri)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -19,21 +20,19 @@ from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
 from asrflow.tracking.datasets import ManifestDataset, combined_digest, manifest_digest
-from asrflow.tracking.tracker import (
-    DATA_DIGEST_TAG,
+from asrflow.tracking.naming import (
     DVC_EXP_TAG,
-    EXPERIMENT_KIND,
-    EXPERIMENT_KIND_TAG,
+    NOTE_TAG,
     PARAMS_DIGEST_TAG,
     PIPELINE_TAG,
-    RunTracker,
-    check_tracking_uri,
     committed_params,
     params_digest,
     pipeline_tool,
     run_name,
     run_tags,
 )
+from asrflow.tracking.run import DATA_DIGEST_TAG, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MlflowRun, start_training_run
+from asrflow.tracking.store import check_tracking_uri, runs_page
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.001, "epochs": 40, "d_model": 144}, "evaluate": {"decoder": "greedy"}}
@@ -67,7 +66,7 @@ def write_cuts(path: Path, durations: list[float], prefix: str = "utt") -> Path:
 
 # --------------------------------------------------------------------------- experiment kind
 def test_new_experiment_opens_in_the_model_training_view(uri):
-    tracker = RunTracker.start(experiment="asrflow", tracking_uri=uri)
+    tracker = MlflowRun.start(experiment="asrflow", tracking_uri=uri)
     tracker.end()
     experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name("asrflow")
     assert experiment.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"
@@ -78,7 +77,7 @@ def test_existing_experiment_gets_the_kind_but_a_chosen_kind_stays(uri):
     old = client.create_experiment("old")
     chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
     for name in ("old", "chosen"):
-        RunTracker.start(experiment=name, tracking_uri=uri).end()
+        MlflowRun.start(experiment=name, tracking_uri=uri).end()
     assert client.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
     assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"
 
@@ -95,12 +94,28 @@ def test_run_name_from_changed_params(monkeypatch):
     changed = json.loads(json.dumps(PARAMS))
     changed["train"]["lr"] = 0.002
     changed["train"]["epochs"] = 60
-    assert run_name(changed, PARAMS) == "train.epochs=60 train.lr=0.002"
-    assert run_name(PARAMS, PARAMS) == f"defaults-{params_digest(PARAMS)}"
-    assert run_name(PARAMS, None) == f"params-{params_digest(PARAMS)}"
-    many = {"train": {f"key_number_{i}": i for i in range(20)}}
-    name = run_name(many, {"train": {}})
-    assert len(name) <= 100 and name.endswith("more") and "train.key_number_0=0" in name
+    assert run_name(changed, PARAMS) == "params epochs=60 lr=0.002"
+    assert run_name(PARAMS, PARAMS) == run_name(PARAMS, None) == f"params-{params_digest(PARAMS)}"
+    corpus = {"prepare": {"corpus": "folder"}, **PARAMS}
+    assert run_name(corpus, None) == f"folder-{params_digest(corpus)}"
+
+
+def test_run_names_are_short_and_tell_runs_apart_the_diff_is_the_description(monkeypatch):
+    """Many keys that differ from the committed params: the name is the corpus and a digest, the keys go
+    to the run's description."""
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    defaults = {"prepare": {"corpus": "yesno"}, "train": {f"key_number_{i}": 0 for i in range(20)}}
+    names, notes = set(), set()
+    for lr in (0.001, 0.002):
+        params = {"prepare": {"corpus": "folder"}, "train": {f"key_number_{i}": i for i in range(20)}, "lr": lr}
+        name = run_name(params, defaults)
+        assert name == f"folder-{params_digest(params)}" and len(name) <= 20
+        note = run_tags(params, defaults)[NOTE_TAG]
+        assert "- `prepare.corpus`: yesno -> folder" in note and "- `train.key_number_19`: 0 -> 19" in note
+        names.add(name)
+        notes.add(note)
+    assert len(names) == len(notes) == 2
+    assert run_tags(defaults, defaults)[NOTE_TAG] == "The committed params.yaml, unchanged."
 
 
 def test_params_digest_tells_params_apart():
@@ -132,28 +147,33 @@ def test_committed_params_are_the_defaults(tmp_path):
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "params")
     (tmp_path / "params.yaml").write_text("train:\n  lr: 0.005\n")
     assert committed_params(tmp_path / "params.yaml") == {"train": {"lr": 0.001}}
-    assert run_name({"train": {"lr": 0.005}}, committed_params(tmp_path / "params.yaml")) == "train.lr=0.005"
+    assert run_name({"train": {"lr": 0.005}}, committed_params(tmp_path / "params.yaml")) == "params lr=0.005"
     assert committed_params(tmp_path / "missing.yaml") is None
 
 
-def test_run_carries_name_commit_and_tags(uri, monkeypatch):
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("ASRFLOW_PIPELINE", "snakemake")
-    tracker = RunTracker.start(tracking_uri=uri, run_name=run_name(PARAMS, None), tags=run_tags(PARAMS))
-    tracker.end()
-    run = MlflowClient(tracking_uri=uri).get_run(tracker.run_id)
+def test_run_carries_name_commit_and_tags(uri):
+    code = (  # a process of its own, named as a stage is: MLflow resolves the git tags once per process
+        "import sys; sys.argv[0] = 'stages/train.py'; from asrflow.tracking.run import MlflowRun; "
+        "from asrflow.tracking.naming import run_name, run_tags; "
+        f"params = {PARAMS!r}; run = MlflowRun.start(tracking_uri={uri!r}, run_name=run_name(params, None), "
+        "tags=run_tags(params)); run.end(); print(run.run_id)"
+    )
+    env = {**os.environ, "ASRFLOW_PIPELINE": "snakemake", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    run = MlflowClient(tracking_uri=uri).get_run(done.stdout.split()[-1])
     assert run.info.run_name == f"params-{params_digest(PARAMS)}"
     assert run.data.tags[PIPELINE_TAG] == "snakemake"
     assert run.data.tags[PARAMS_DIGEST_TAG] == params_digest(PARAMS)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    assert run.data.tags["mlflow.source.git.commit"] == head
+    assert run.data.tags["mlflow.source.git.commit"] == head  # MLflow's own context tags
+    assert run.data.tags["mlflow.user"] and run.data.tags["mlflow.source.type"] == "LOCAL"
 
 
 # --------------------------------------------------------------------------- datasets
 def test_manifests_are_logged_as_dataset_inputs(uri, tmp_path):
     train = write_cuts(tmp_path / "train_cuts.jsonl.gz", [1800.0, 1800.0, 3600.0])
     dev = write_cuts(tmp_path / "dev_cuts.jsonl.gz", [5.0, 7.0], prefix="dev")
-    tracker = RunTracker.start(tracking_uri=uri)
+    tracker = MlflowRun.start(tracking_uri=uri)
     logged = tracker.log_datasets({"train": train, "dev": dev})
     tracker.log_datasets({"train": train, "dev": dev})  # a resumed run: nothing twice
     tracker.end()
@@ -192,7 +212,7 @@ def test_missing_manifest_is_clear_error(tmp_path):
 
 # --------------------------------------------------------------------------- system metrics
 def test_system_metrics_by_mlflow_monitor(uri):
-    tracker = RunTracker.start(tracking_uri=uri, system_metrics=True, system_metrics_interval_s=0.2)
+    tracker = MlflowRun.start(tracking_uri=uri, system_metrics=True, system_metrics_interval_s=0.2)
     client = MlflowClient(tracking_uri=uri)
     deadline = time.monotonic() + 60
     while (
@@ -208,12 +228,33 @@ def test_system_metrics_by_mlflow_monitor(uri):
     assert tracker._monitor is None
 
 
+def test_mlflow_switch_turns_system_metrics_on_and_off(uri, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "")  # restored after the test
+    mlflow.enable_system_metrics_logging()
+    on = MlflowRun.start(tracking_uri=uri)
+    assert on._monitor is not None
+    on.end()
+    mlflow.disable_system_metrics_logging()
+    off = start_training_run(PARAMS, {}, tracking_uri=uri)  # training asks for them; the switch says no
+    assert off.run_id and off._monitor is None
+    off.end()
+
+
+def test_runs_page_names_the_experiment():
+    local = runs_page("sqlite:////data/mlflow.db", "3")
+    assert local.startswith("http://127.0.0.1:5000/#/experiments/3/runs after `mlflow ui --backend-store-uri")
+    assert "GenAI" in local
+    assert runs_page("http://mlflow.example:8080/", "7").startswith("http://mlflow.example:8080/#/experiments/7/runs ")
+
+
 # --------------------------------------------------------------------------- unreachable store
 def test_unreachable_tracking_server_is_one_clear_error(monkeypatch):
     server = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
     with pytest.raises(AsrflowError) as caught:
-        RunTracker.start(run_name="train")
+        MlflowRun.start(run_name="train")
     message = str(caught.value)
     assert server in message and "MLFLOW_TRACKING_URI" in message and "sqlite:///mlflow.db" in message
     assert "\n" not in message
@@ -250,13 +291,11 @@ def test_start_training_does_what_the_ui_shows(uri, tmp_path, monkeypatch):
         "train": write_cuts(tmp_path / "train_cuts.jsonl.gz", [3.0, 4.0]),
         "dev": write_cuts(tmp_path / "dev_cuts.jsonl.gz", [2.0], prefix="dev"),
     }
-    tracker = RunTracker.start_training(PARAMS, manifests, tracking_uri=uri, system_metrics_interval_s=0.2)
-    assert tracker._monitor is not None
+    tracker = start_training_run(PARAMS, manifests, tracking_uri=uri, system_metrics_interval_s=0.2)
+    assert tracker.run_id and tracker._monitor is not None  # run_id waits for the opening
     tracker.end("KILLED")
     assert tracker._monitor is None
-    resumed = RunTracker.start_training(
-        PARAMS, manifests, run_id=tracker.run_id, tracking_uri=uri, system_metrics=False
-    )
+    resumed = start_training_run(PARAMS, manifests, run_id=tracker.run_id, tracking_uri=uri, system_metrics=False)
     resumed.end()
 
     run = MlflowClient(tracking_uri=uri).get_run(tracker.run_id)
@@ -270,10 +309,11 @@ def test_start_training_does_what_the_ui_shows(uri, tmp_path, monkeypatch):
 
 
 def test_start_training_with_a_missing_manifest_fails_the_run(uri, tmp_path):
+    tracker = start_training_run(PARAMS, {"train": tmp_path / "train_cuts.jsonl.gz"}, tracking_uri=uri)
+    tracker.record(1, {"train/loss": 1.0})  # opens the run in the background
     with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz not found"):
-        RunTracker.start_training(
-            PARAMS, {"train": tmp_path / "train_cuts.jsonl.gz"}, tracking_uri=uri, system_metrics=False
-        )
+        tracker.state_dict() if tracker._opened.wait(60) else None
+    tracker.end("FAILED")
     (run,) = MlflowClient(tracking_uri=uri).search_runs(
         [MlflowClient(tracking_uri=uri).get_experiment_by_name("asrflow").experiment_id]
     )

@@ -166,9 +166,9 @@ def _log_to_training_run(
     """
     from mlflow.tracking import MlflowClient
 
-    from asrflow.tracking.tracker import RunTracker
+    from asrflow.tracking.run import MlflowRun
 
-    tracker = RunTracker.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
+    tracker = MlflowRun.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
     try:
         test_set = tracker.log_datasets({"test": test_manifest})["test"]
         model_ids = tracker.model_ids()

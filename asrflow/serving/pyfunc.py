@@ -35,6 +35,7 @@ from mlflow.types.schema import Array
 from asrflow.errors import AsrflowError
 
 logger = logging.getLogger("asrflow.serving.pyfunc")
+MODEL_TYPE = "speech-recognition"
 
 #: Name of the logged model (and its folder in a run's artifacts).
 MODEL_NAME = "model"
@@ -200,6 +201,7 @@ def log_bundle(
     *,
     run_id: str,
     tracking_uri: str,
+    experiment_id: str | None = None,
     name: str = MODEL_NAME,
     registered_model_name: str | None = None,
     step: int = 0,
@@ -209,7 +211,9 @@ def log_bundle(
     The model is built from code (:mod:`asrflow.serving.pyfunc_code`, nothing pickled) and
     carries the bundle, the ``asrflow`` package (``code/``), :data:`SIGNATURE` and
     :func:`pip_requirements`; it is linked to the run (with the run's metrics at
-    ``step`` copied to it). ``registered_model_name``: also register a version under it.
+    ``step`` copied to it), in the run's experiment (``experiment_id``, else the run's: left to
+    itself MLflow puts it in the Default experiment). ``registered_model_name``: also register a
+    version under it.
     """
     from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
@@ -218,7 +222,16 @@ def log_bundle(
         raise AsrflowError(f"model file {bundle_path} not found: train a model first")
     package = Path(__file__).resolve().parents[1]  # the whole asrflow package travels with the model
     with _use_tracking_uri(tracking_uri):
+        run = mlflow.MlflowClient(tracking_uri).get_run(run_id)
+        model = mlflow.initialize_logged_model(
+            name=name,
+            source_run_id=run_id,
+            params=run.data.params,
+            model_type=MODEL_TYPE,
+            experiment_id=experiment_id or run.info.experiment_id,
+        )
         info = Model.log(
+            model_id=model.model_id,
             artifact_path=None,
             name=name,
             flavor=mlflow.pyfunc,
@@ -230,7 +243,6 @@ def log_bundle(
             pip_requirements=pip_requirements(),
             registered_model_name=registered_model_name,
             step=step,
-            model_type="speech-recognition",
         )
     logger.info("logged MLflow model %s (%s)", info.model_id, info.model_uri, extra={"terminal": True})
     return info

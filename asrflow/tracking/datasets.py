@@ -3,7 +3,7 @@
 A :class:`ManifestDataset` names one split's ``<split>_cuts.jsonl.gz``: its source is the
 file, its digest the SHA-256 of the file's *decompressed* content (gzip headers carry a
 time stamp, so the compressed bytes of identical manifests differ), and its profile the
-number of utterances and hours of audio. :meth:`asrflow.tracking.tracker.RunTracker.log_datasets`
+number of utterances and hours of audio. :func:`log_manifests`
 logs them as run inputs with the context ``train``, ``dev`` or ``test``.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from asrflow.errors import AsrflowError
 
 #: Hex characters of a manifest digest (MLflow's dataset digest column holds 36).
 DIGEST_CHARS = 16
+#: Dataset input tag MLflow's UI shows as the dataset's context.
+DATASET_CONTEXT_TAG = "mlflow.data.context"
 _READ_BYTES = 1 << 20
 
 
@@ -84,3 +86,29 @@ class ManifestDataset(MetaDataset):
         config = super().to_dict()
         config["profile"] = json.dumps(self._profile)
         return config
+
+
+def log_manifests(client: Any, run_id: str, manifests: Mapping[str, Any]) -> dict[str, ManifestDataset]:
+    """Log manifests (context -> path or :class:`ManifestDataset`) as run ``run_id``'s dataset inputs; a
+    dataset the run already has in that context is not logged again. Returns context -> dataset."""
+    from mlflow.entities import DatasetInput, InputTag
+
+    datasets = {
+        context: item if isinstance(item, ManifestDataset) else ManifestDataset(item, name=context)
+        for context, item in manifests.items()
+    }
+    run = client.get_run(run_id)
+    logged = {
+        (item.dataset.name, item.dataset.digest, tag.value)
+        for item in (run.inputs.dataset_inputs if run.inputs else [])
+        for tag in item.tags
+        if tag.key == DATASET_CONTEXT_TAG
+    }
+    inputs = [
+        DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(DATASET_CONTEXT_TAG, context)])
+        for context, dataset in datasets.items()
+        if (dataset.name, dataset.digest, context) not in logged
+    ]
+    if inputs:
+        client.log_inputs(run_id, datasets=inputs)
+    return datasets

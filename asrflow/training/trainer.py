@@ -24,8 +24,7 @@ from asrflow.data.workers import unpack_batch
 from asrflow.logs import TerminalProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.params import flatten
-from asrflow.tracking.background import BackgroundTracker
-from asrflow.tracking.tracker import NullTracker
+from asrflow.tracking.run import MlflowRun, NullTracker, start_training_run
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig, TrainPaths
@@ -69,7 +68,7 @@ class Trainer:
         self.all_params, self.paths = all_params or {}, paths or TrainPaths()
         self.tracking_uri, self.observers = tracking_uri, list(observers)
         self.stop = StopFlag()
-        self.tracker: BackgroundTracker | NullTracker = NullTracker()
+        self.tracker: MlflowRun | NullTracker = NullTracker()
         self.terminal_progress: TerminalProgress | None = None  # rank 0's, once the run starts
         self.dist = init_distributed(config.dist_timeout_s)
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu")
@@ -245,7 +244,7 @@ class Trainer:
             observer.on_start(self.observed)
         loader = self.data.open(self.position.epoch, self.position.step_in_epoch)
         if self.dist.is_main:  # names and tags the run, logs the datasets, starts MLflow's system metrics
-            self.tracker = BackgroundTracker.start_training(
+            self.tracker = start_training_run(
                 self.all_params,
                 self.data.manifests,
                 experiment=self.config.experiment,

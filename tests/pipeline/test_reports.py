@@ -145,7 +145,7 @@ def test_snakemake_terminal_shows_progress_and_mlflow_knows_the_run(snakemake_ru
     model-training view and the run has the test split as a dataset input."""
     from mlflow.tracking import MlflowClient
 
-    from asrflow.tracking.tracker import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+    from asrflow.tracking.run import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
 
     output = snakemake_run.output
     for stage in ("prepare", "features", "tokenizer", "train", "evaluate"):

@@ -15,7 +15,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from train_entry import TrainingProcess, fresh_mlflow_store, run_training
 
-from asrflow.tracking.tracker import LOGGED_THROUGH_TAG
+from asrflow.tracking.run import LOGGED_THROUGH_TAG
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 
 OVERRIDES = {

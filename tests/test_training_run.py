@@ -1,27 +1,23 @@
-"""BackgroundTracker: MLflow opened off the training's critical path, against a real SQLite store."""
+"""The training's run (start_training_run): opened in a thread after the first point, so the first step
+never waits for MLflow; against a real SQLite store."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import mlflow.utils.validation as limits
 import pytest
 from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
-from asrflow.tracking import tracker as tracking
-from asrflow.tracking.background import BackgroundTracker
-from asrflow.tracking.tracker import LOGGED_THROUGH_TAG
+from asrflow.tracking import naming, run
+from asrflow.tracking.run import LOGGED_THROUGH_TAG, MlflowRun, start_training_run
 
-REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.003, "epochs": 2}}
 
 
-def start(uri: str, run_id: str | None = None) -> BackgroundTracker:
-    return BackgroundTracker.start_training(PARAMS, {}, run_id=run_id, tracking_uri=uri, system_metrics=False)
+def start(uri: str, run_id: str | None = None) -> MlflowRun:
+    return start_training_run(PARAMS, {}, run_id=run_id, tracking_uri=uri, system_metrics=False)
 
 
 def runs(uri: str) -> list:
@@ -29,17 +25,11 @@ def runs(uri: str) -> list:
     return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
-def test_the_train_stage_imports_no_mlflow():
-    code = "import sys, stages.train; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
-
-
 def test_limits_agree_with_mlflow():
-    assert tracking.MAX_METRICS_PER_BATCH == limits.MAX_METRICS_PER_BATCH
-    assert tracking.MAX_PARAM_VAL_LENGTH == limits.MAX_PARAM_VAL_LENGTH
-    assert tracking.MAX_PARAMS_TAGS_PER_BATCH == limits.MAX_PARAMS_TAGS_PER_BATCH
-    assert tracking.MAX_TAG_VAL_LENGTH == limits.MAX_TAG_VAL_LENGTH
+    assert run.MAX_METRICS_PER_BATCH == limits.MAX_METRICS_PER_BATCH
+    assert naming.MAX_PARAM_VAL_LENGTH == limits.MAX_PARAM_VAL_LENGTH
+    assert run.MAX_PARAMS_TAGS_PER_BATCH == limits.MAX_PARAMS_TAGS_PER_BATCH
+    assert run.MAX_TAG_VAL_LENGTH == limits.MAX_TAG_VAL_LENGTH
 
 
 def test_nothing_opens_before_the_first_point_and_points_keep_their_time(uri):
@@ -47,14 +37,14 @@ def test_nothing_opens_before_the_first_point_and_points_keep_their_time(uri):
     tracker.set_tags({"precision": "fp32"})
     state = tracker.state_dict()
     assert state["run_id"] is None and state["pending"] == [] and state["run_key"]
-    assert tracker.flush() is False and not tracker.ready
+    assert tracker.flush() is False and not tracker._opened.is_set()
     assert runs(uri) == []  # the store was not touched: the run opens after the first step
     before = int(time.time() * 1000)
     tracker.record(1, {"train/loss": 3.0})
     tracker.record(2, {"train/loss": 2.0})
     after = int(time.time() * 1000)
-    state = tracker.state_dict()  # waits for the run: a checkpoint holding points names their run
-    assert tracker.ready and state["run_id"] == tracker.run_id
+    state = tracker.state_dict()  # never waits: before the run is open it names the run's key
+    assert state["run_id"] in (None, tracker.run_id) and state["run_key"] == tracker.run_key
     assert [(key, step) for key, step, _, _ in state["pending"]] == [("train/loss", 1), ("train/loss", 2)]
     assert all(before <= ts <= after for *_, ts in state["pending"])
     assert tracker.flush() is True
@@ -83,7 +73,7 @@ def test_a_resume_from_the_step_0_checkpoint_continues_the_run_its_process_opene
     crashed = start(uri)
     state = crashed.state_dict()  # the step-0 checkpoint: no run yet
     crashed.record(1, {"train/loss": 1.0})
-    opened = crashed.wait().run_id  # the run opened after step 1; then the process is killed
+    opened = crashed.run_id  # the run opened after step 1; then the process is killed
     resumed = start(uri, run_id=state["run_id"])
     resumed.load_state_dict(state)
     resumed.record(1, {"train/loss": 1.0})
@@ -113,6 +103,7 @@ def test_a_resumed_run_gets_only_the_points_it_lacks(uri):
 def test_an_opening_error_is_raised_by_the_next_call_and_end_stays_quiet(uri):
     tracker = start(uri, run_id="0123456789abcdef0123456789abcdef")  # not in the store
     tracker.record(1, {"train/loss": 1.0})  # starts the opening
+    tracker._opened.wait(60)
     with pytest.raises(AsrflowError, match="is not in the tracking store"):
         tracker.state_dict()
     tracker.end("FAILED")  # the error was raised once; ending says nothing more
@@ -131,3 +122,21 @@ def test_rollback_discards_the_abandoned_points(uri):
     (run,) = runs(uri)
     history = MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 0.5)]
+
+
+def test_a_checkpoint_taken_before_the_run_opened_holds_its_points_and_key(uri):
+    """Points recorded while the run opens travel in the checkpoint under the run's key; a resume from it
+    continues that run and writes each point once."""
+    first = start(uri)
+    first.record(1, {"train/loss": 1.0})
+    state = first.state_dict()  # maybe before the run is open: no run id, the key
+    opened = first.run_id
+    first.record(2, {"train/loss": 2.0})  # then killed: nothing flushed
+    resumed = start(uri, run_id=state["run_id"])
+    resumed.load_state_dict(state)
+    resumed.record(2, {"train/loss": 2.0})
+    resumed.end("FINISHED")
+    (only,) = runs(uri)
+    assert only.info.run_id == opened
+    history = MlflowClient(tracking_uri=uri).get_metric_history(opened, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0)]

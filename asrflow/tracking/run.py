@@ -1,0 +1,499 @@
+"""The thin MLflow writer: one run, fed from a :class:`~asrflow.tracking.metric_log.MetricLog`.
+
+:meth:`MlflowRun.start` opens a run now (evaluate); :func:`start_training_run` opens it in a plain thread
+after the first point, so the first step never waits for MLflow. See ``docs/mlflow.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from asrflow.errors import AsrflowError, first_line
+from asrflow.tracking.metric_log import MetricLog, Point, now_ms
+from asrflow.tracking.naming import committed_params, param_value, run_name, run_tags
+from asrflow.tracking.store import check_tracking_uri, default_artifact_location, runs_page
+
+# Before MLflow loads: no git warning, no telemetry, no minutes of retries on a server that is down.
+_ENV_DEFAULTS = {
+    "GIT_PYTHON_REFRESH": "quiet",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+os.environ.update({key: value for key, value in _ENV_DEFAULTS.items() if key not in os.environ})
+for _name in ("alembic", "mlflow.store.db.utils"):  # a fresh SQLite store's migrations are not news
+    logging.getLogger(_name).setLevel(logging.WARNING)
+log = logging.getLogger(__name__)
+
+#: MLflow's limits (``mlflow.utils.validation``; a test checks they agree).
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_TAG_VAL_LENGTH = 8000
+#: Run tags: every point at or below this step is stored; the status a reopened FINISHED run was
+#: ended with; a key drawn before the run opens, by which a resume from the step-0 checkpoint finds it.
+LOGGED_THROUGH_TAG = "asrflow.logged_through_step"
+REOPENED_END_STATUS_TAG = "asrflow.reopened_end_status"
+RUN_KEY_TAG = "asrflow.run_key"
+DATA_DIGEST_TAG = "asrflow.data_digest"
+#: Experiment tag MLflow 3's UI reads to pick its view, and the model-training view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+_END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+def _store_errors() -> tuple[type[BaseException], ...]:
+    from mlflow.exceptions import MlflowException
+
+    return (MlflowException, OSError)
+
+
+class MlflowRun:
+    """One MLflow run: params, tags, metrics (kept in :attr:`metrics` until :meth:`flush`), datasets,
+    artifacts, the model, system metrics, its end. Calls that need the run wait until it is open."""
+
+    max_metrics_per_batch = MAX_METRICS_PER_BATCH
+
+    def __init__(self, opener: Callable[[MlflowRun], None] | None = None) -> None:
+        self.metrics = MetricLog()
+        self.run_key = uuid.uuid4().hex
+        self.tracking_uri = self.experiment_id = None
+        self._opener, self._thread, self._opened = opener, None, threading.Event()
+        self._error: BaseException | None = None  # from the opening thread, raised by the next call
+        self._client = self._run_id = self._monitor = self._replaces_run_id = self._state_run_id = None
+        self._store_through = -1  # the run's watermark when it was opened
+        self._queued_params: dict[str, str] = {}
+        self._queued_tags: dict[str, str] = {}
+        self._failed = self._reopened_finished = self._settled = self._restored = False
+        self._store_down = self._ended = False
+        self._in_flight: list[tuple[Any, list[Point]]] = []
+
+    @classmethod
+    def start(cls, experiment: str = "asrflow", run_id: str | None = None, **options: Any) -> MlflowRun:
+        """Open a new run in ``experiment`` (created if needed), or continue ``run_id``, now; see :meth:`_open`."""
+        run = cls()
+        run._open(experiment, run_id, **options)
+        run._opened.set()
+        run._ready()
+        return run
+
+    def _open(
+        self,
+        experiment: str,
+        run_id: str | None,
+        *,
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        tags: Mapping[str, Any] | None = None,
+        create_if_missing: bool = False,
+        by_key: bool = False,
+        system_metrics: bool | None = None,
+        system_metrics_interval_s: float = 10.0,
+    ) -> bool:
+        """Open the run with MLflow's context tags (user, source, git); returns whether it is new.
+
+        ``create_if_missing``: a ``run_id`` not in the store gets a new run (tagged
+        ``asrflow.replaces_run_id``); ``by_key``: continue the run tagged :attr:`run_key`, if there is one;
+        ``system_metrics`` None follows MLflow's switch (``mlflow.enable_system_metrics_logging()``), which
+        also overrides True or False when set.
+        """
+        from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as switch
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+        from mlflow.tracking.context.registry import resolve_tags
+
+        self.tracking_uri = uri = check_tracking_uri(tracking_uri)
+        self._client = client = MlflowClient(tracking_uri=uri)
+        tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        if run_id is None and by_key and (known := client.get_experiment_by_name(experiment)) is not None:
+            found = client.search_runs([known.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'")
+            run_id = found[0].info.run_id if found else None
+        run = None
+        try:
+            run = client.get_run(run_id) if run_id is not None else None
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            if not create_if_missing:
+                raise AsrflowError(
+                    f"MLflow run {run_id} is not in the tracking store {uri}: set MLFLOW_TRACKING_URI to the store "
+                    "that holds it, or delete the checkpoints to start a new run"
+                ) from None
+            log.warning("MLflow run %s is not in %s; starting a new run", run_id, uri)
+            tags["asrflow.replaces_run_id"] = self._replaces_run_id = run_id
+        if run is not None and run.info.lifecycle_stage != "active":
+            raise AsrflowError(
+                f"MLflow run {run_id} is deleted in {uri}: restore it (`mlflow runs restore --run-id {run_id}`) "
+                "or start training afresh"
+            )
+        if run is None:
+            self.experiment_id = self._experiment_id(experiment)
+            tags = resolve_tags({RUN_KEY_TAG: self.run_key, **tags})
+            run = client.create_run(self.experiment_id, tags=tags, run_name=run_name)
+            log.info("started MLflow run %s (%s) in %s", run.info.run_id, run.info.run_name, uri, extra=_TERMINAL)
+        else:
+            self.experiment_id, self._reopened_finished = run.info.experiment_id, run.info.status == "FINISHED"
+            if not self._reopened_finished:
+                client.update_run(run.info.run_id, status="RUNNING")
+            self._write_tags(tags, run.info.run_id)
+            through = run.data.tags.get(LOGGED_THROUGH_TAG, "-1")
+            self._store_through = int(through) if through.lstrip("-").isdigit() else -1
+            log.info("continuing MLflow run %s in %s", run.info.run_id, uri, extra=_TERMINAL)
+        self._run_id, new = run.info.run_id, run_id is None or self._replaces_run_id is not None
+        if (switch.get() if switch.defined else system_metrics) and not self._reopened_finished:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(
+                self._run_id, system_metrics_interval_s, resume_logging=not new, tracking_uri=uri
+            )
+            self._monitor.start()
+        return new
+
+    def _experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is None:
+            location = default_artifact_location(self.tracking_uri, name)
+            try:
+                return self._client.create_experiment(name, location, {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            except MlflowException:  # another process created it meanwhile
+                if (experiment := self._client.get_experiment_by_name(name)) is None:
+                    raise
+        if experiment.lifecycle_stage != "active":
+            raise AsrflowError(
+                f"MLflow experiment {name!r} is deleted in {self.tracking_uri}: restore it (`mlflow experiments "
+                f"restore --experiment-id {experiment.experiment_id}`) or choose another experiment name"
+            )
+        if EXPERIMENT_KIND_TAG not in experiment.tags:  # a kind the user chose stays
+            self._client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return experiment.experiment_id
+
+    # ------------------------------------------------------------------ the opening thread
+    def _background_open(self) -> None:
+        try:
+            self._opener(self)
+        except BaseException as error:  # raised in the training loop's thread by its next call
+            self._error = error
+        finally:
+            self._opened.set()
+
+    def _start_opening(self) -> None:
+        if self._thread is None and self._opener is not None:
+            self._thread = threading.Thread(target=self._background_open, name="asrflow-mlflow-open", daemon=True)
+            self._thread.start()
+
+    def _raise_opening_error(self) -> None:
+        if self._error is not None:
+            error, self._error, self._failed = self._error, None, True
+            raise error
+
+    def _ready(self) -> None:
+        """Wait for the run to be open (opening it now if no point did), then write what was kept meanwhile."""
+        self._raise_opening_error()
+        if self._failed:
+            raise AsrflowError("the MLflow run could not be opened (see the error above)")
+        self._start_opening()
+        self._opened.wait()
+        self._raise_opening_error()
+        if not self._settled:
+            self._settled = True
+            self.metrics.logged_through = max(self.metrics.logged_through, self._store_through)
+            self._write_params(self._queued_params)
+            self._write_tags(self._queued_tags)
+            if self._restored:
+                self._reconcile()
+
+    @property
+    def run_id(self) -> str:
+        self._ready()
+        return self._run_id
+
+    # ------------------------------------------------------------------ params and tags
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log flat params (kept until the run is open); a changed value raises :class:`AsrflowError`."""
+        rendered = {str(key): param_value(value) for key, value in params.items()}
+        self._write_params(rendered) if self._settled else self._queued_params.update(rendered)
+
+    def _write_params(self, rendered: Mapping[str, str]) -> None:
+        from mlflow.entities import Param
+
+        existing = self._client.get_run(self._run_id).data.params if rendered else {}
+        if changed := [key for key, value in rendered.items() if existing.get(key, value) != value]:
+            details = ", ".join(f"{key}: {existing[key]!r} -> {rendered[key]!r}" for key in changed[:5])
+            raise AsrflowError(
+                f"MLflow run {self._run_id} already has different values for {len(changed)} param(s) ({details}); "
+                "a run's params cannot change: start a new run (delete the checkpoints) or restore the old params"
+            )
+        for chunk in _chunks([Param(k, v) for k, v in rendered.items() if k not in existing], 100):
+            self._client.log_batch(self._run_id, params=chunk)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set run tags (kept until the run is open; values cut at MLflow's 8,000 characters)."""
+        rendered = {str(key): str(value)[:MAX_TAG_VAL_LENGTH] for key, value in tags.items()}
+        self._write_tags(rendered) if self._settled else self._queued_tags.update(rendered)
+
+    def _write_tags(self, tags: Mapping[str, Any], run_id: str | None = None) -> None:
+        from mlflow.entities import RunTag
+
+        for chunk in _chunks([RunTag(str(k), str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in tags.items()], 100):
+            self._client.log_batch(run_id or self._run_id, tags=chunk)
+
+    # ------------------------------------------------------------------ metrics
+    def record(self, step: int, metrics: Mapping[str, Any], *, timestamp_ms: int | None = None) -> None:
+        """Keep one point per metric at ``step`` until :meth:`flush`; the first point starts the opening."""
+        self._raise_opening_error()
+        self.metrics.record(step, metrics, timestamp_ms=timestamp_ms)
+        self._start_opening()
+
+    def discard_after(self, step: int) -> int:
+        """Drop the points after ``step``: a rollback to its checkpoint, before :meth:`load_state_dict`."""
+        return self.metrics.discard_after(step)
+
+    def flush(self, *, through: int | None = None) -> bool:
+        """Write the kept points (up to step ``through``) through MLflow's async queue, wait for them, then raise
+        the watermark tag; call it once the checkpoint holding them is on disk. Before the run is open, or
+        while the store cannot be reached, the points stay (in the next checkpoints too): returns False."""
+        self._raise_opening_error()
+        if not self._opened.is_set():
+            return False
+        self._ready()
+        try:
+            self._collect()
+            while chunk := self.metrics.unsent(self.max_metrics_per_batch, through):
+                self._in_flight.append((self._write_metrics(chunk), chunk))
+                self.metrics.mark_sent(chunk)
+            self._collect()
+            if (stored := self.metrics.stored_through()) > self.metrics.logged_through:
+                self._write_watermark(stored)
+        except _store_errors() as error:
+            if not self._store_down:
+                log.warning(
+                    "MLflow store %s cannot be reached (%s); training goes on, and the %d points kept are sent "
+                    "at the next flush",
+                    *(self.tracking_uri, first_line(error), len(self.metrics.pending)),
+                )
+            self._store_down = True
+            return False
+        if self._store_down:
+            log.warning("MLflow store %s is reachable again: buffered points sent", self.tracking_uri)
+            self._store_down = False
+        return True
+
+    def _write_metrics(self, points: list[Point]) -> Any:
+        """One ``log_batch`` of at most :attr:`max_metrics_per_batch` points; returns MLflow's future."""
+        from mlflow.entities import Metric
+
+        metrics = [Metric(key, value, ts, step) for key, step, value, ts in points]
+        return self._client.log_batch(self._run_id, metrics=metrics, synchronous=False)
+
+    def _collect(self) -> None:
+        """Wait for the writes in flight: committed points leave the log, failed ones are sent again."""
+        in_flight, self._in_flight, failure = self._in_flight, [], None
+        for operation, chunk in in_flight:
+            try:
+                operation.wait()
+                self.metrics.confirm(chunk)
+            except _store_errors() as error:
+                self.metrics.unsend(chunk)
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def _write_watermark(self, step: int) -> None:
+        """Claim every point up to ``step``: a call of its own, after the points' commits."""
+        self._write_tags({LOGGED_THROUGH_TAG: step})
+        self.metrics.logged_through = step
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0, *, model_id=None, dataset=None) -> None:
+        """Write metrics now (evaluate), attached to a logged model and to the dataset they were measured on."""
+        from mlflow.entities import Metric
+
+        names = {"dataset_name": dataset.name, "dataset_digest": dataset.digest} if dataset is not None else {}
+        points = [
+            Metric(str(key), float(value), now_ms(), int(step), model_id=model_id, **names)
+            for key, value in metrics.items()
+            if value is not None
+        ]
+        self._client.log_batch(self.run_id, metrics=points)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """The kept points, the run (None before it is open) and its key, as plain python types."""
+        self._raise_opening_error()
+        run_id = self._run_id if self._opened.is_set() else None
+        return {**self.metrics.state_dict(), "run_id": run_id, "run_key": self.run_key}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a checkpoint's points back; once the run is open, those the store holds are dropped and the
+        rest written. A checkpoint taken before its run opened names the run's key, which the run is found by."""
+        self._raise_opening_error()
+        self.metrics.load_state_dict(state)
+        if state.get("run_id") is None and state.get("run_key") and self._thread is None:
+            self.run_key = str(state["run_key"])
+        self._state_run_id, self._restored = state.get("run_id"), True
+        if self._settled:
+            self._reconcile()
+
+    def _reconcile(self) -> None:
+        self._restored = False
+        if self._state_run_id not in (None, self._run_id, self._replaces_run_id):
+            raise AsrflowError(
+                f"the checkpoint belongs to MLflow run {self._state_run_id}, but this tracker has run "
+                f"{self._run_id}: start the tracker with run_id=state['run_id']"
+            )
+        stored: set[tuple[str, int]] = set()
+        if window := self.metrics.check_window():
+            keys = set(self._client.get_run(self._run_id).data.metrics) | {p[0] for p in self.metrics.pending}
+            for key in keys:
+                history = self._client.get_metric_history(self._run_id, key)
+                stored |= {(key, point.step) for point in history if window[0] < point.step <= window[1]}
+        self.metrics.reconcile(stored)
+        recorded = self.metrics.recorded_through
+        if self.flush(through=recorded) and self.metrics.logged_through < recorded:
+            self._write_watermark(recorded)  # a flush died before its tag
+
+    # ------------------------------------------------------------------ datasets, model, artifacts
+    def log_datasets(self, manifests: Mapping[str, Any]) -> dict[str, Any]:
+        """Log cut manifests (context -> path or ManifestDataset) as dataset inputs, each context once; the
+        train and dev digests give the tag ``asrflow.data_digest``. Returns context -> ManifestDataset."""
+        self._ready()
+        return self._log_datasets(manifests)
+
+    def _log_datasets(self, manifests: Mapping[str, Any]) -> dict[str, Any]:
+        from asrflow.tracking.datasets import combined_digest, log_manifests
+
+        datasets = log_manifests(self._client, self._run_id, manifests)
+        if training := [datasets[context].digest for context in ("train", "dev") if context in datasets]:
+            self._write_tags({DATA_DIGEST_TAG: combined_digest(training)})
+        return datasets
+
+    def log_model(self, bundle_path: str | os.PathLike, **kwargs: Any) -> Any:
+        """The bundle as the run's MLflow model, in its experiment: :func:`asrflow.serving.pyfunc.log_bundle`."""
+        from asrflow.serving.pyfunc import log_bundle
+
+        return log_bundle(bundle_path, run_id=self.run_id, tracking_uri=self.tracking_uri, **kwargs)
+
+    def model_ids(self) -> list[str]:
+        """The run's logged models, oldest first."""
+        outputs = self._client.get_run(self.run_id).outputs
+        models = [self._client.get_logged_model(out.model_id) for out in (outputs.model_outputs if outputs else [])]
+        return [model.model_id for model in sorted(models, key=lambda m: (m.creation_timestamp, m.model_id))]
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Copy a file or a whole folder into the run's artifacts (under ``artifact_path``)."""
+        path = Path(path)
+        if not path.exists():
+            raise AsrflowError(f"cannot log artifact {path}: no such file or folder")
+        write = self._client.log_artifacts if path.is_dir() else self._client.log_artifact
+        try:
+            write(self.run_id, str(path), artifact_path)
+        except _store_errors()[0] as error:
+            raise AsrflowError(
+                f"cannot store artifact {path} at {self._client.get_run(self._run_id).info.artifact_uri} "
+                f"({error.message}); if the experiment was created by an MLflow server, set MLFLOW_TRACKING_URI "
+                "to that server's http:// address, or use another experiment name"
+            ) from None
+
+    # ------------------------------------------------------------------ end
+    def end(self, status: str = "FINISHED") -> None:
+        """Flush everything, stop system metrics, mark the run ``status`` (a reopened FINISHED run stays so and
+        keeps ``status`` in ``asrflow.reopened_end_status``), and name the experiment's runs page."""
+        if status not in _END_STATUSES:
+            raise ValueError(f"status must be one of {_END_STATUSES}, got {status!r}")
+        if self._ended:
+            return
+        self._ended, raised_before = True, self._failed
+        try:
+            self._ready()
+        except Exception as error:  # not opened whole: the training's own error is the one to show
+            if not raised_before:
+                log.warning("MLflow run could not be opened: %s", first_line(error))
+            if self._run_id is not None:
+                self._client.set_terminated(self._run_id, status=status)
+            return
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+        if not self.flush():
+            log.warning(
+                "%d metric points could not be sent to %s (those in a checkpoint are sent when training resumes); "
+                "MLflow run %s is left as it was",
+                *(len(self.metrics.pending), self.tracking_uri, self._run_id),
+            )
+        elif not self._reopened_finished:
+            self._client.set_terminated(self._run_id, status=status)
+        elif status != "FINISHED":
+            self._write_tags({REOPENED_END_STATUS_TAG: status})
+        page = runs_page(self.tracking_uri, self.experiment_id)
+        log.info("MLflow run %s: %s", self._run_id, page, extra=_TERMINAL)
+
+    def __enter__(self) -> MlflowRun:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        killed = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self.end("FINISHED" if exc_type is None else "KILLED" if killed else "FAILED")
+
+
+_TERMINAL = {"terminal": True}  # the log record also goes to the terminal
+
+
+def start_training_run(
+    params: Mapping[str, Any],
+    manifests: Mapping[str, Any],
+    *,
+    experiment: str = "asrflow",
+    run_id: str | None = None,
+    tracking_uri: str | None = None,
+    params_path: str | os.PathLike = "params.yaml",
+    system_metrics: bool = True,
+    system_metrics_interval_s: float = 10.0,
+) -> MlflowRun:
+    """The training's run, opened in a thread once a point is recorded: a new run is named and described
+    against the committed ``params_path`` and gets ``params`` flattened; ``manifests`` (context -> cut
+    manifest) become its datasets; MLflow's system metrics run until :meth:`MlflowRun.end`."""
+
+    def open_run(run: MlflowRun) -> None:
+        from asrflow.params import flatten
+
+        defaults = committed_params(params_path) if run_id is None else None
+        options = {"system_metrics": system_metrics, "system_metrics_interval_s": system_metrics_interval_s}
+        tags = run_tags(params, defaults) if run_id is None else None
+        name = run_name(params, defaults)
+        if run._open(experiment, run_id, run_name=name, tracking_uri=tracking_uri, tags=tags, by_key=True, **options):
+            run._write_params({key: param_value(value) for key, value in flatten(dict(params)).items()})
+        run._log_datasets(manifests)
+
+    return MlflowRun(open_run)
+
+
+class NullTracker:
+    """The tracker of a process that logs nothing (every rank but 0): each call does nothing."""
+
+    run_id = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+    def record(self, step: int, metrics: Mapping[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+    def discard_after(self, step: int) -> int:
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+    def log_model(self, bundle_path: str | os.PathLike, **kwargs: Any) -> None: ...
+    def end(self, status: str = "FINISHED") -> None: ...
