@@ -262,11 +262,10 @@ class MlflowRun:
 
     def flush(self, *, through: int | None = None) -> bool:
         """Write the kept points (up to step ``through``) through MLflow's async queue, wait for them, then raise
-        the watermark tag; call it once the checkpoint holding them is on disk. Before the run is open, or
-        while the store cannot be reached, the points stay (in the next checkpoints too): returns False."""
-        self._raise_opening_error()
-        if not self._opened.is_set():
-            return False
+        the watermark tag; call it once the checkpoint holding them is on disk (it waits for the run to open).
+        While the store cannot be reached the points stay (in the next checkpoints too): returns False."""
+        if self._thread is None and self._opener is not None:
+            return False  # no point yet: the run opens after the first one, a checkpoint later waits for it
         self._ready()
         try:
             self._collect()
