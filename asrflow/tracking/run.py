@@ -412,19 +412,20 @@ class MlflowRun:
             raise ValueError(f"status must be one of {_END_STATUSES}, got {status!r}")
         if self._ended:
             return
-        self._ended, raised_before = True, self._failed
+        self._ended, raised_before, opened = True, self._failed, False
         try:
             self._ready()
+            opened = True
         except Exception as error:  # not opened whole: the training's own error is the one to show
             if not raised_before:
                 log.warning("MLflow run could not be opened: %s", first_line(error))
-            if self._run_id is not None:
-                self._client.set_terminated(self._run_id, status=status)
-            return
         if self._monitor is not None:
             self._monitor.finish()
             self._monitor = None
-        if not self.flush():
+        if not opened:
+            if self._run_id is not None:
+                self._client.set_terminated(self._run_id, status=status)
+        elif not self.flush():
             log.warning(
                 "%d metric points could not be sent to %s (those in a checkpoint are sent when training resumes); "
                 "MLflow run %s is left as it was",
@@ -434,8 +435,9 @@ class MlflowRun:
             self._client.set_terminated(self._run_id, status=status)
         elif status != "FINISHED":
             self._write_tags({REOPENED_END_STATUS_TAG: status})
-        page = runs_page(self.tracking_uri, self.experiment_id)
-        log.info("MLflow run %s: %s", self._run_id, page, extra=_TERMINAL)
+        if opened:
+            page = runs_page(self.tracking_uri, self.experiment_id)
+            log.info("MLflow run %s: %s", self._run_id, page, extra=_TERMINAL)
 
     def __enter__(self) -> MlflowRun:
         return self
