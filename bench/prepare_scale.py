@@ -12,6 +12,11 @@ wrapper, so the figures are the stage's own high-water mark and its process tree
   over 10 recordings of 300 s (FLAC tones), 0.5-2 s segments at random times (they may
   overlap), 200 speakers in ``utt2spk``, dev and test carved from train (by speaker).
 
+``--in-process`` instead calls :func:`asrflow.data.prepare.prepare_corpus` in this process
+(the ``--repo`` given must then be this checkout or come first on ``PYTHONPATH``) and
+reports ``cpu_s`` (``time.process_time()``, every thread) and ``utterances_per_cpu_s``:
+on a loaded machine CPU time, unlike wall time, still compares two versions.
+
 Per run: ``elapsed_s``, ``utterances_per_s`` (input utterances / elapsed, process start
 included), ``peak_rss_mb`` (VmHWM), ``peak_tree_pss_mb``; the stage's ``--help`` run gives
 the import-only baseline. ``--repo DIR`` runs the stage of another checkout (e.g. the code
@@ -156,6 +161,21 @@ def measure(repo: Path, argv: list[str], log_path: Path) -> dict:
     }
 
 
+def in_process(params: Path, out: Path) -> dict:
+    """Prepare in this process; wall and CPU seconds (all threads)."""
+    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+
+    config = PrepareConfig.from_section(yaml.safe_load(params.read_text())["prepare"])
+    wall, cpu = time.perf_counter(), time.process_time()
+    summary = prepare_corpus(config, out, seed=0)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {
+        "elapsed_s": rounded(wall),
+        "cpu_s": rounded(cpu),
+        "utterances_per_cpu_s": rounded(summary.items_total / cpu),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -165,14 +185,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repo", type=Path, default=REPO)
     parser.add_argument("--folder-sizes", type=int, nargs="*")
     parser.add_argument("--kaldi-sizes", type=int, nargs="*")
+    parser.add_argument("--in-process", action="store_true")
     args = parser.parse_args(argv)
     folder_sizes, kaldi_sizes = SIZES["quick" if args.quick else "full"]
     folder_sizes = folder_sizes if args.folder_sizes is None else args.folder_sizes
     kaldi_sizes = kaldi_sizes if args.kaldi_sizes is None else args.kaldi_sizes
     repo = args.repo.resolve()
     with workdir(args.workdir) as work:
-        base = measure(repo, ["--help"], work / "help.log")
-        emit({"benchmark": "prepare_scale_baseline", "repo": str(repo), **base})
+        if not args.in_process:
+            base = measure(repo, ["--help"], work / "help.log")
+            emit({"benchmark": "prepare_scale_baseline", "repo": str(repo), **base})
         for kind, sizes, build in (("folder", folder_sizes, folder_corpus), ("kaldi", kaldi_sizes, kaldi_corpus)):
             for count in sizes:
                 corpus = build(work, count)
@@ -180,7 +202,10 @@ def main(argv: list[str] | None = None) -> None:
                 out = work / f"manifests-{kind}-{count}"
                 argv = ["--params", str(params), "--out", str(out)]
                 load = load_average()
-                figures = measure(repo, argv, work / f"prepare-{kind}-{count}.log")
+                if args.in_process:
+                    figures = in_process(params, out)
+                else:
+                    figures = measure(repo, argv, work / f"prepare-{kind}-{count}.log")
                 emit(
                     {
                         "benchmark": "prepare_scale",
