@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,3 +155,20 @@ def test_open_recording_gives_what_lhotse_reads(tmp_path: Path, suffix: str, rat
     path = tmp_path / f"a{suffix}"
     sf.write(path, 0.1 * np.ones((int(0.73 * rate), channels), dtype=np.float32), rate)
     assert open_recording(path, "a").to_dict() == Recording.from_file(path, recording_id="a").to_dict()
+
+
+def test_a_recipe_runs_again_only_when_its_corpus_changes(tmp_path: Path) -> None:
+    corpus = tmp_path / "yesno"
+    shutil.copytree(REPO / "data" / "corpora" / "yesno", corpus)
+    config = PrepareConfig.from_section({"corpus": "yesno", "corpus_dir": str(corpus)})
+    out = tmp_path / "manifests"
+    key = tmp_path / "manifests.recipe" / "key.json"
+    prepare_corpus(config, out, seed=0)
+    first = key.stat().st_mtime_ns
+    moved = PrepareConfig.from_section({"corpus": "yesno", "corpus_dir": str(corpus), "text": {"case": "lower"}})
+    prepare_corpus(moved, out, seed=0)  # a params change: the recipe's own manifests are reused
+    assert key.stat().st_mtime_ns == first
+    audio = next(corpus.rglob("*.wav"))
+    os.utime(audio, ns=(audio.stat().st_atime_ns, audio.stat().st_mtime_ns + 10**9))
+    prepare_corpus(config, out, seed=0)
+    assert key.stat().st_mtime_ns != first
