@@ -10,7 +10,9 @@ output folder), ``config`` (overrides for ``tiny_train_config``, plus ``nonfinit
 ``nonfinite_ranks`` for :class:`asrflow.testing.faults.NonFiniteSteps`) and ``tracking_uri``.
 Rank 0 writes the run's summary to ``<exp>/summary.json``. The exit code is the train stage's
 (:func:`stages.train.run_trainer`, its signal handlers included); a user error exits 2 with one
-line. Each rank prints ``asrflow.test.rank R pid P`` when its first step is next.
+line. Each rank prints ``asrflow.test.rank R pid P`` when its first step is next,
+``asrflow.test.step R S T`` after each step (``T``: unix time), and
+``asrflow.test.exit R CODE`` as it exits (a rank the stall watchdog ends says so in its log).
 
 Faults (environment variables, read only by this script through a public observer; the
 library has no test hooks of its own), each ``rank:step`` or ``rank:batch``:
@@ -100,6 +102,7 @@ class Faults(TrainObserver):
 
     def after_step(self, run, result) -> None:
         here = (run.dist.rank, result.step)
+        os.write(2, f"asrflow.test.step {here[0]} {here[1]} {time.time():.3f}\n".encode())
         if here == _hook(FAIL_ENV):
             raise RuntimeError(f"injected failure on rank {here[0]} at step {here[1]} ({FAIL_ENV})")
         if here == _hook(STALL_ENV):
@@ -129,5 +132,17 @@ def main(spec_path: str) -> None:
     raise SystemExit(code)
 
 
+def _report_exit(code: int) -> None:
+    os.write(2, f"asrflow.test.exit {os.environ.get('RANK', '0')} {code}\n".encode())
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except SystemExit as done:
+        _report_exit(done.code if isinstance(done.code, int) else 1)
+        raise
+    except BaseException:
+        _report_exit(1)
+        raise
+    _report_exit(0)

@@ -22,6 +22,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import tiny_train_config, train_paths
@@ -33,6 +34,7 @@ from asrflow.data.features import FeatureConfig
 from asrflow.data.manifests import load_cuts
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 from asrflow.training.monitoring import write_stacks
+from asrflow.training.outcome import DataWorkerDied, Outcome, PeerFailed, Stalled, exit_code
 from asrflow.training.trainer import Trainer
 
 #: Shared by every run that is compared: 2 epochs (6 + 5 steps with 2 ranks), checkpoints every 4 steps.
@@ -175,16 +177,15 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
 
 
 def test_a_failing_rank_ends_the_job(yesno_data, tmp_path, jobs):
-    """Rank 1 raises after step 2: the job exits non-zero, naming the error, within the timeout."""
+    """Rank 1 raises after step 2 (a bug: exit 1): rank 0's collective fails (70), nothing is left, and the job
+    ends within the collective timeout."""
     job = jobs(
         yesno_data,
         tmp_path / "fail",
-        dict(DDP, num_workers=0, dist_timeout_s=20.0, stall_timeout_s=60.0),
+        dict(DDP, num_workers=0, dist_timeout_s=FAULT_TIMEOUT_S, stall_timeout_s=60.0),
         env={"ASRFLOW_TEST_FAIL_RANK_AT_STEP": "1:2"},
     )
-    code = job.wait()
-    log = job.log()
-    assert code != 0, log
+    code, log = _ends_cleanly(job, {0: (PEER_FAILED,), 1: (1,)}, timeout_s=FAULT_TIMEOUT_S)
     assert "RuntimeError: injected failure on rank 1 at step 2" in log
     assert "ChildFailedError" in log  # torchrun's summary of the failed rank
     assert not (tmp_path / "fail" / "model.pt").exists()
@@ -206,16 +207,16 @@ def test_stack_dumps_are_whole_lines_labelled_with_the_rank(tmp_path):
 
 
 def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs):
-    """Rank 1 sleeps after step 2: the watchdog dumps every thread's stack and the job ends non-zero."""
+    """Rank 1 sleeps after step 2: its watchdog dumps every thread's stack and ends it (124); rank 0's own
+    watchdog or its broken collective ends it too, within the stall timeout."""
+    stall_timeout_s = 10.0
     job = jobs(
         yesno_data,
         tmp_path / "stall",
-        dict(DDP, num_workers=0, dist_timeout_s=20.0, stall_timeout_s=10.0),
+        dict(DDP, num_workers=0, dist_timeout_s=FAULT_TIMEOUT_S, stall_timeout_s=stall_timeout_s),
         env={"ASRFLOW_TEST_STALL_RANK_AT_STEP": "1:2"},
     )
-    code = job.wait()
-    log = job.log()
-    assert code != 0, log
+    code, log = _ends_cleanly(job, {0: (STALLED, PEER_FAILED), 1: (STALLED,)}, timeout_s=stall_timeout_s)
     assert "injected stall on rank 1 at step 2" in log
     assert re.search(r"rank 1: no training step finished for \d+ s \(train\.stall_timeout_s = 10\)", log), log
     assert "most recent call first" in log  # faulthandler's dump of the stalled process's threads
@@ -243,40 +244,78 @@ def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_pa
 
 # ---------------------------------------------------------------------- faults: every rank ends, none hangs
 #
-# Each job below has 2 gloo ranks; ``dist_timeout_s`` bounds every collective. After a job ends, no
-# process it started may be left: every rank process group (rank and data workers) is checked.
+# Each job below has 2 gloo ranks; ``dist_timeout_s`` bounds every collective. Each fault case asserts
+# the exit code every rank documents (the table in asrflow.training.outcome, the README's), torchrun's
+# own (1 when a rank failed), that no process of the job is left (torchrun's session and each rank's,
+# which holds its data workers), and that the job ended within the configured timeout plus 10 s of
+# the fault (the last finished step, or the signal).
 
 FAULT_TIMEOUT_S = 20.0
-#: What a test waits beyond the collective timeout for a whole job to end (torchrun's own shutdown).
+#: What a test waits beyond the collective timeout for a whole job to end before it fails it as hung.
 END_MARGIN_S = 60.0
+#: torchrun's exit code when a rank failed (its ChildFailedError).
+TORCHRUN_FAILED = 1
+PEER_FAILED, WORKER_DIED = exit_code(PeerFailed), exit_code(DataWorkerDied)
+STALLED, STOPPED = exit_code(Stalled), exit_code(Outcome.STOPPED)
 
 
 def _rank_pids(log: str) -> dict[int, int]:
     return {int(rank): int(pid) for rank, pid in re.findall(r"asrflow\.test\.rank (\d) pid (\d+)", log)}
 
 
-def _processes_left(groups: list[int]) -> list[str]:
-    """Processes still alive in the process groups ``groups`` (a rank and its data workers)."""
+def _rank_exit_codes(log: str) -> dict[int, int]:
+    """Each rank's exit code: its ``asrflow.test.exit`` line, or the watchdog's where it ended the rank."""
+    codes = {int(rank): int(code) for rank, code in re.findall(r"asrflow\.test\.exit (\d) (-?\d+)", log)}
+    for rank in re.findall(r"rank (\d): no training step finished for", log):
+        codes.setdefault(int(rank), STALLED)
+    return codes
+
+
+def _torchrun_reported(log: str) -> dict[int, int]:
+    """The exit code of each failed rank as torchrun's failure summary lists it."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", log)
+    return {int(rank): int(code) for rank, code in found}
+
+
+def _last_step_time(log: str) -> float:
+    return max(float(at) for at in re.findall(r"asrflow\.test\.step \d \d+ ([\d.]+)", log))
+
+
+def _processes_left(sessions: set[int]) -> list[str]:
+    """Live processes (zombies aside) in the sessions ``sessions``."""
     left = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if fields[0] != "Z" and int(fields[2]) in groups:
-                    left.append(f"pid {entry.name} (group {fields[2]})")
+    for process in psutil.process_iter(["status", "cmdline"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(process.pid) in sessions:
+                left.append(f"pid {process.pid}: {' '.join(process.info['cmdline'] or [])[:200]}")
     return left
 
 
-def _ends_cleanly(job: Job, timeout_s: float = FAULT_TIMEOUT_S + END_MARGIN_S) -> tuple[int, str]:
-    """Wait for the job; assert no process of any rank outlives it; return (exit code, log)."""
-    code = job.wait(timeout=timeout_s)
+def _ends_cleanly(
+    job: Job, ranks: dict[int, tuple[int, ...]], *, timeout_s: float | None = None, fault_at: float | None = None
+) -> tuple[int, str]:
+    """Wait for the job and assert how it ended: each rank's exit code is one of ``ranks[rank]``, torchrun's
+    is 0 when every rank's is, else 1; no process of the job is left; with ``timeout_s``, the job ended
+    within ``timeout_s`` + 10 s of the fault (``fault_at``, unix time, or else the last finished step)."""
+    code = job.wait(timeout=(timeout_s or FAULT_TIMEOUT_S) + END_MARGIN_S)
+    ended = time.time()
     log = job.log()
     pids = _rank_pids(log)
     assert sorted(pids) == [0, 1], log
+    sessions = {job.process.pid, *pids.values()}  # torchrun's, and each rank's (its data workers)
     deadline = time.monotonic() + 10.0
-    while _processes_left(list(pids.values())) and time.monotonic() < deadline:
+    while _processes_left(sessions) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_left(list(pids.values())) == [], log
+    assert _processes_left(sessions) == [], log
+    reported = _torchrun_reported(log)
+    codes = {**reported, **_rank_exit_codes(log)}  # a rank killed by a signal prints no line of its own
+    for rank, allowed in ranks.items():
+        assert codes.get(rank) in allowed, (rank, codes, allowed, log)
+        assert reported.get(rank, codes[rank]) == codes[rank], (rank, reported, codes, log)
+    assert code == (0 if all(allowed == (0,) for allowed in ranks.values()) else TORCHRUN_FAILED), log
+    if timeout_s is not None:
+        took = ended - (fault_at if fault_at is not None else _last_step_time(log))
+        assert took <= timeout_s + 10.0, f"the job ended {took:.1f} s after the fault (timeout {timeout_s} s):\n{log}"
     return code, log
 
 
@@ -300,8 +339,7 @@ def test_intervals_that_do_not_divide_and_a_dev_loss_that_stops_improving(yesno_
         weight_decay=0.0,
         dist_timeout_s=FAULT_TIMEOUT_S,
     )
-    code, log = _ends_cleanly(jobs(yesno_data, tmp_path / "exp", overrides))
-    assert code == 0, log
+    code, log = _ends_cleanly(jobs(yesno_data, tmp_path / "exp", overrides), {0: (0,), 1: (0,)})
     for rank in (0, 1):
         losses = re.findall(rf"\[rank {rank}\] \S+ step (\d+): dev loss (\S+)", log)
         assert [int(step) for step, _ in losses] == [3, 6, 9], log
@@ -314,11 +352,12 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
 ):
     """A preempted node: rank 1 alone gets SIGTERM while step 5 is in flight."""
     exp = tmp_path / "exp"
-    job = jobs(yesno_data, exp, dict(DDP, num_workers=0), env={"ASRFLOW_TEST_PAUSE_RANK_IN_STEP": "1:5"})
+    overrides = dict(DDP, num_workers=0, dist_timeout_s=FAULT_TIMEOUT_S)
+    job = jobs(yesno_data, exp, overrides, env={"ASRFLOW_TEST_PAUSE_RANK_IN_STEP": "1:5"})
     job.wait_for("asrflow.test.paused 1 5")
+    signalled = time.time()
     os.kill(_rank_pids(job.log())[1], signal.SIGTERM)
-    code, log = _ends_cleanly(job)
-    assert code != 0, log
+    code, log = _ends_cleanly(job, {0: (STOPPED,), 1: (STOPPED,)}, timeout_s=FAULT_TIMEOUT_S, fault_at=signalled)
     for rank in (0, 1):
         assert re.search(rf"\[rank {rank}\] .*stopped at step 5 with a checkpoint saved", log), log
     newest = load_checkpoint(list_checkpoints(exp / "checkpoints")[0])
@@ -336,9 +375,11 @@ def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_d
     overrides = dict(DDP, num_workers=2, dist_timeout_s=FAULT_TIMEOUT_S)
     job = jobs(yesno_data, exp, overrides, env={"ASRFLOW_TEST_PAUSE_RANK_IN_STEP": "1:6"})
     job.wait_for("asrflow.test.paused 1 6")
+    killed = time.time()
     os.kill(_rank_pids(job.log())[1], signal.SIGKILL)
-    code, log = _ends_cleanly(job)
-    assert code != 0, log
+    code, log = _ends_cleanly(
+        job, {0: (PEER_FAILED,), 1: (-signal.SIGKILL,)}, timeout_s=FAULT_TIMEOUT_S, fault_at=killed
+    )
     assert re.search(r"\[rank 0\] .*stopping: a collective with the other ranks failed", log), log
 
     resumed = jobs(yesno_data, exp, overrides)
@@ -350,8 +391,7 @@ def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_d
 def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, jobs):
     exp = tmp_path / "exp"
     job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, nonfinite_steps=[2], nonfinite_ranks=[1]))
-    code, log = _ends_cleanly(job)
-    assert code == 0, log
+    code, log = _ends_cleanly(job, {0: (0,), 1: (0,)})
     for rank in (0, 1):
         assert re.search(rf"\[rank {rank}\] .*step 2: non-finite loss .* step skipped \(1 in a row\)", log), log
     assert [json.loads(line)["step"] for line in (exp / "bad_batches.jsonl").read_text().splitlines()] == [2]
@@ -365,8 +405,7 @@ def test_a_stalled_data_worker_ends_the_job_with_every_ranks_stacks(yesno_data, 
     job = jobs(
         yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_STALL_WORKER_AT_BATCH": f"1:{2 * group + 1}"}
     )
-    code, log = _ends_cleanly(job, timeout_s=120.0)
-    assert code != 0, log
+    code, log = _ends_cleanly(job, {0: (STALLED,), 1: (STALLED,)}, timeout_s=overrides["stall_timeout_s"])
     assert "injected worker fault" in log
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: no training step finished for \d+ s", log), log
@@ -377,8 +416,7 @@ def test_a_killed_data_worker_ends_the_job_with_a_clear_message(yesno_data, tmp_
     group = DDP["accum_grad"] * 2
     overrides = dict(DDP, num_workers=1, dist_timeout_s=FAULT_TIMEOUT_S)
     job = jobs(yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_KILL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
-    code, log = _ends_cleanly(job)
-    assert code != 0, log
+    code, log = _ends_cleanly(job, {0: (PEER_FAILED,), 1: (WORKER_DIED,)}, timeout_s=FAULT_TIMEOUT_S)
     # The DataLoader's own error, or the pipe's (the worker killed mid-transfer): both are named.
     worker_died = r"\[rank 1\] .*stopping: a data worker died \((DataLoader worker|ConnectionResetError|EOFError)"
     assert re.search(worker_died, log), log
