@@ -29,7 +29,7 @@ import yaml
 
 from bench.common import REPO, emit, machine, parse_args, rounded, workdir, yesno_data
 
-#: A step_log line: "step 40 epoch 3: loss 0.9709 ...".
+#: A step line of asrflow.training.monitoring: "step 40 epoch 3: loss 0.9709 ...".
 STEP_LINE = re.compile(r"step (\d+) epoch \d+: loss ([0-9.]+|nan|inf)")
 PLATEAU_LOSS = 0.5
 

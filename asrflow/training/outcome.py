@@ -106,8 +106,7 @@ def as_failure(error: BaseException, *, distributed: bool) -> TrainingFailure | 
     """``error`` as the failure of the job around this process it stands for, or None for any other error
     (a bug, which keeps its traceback)."""
     text = str(error)
-    # A worker killed mid-transfer resets the pipe the loader reads from; one killed between batches
-    # is reported by the DataLoader itself. The loop reads no other pipe or socket of its own.
+    # A worker killed mid-transfer breaks the loader's pipe; one killed between batches the DataLoader names.
     lost_pipe = isinstance(error, ConnectionResetError | BrokenPipeError | EOFError)
     if lost_pipe or (isinstance(error, RuntimeError) and "DataLoader worker" in text):
         cause = f"{type(error).__name__}: {text}" if lost_pipe else text.splitlines()[0]

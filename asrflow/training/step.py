@@ -173,9 +173,7 @@ def train_step(
         local_loss += float(loss_sum.detach())
     scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), context.max_grad_norm))
-    # With fp16, overflowing gradients under a finite loss are the scaler's business: it skips
-    # the update and lowers the scale (every rank alike, the gradients being all-reduced). Only
-    # a non-finite loss makes a bad step then; otherwise scale calibration would look like one.
+    # With fp16 the scaler handles overflowing gradients itself: only a non-finite loss is a bad step.
     checked_norm = 0.0 if precision.uses_scaler else grad_norm
     finite, global_loss, stop = agree_on_step(dist, local_loss, checked_norm, stop_requested())
     if finite:
