@@ -420,7 +420,9 @@ def test_a_killed_data_worker_ends_the_job_with_a_clear_message(yesno_data, tmp_
     group = DDP["accum_grad"] * 2
     overrides = dict(DDP, num_workers=1, dist_timeout_s=FAULT_TIMEOUT_S)
     job = jobs(yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_KILL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
-    code, log = _ends_cleanly(job, {0: (PEER_FAILED,), 1: (WORKER_DIED,)}, timeout_s=FAULT_TIMEOUT_S)
+    job.wait_for("injected worker fault")  # the worker may die before any step ends (it builds batches ahead)
+    killed = time.time()
+    code, log = _ends_cleanly(job, {0: (PEER_FAILED,), 1: (WORKER_DIED,)}, timeout_s=FAULT_TIMEOUT_S, fault_at=killed)
     # The DataLoader's own error, or the pipe's (the worker killed mid-transfer): both are named.
     worker_died = r"\[rank 1\] .*stopping: a data worker died \((DataLoader worker|ConnectionResetError|EOFError)"
     assert re.search(worker_died, log), log
