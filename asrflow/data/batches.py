@@ -1,6 +1,7 @@
 """Batches for training: a deterministic plan per epoch, and the dataset that fills it.
 
-The plan of an epoch is the list of batches (as cut ids) that
+The plan of an epoch is the list of batches (an :class:`~asrflow.data.index.EpochPlan`: cut
+positions and batch bounds, read as lists of cut ids) that
 :func:`asrflow.data.index.plan_epoch_index` makes for ``(seed, epoch)`` from the cuts' ids
 and durations only: a full permutation of the id-sorted cuts (global shuffle, independent
 of the manifest's order on disk), bucketed by duration. Materialising it costs the same at
@@ -23,8 +24,6 @@ so a batch is the same whichever data worker builds it and whenever it is built.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import random
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from lhotse import CutSet
 from lhotse.dataset import GlobalMVN, OnTheFlyFeatures
 from lhotse.dataset.collation import collate_features
 
-from asrflow.data.index import CutIndex, plan_epoch_index
+from asrflow.data.index import CutIndex, EpochPlan, plan_epoch_index
 from asrflow.data.manifests import cut_text
 from asrflow.tokenizer import Tokenizer
 
@@ -61,50 +60,46 @@ def as_index(cuts: CutSet | CutIndex) -> CutIndex:
     return cuts if isinstance(cuts, CutIndex) else CutIndex.from_cuts(cuts)
 
 
-def plan_epoch(
-    cuts: CutSet | CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int
-) -> list[list[str]]:
-    """The global list of batches (cut ids) of ``epoch``; identical on every rank and for
-    any order of ``cuts`` (see :func:`asrflow.data.index.plan_positions`)."""
+def plan_epoch(cuts: CutSet | CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int) -> EpochPlan:
+    """The global batches of ``epoch``; identical on every rank and for any order of ``cuts``
+    (see :func:`asrflow.data.index.plan_positions`)."""
     return plan_epoch_index(as_index(cuts), epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets)
 
 
-def plan_digest(plan: list[list[str]]) -> str:
-    """A short hash of a plan, stored in checkpoints to check a resume sees the same batches."""
-    return hashlib.sha256(json.dumps(plan).encode()).hexdigest()[:16]
+def plan_digest(plan: EpochPlan) -> str:
+    """A short hash of a plan, stored in checkpoints to check a resume sees the same batches
+    (computed once per plan: see :attr:`EpochPlan.digest`)."""
+    return plan.digest
 
 
-def steps_in_plan(plan: list[list[str]], accum_grad: int, world_size: int) -> int:
+def steps_in_plan(plan: EpochPlan, accum_grad: int, world_size: int) -> int:
     """Whole optimizer steps the plan holds."""
     return len(plan) // (accum_grad * world_size)
 
 
-def dropped_batches(plan: list[list[str]], accum_grad: int, world_size: int) -> int:
+def dropped_batches(plan: EpochPlan, accum_grad: int, world_size: int) -> int:
     """Trailing batches of the plan that cannot fill a whole optimizer step (not trained this epoch)."""
     return len(plan) - steps_in_plan(plan, accum_grad, world_size) * accum_grad * world_size
 
 
 def rank_items(
-    plan: list[list[str]], epoch: int, *, start_step: int, accum_grad: int, world_size: int, rank: int
-) -> list[BatchItem]:
-    """This rank's micro-batches from optimizer step ``start_step`` to the end of the epoch."""
+    plan: EpochPlan, epoch: int, *, start_step: int, accum_grad: int, world_size: int, rank: int
+) -> Iterator[BatchItem]:
+    """This rank's micro-batches from optimizer step ``start_step`` to the end of the epoch, made
+    as they are drawn (an epoch's items are never all held)."""
     group = accum_grad * world_size
-    items = []
     for step in range(start_step, steps_in_plan(plan, accum_grad, world_size)):
-        step_cut_ids = tuple(cut_id for batch in plan[step * group : (step + 1) * group] for cut_id in batch)
+        step_cut_ids = tuple(plan.index.id_list(plan.batch_positions(step * group, (step + 1) * group)))
         for micro in range(accum_grad):
             index = step * group + micro * world_size + rank
-            items.append(
-                BatchItem(
-                    epoch=epoch,
-                    step_in_epoch=step,
-                    micro_index=micro,
-                    batch_index=index,
-                    cut_ids=tuple(plan[index]),
-                    step_cut_ids=step_cut_ids,
-                )
+            yield BatchItem(
+                epoch=epoch,
+                step_in_epoch=step,
+                micro_index=micro,
+                batch_index=index,
+                cut_ids=tuple(plan[index]),
+                step_cut_ids=step_cut_ids,
             )
-    return items
 
 
 def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
@@ -294,13 +289,13 @@ class TrainingBatches:
         self.start_epoch = start_epoch
         self.start_step = start_step
         self.num_epochs = num_epochs
-        self._cached: dict[int, list[list[str]]] = {}
+        self._cached: dict[int, EpochPlan] = {}
 
     def start_at(self, epoch: int, step: int) -> None:
         """Make the next iteration begin at optimizer step ``step`` of ``epoch`` (a resume or a rollback)."""
         self.start_epoch, self.start_step = epoch, step
 
-    def plan(self, epoch: int) -> list[list[str]]:
+    def plan(self, epoch: int) -> EpochPlan:
         """The global plan of ``epoch`` (the two latest are cached: a checkpoint of the
         previous epoch's end and the loader's current epoch do not rebuild each other's)."""
         if epoch not in self._cached:
@@ -320,7 +315,7 @@ class TrainingBatches:
                 plan, epoch, start_step=start, accum_grad=self.accum_grad, world_size=self.world_size, rank=self.rank
             )
 
-    def _log_dropped(self, epoch: int, plan: list[list[str]]) -> None:
+    def _log_dropped(self, epoch: int, plan: EpochPlan) -> None:
         """Rank 0 says how many trailing batches ``epoch`` drops (none: nothing logged)."""
         dropped = dropped_batches(plan, self.accum_grad, self.world_size)
         if dropped and self.rank == 0:

@@ -45,6 +45,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,12 @@ BUILD_CHUNK = 100_000
 #: Prefix of the scratch folders that hold index stores, and the lock file their owner holds.
 STORE_PREFIX = "asrflow-cut-index-"
 STORE_LOCK = ".owner.lock"
+#: Node-wide lock file (in the stores' root) held while stores are looked up, built or removed.
+REGISTRY_LOCK = "asrflow-cut-index.lock"
+#: Version of a shared store's layout: a store of another version is rebuilt.
+STORE_FORMAT = 1
+#: Hex characters of a manifest digest (MLflow's dataset digest).
+MANIFEST_DIGEST_CHARS = 16
 #: Building stops with an error when less memory than this is left (bytes).
 MIN_FREE_BYTES = 256 * 1024 * 1024
 
@@ -107,6 +114,13 @@ class _StoreFolder(tempfile.TemporaryDirectory):
         self._lock.close()
         super().cleanup()
 
+    def share(self) -> _SharedHold:
+        """The folder became a shared store (renamed): never remove it, and turn the exclusive lock
+        into a shared hold (call under the node lock: the conversion is not atomic)."""
+        self._finalizer.detach()
+        fcntl.flock(self._lock.fileno(), fcntl.LOCK_SH)
+        return _SharedHold(self._lock)
+
 
 def _owned(folder: Path) -> bool:
     """Whether a living process holds ``folder``'s lock (a folder without one is being made)."""
@@ -122,19 +136,149 @@ def _owned(folder: Path) -> bool:
     return False
 
 
-def store_folder(root: str | Path | None = None) -> tempfile.TemporaryDirectory:
-    """A scratch folder for an index's line store, removed when the returned object is.
+def _remove_unowned(root: Path, keep: Path | None = None) -> None:
+    """Remove the ``asrflow-cut-index-*`` folders under ``root`` that no living process holds.
 
-    A process killed outright (SIGKILL, the OOM killer, a preempted job) never removes its
-    folder, and each holds an uncompressed copy of the train manifest; so this first removes
-    the ``asrflow-cut-index-*`` folders under ``root`` (default: the system's temporary
-    folder) that no living process holds (see :class:`_StoreFolder`).
+    A process killed outright (SIGKILL, the OOM killer, a preempted job) never removes what it
+    made; the kernel drops its lock, so such folders are found here (see :class:`_StoreFolder`).
     """
-    root = Path(root or tempfile.gettempdir())
     for folder in root.glob(f"{STORE_PREFIX}*"):
-        if folder.is_dir() and not _owned(folder):
+        if folder != keep and folder.is_dir() and not _owned(folder):
             shutil.rmtree(folder, ignore_errors=True)
-    return _StoreFolder(root)
+
+
+@contextmanager
+def _node_lock(root: Path) -> Iterator[None]:
+    """Hold the node-wide :data:`REGISTRY_LOCK` under ``root`` (blocks while another process does)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / REGISTRY_LOCK, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        yield
+
+
+def manifest_key(manifest: Path) -> str:
+    """16 hex digits naming a manifest's shared store: its resolved path, size and modification
+    time (what a rewrite changes) and :data:`STORE_FORMAT`; reading the file is not needed."""
+    stat = manifest.stat()
+    text = f"{manifest.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{STORE_FORMAT}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class _SharedHold:
+    """A shared ``flock`` on a store's :data:`STORE_LOCK`: the store is in use while this lives."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _hold_shared(folder: Path) -> _SharedHold:
+    handle = (folder / STORE_LOCK).open("rb")
+    fcntl.flock(handle.fileno(), fcntl.LOCK_SH)
+    return _SharedHold(handle)
+
+
+def _load_store(folder: Path) -> CutIndex | None:
+    """The index saved in a complete shared store folder, or None (incomplete or damaged)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if meta.get("format") != STORE_FORMAT or (folder / "lines.jsonl").stat().st_size != meta["store_bytes"]:
+            return None
+        with np.load(folder / "arrays.npz") as arrays:
+            ids, durations, offsets = arrays["ids"], arrays["durations"], arrays["offsets"]
+    except (OSError, ValueError, KeyError):
+        return None
+    index = CutIndex(ids, durations, offsets, store=folder / "lines.jsonl", digest=meta["digest"])
+    index.manifest_digest = meta["manifest_digest"]
+    return index
+
+
+def _save_store(index: CutIndex, folder: Path, manifest: Path) -> None:
+    """The arrays and facts of ``index`` (built into ``folder / 'lines.jsonl'``) next to its lines."""
+    with open(folder / "arrays.npz", "wb") as out:
+        np.savez(out, ids=index.ids, durations=index.durations, offsets=index.offsets)
+    meta = {
+        "format": STORE_FORMAT,
+        "manifest": str(manifest.resolve()),
+        "digest": index.digest,
+        "manifest_digest": index.manifest_digest,
+        "store_bytes": (folder / "lines.jsonl").stat().st_size,
+    }
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+#: What this process learnt of manifests while indexing them, by :func:`manifest_key`.
+_MANIFEST_FACTS: dict[str, dict] = {}
+
+
+def manifest_facts(manifest: str | Path) -> dict | None:
+    """``{"digest", "utterances", "hours"}`` of a manifest this process indexed with
+    :func:`shared_index` (unchanged since), else None: the MLflow dataset of the split takes
+    them from here instead of reading the manifest twice more."""
+    try:
+        return _MANIFEST_FACTS.get(manifest_key(Path(manifest)))
+    except OSError:
+        return None
+
+
+def _remember(manifest: Path, index: CutIndex) -> CutIndex:
+    _MANIFEST_FACTS[manifest_key(manifest)] = {
+        "digest": index.manifest_digest,
+        "utterances": len(index),
+        "hours": round(float(index.durations.sum()) / 3600, 4),
+    }
+    return index
+
+
+def shared_index(manifest: str | Path, root: str | Path | None = None) -> CutIndex:
+    """The :class:`CutIndex` of ``manifest`` over the node's one shared line store of it.
+
+    The store (an uncompressed copy of the manifest's lines and the index's arrays) is the
+    folder ``asrflow-cut-index-<key>`` under ``root`` (default: the system's temporary folder),
+    ``<key>`` from :func:`manifest_key`. The first process to ask builds it; every other
+    process on the node (the other ranks, later runs on the same manifest) waits for it and
+    loads it (no reading of the manifest, no hashing). Each user holds a shared lock on the
+    store while its index lives (``index.store_owner``); stores of other manifests (or older
+    versions of this one) that nobody holds are removed, so a node keeps one store per
+    manifest in use, and one when idle.
+
+    Raises:
+        AsrflowError: see :meth:`CutIndex.build`.
+    """
+    manifest, root = Path(manifest), Path(root or tempfile.gettempdir())
+    if not manifest.is_file():
+        raise AsrflowError(f"{manifest} not found: run the stage that writes it first")
+    final = root / f"{STORE_PREFIX}{manifest_key(manifest)}"
+    with _node_lock(root):
+        _remove_unowned(root, keep=final)
+        index = _load_store(final) if final.is_dir() else None
+        if index is not None:
+            index.store_owner = _hold_shared(final)
+            return _remember(manifest, index)
+        if final.is_dir() and _owned(final):  # damaged but in use by someone: build a private one
+            private = _StoreFolder(root)
+            index = CutIndex.build(manifest, Path(private.name) / "lines.jsonl")
+            index.store_owner = private
+            return _remember(manifest, index)
+        shutil.rmtree(final, ignore_errors=True)
+        building = _StoreFolder(root)
+        try:
+            index = CutIndex.build(manifest, Path(building.name) / "lines.jsonl")
+            _save_store(index, Path(building.name), manifest)
+            os.rename(building.name, final)
+        except BaseException:
+            building.cleanup()
+            raise
+        index.store = final / "lines.jsonl"
+        index.store_owner = building.share()
+        return _remember(manifest, index)
 
 
 def _content_digest(line: bytes) -> bytes:
@@ -174,6 +318,8 @@ class CutIndex:
         self._cuts = cuts  # only for from_cuts (small, in-memory corpora)
         self._handle = None
         self._pid = None
+        #: SHA-256 (16 hex digits) of the manifest's decompressed bytes, when built from one.
+        self.manifest_digest: str | None = None
 
     @property
     def digest(self) -> str:
@@ -191,6 +337,8 @@ class CutIndex:
     def build(cls, manifest: str | Path, store: str | Path) -> CutIndex:
         """Read ``manifest`` (Lhotse ``jsonl`` or ``jsonl.gz``) once, writing its lines to ``store``.
 
+        The same pass hashes the manifest's decompressed bytes (:attr:`manifest_digest`, what
+        the MLflow dataset of the split shows), so no one reads the manifest again for it.
         Memory: the arrays plus 32 bytes per cut while building (the content hashes).
 
         Raises:
@@ -222,8 +370,10 @@ class CutIndex:
         store.parent.mkdir(parents=True, exist_ok=True)
         tmp = store.with_name(store.name + ".tmp")
         position = 0
+        whole = hashlib.sha256()
         with opener(manifest, "rb") as source, open(tmp, "wb") as out:
             for number, line in enumerate(source, start=1):
+                whole.update(line)
                 if not line.strip():
                     continue
                 try:
@@ -253,7 +403,7 @@ class CutIndex:
         flush()
         os.replace(tmp, store)
         if not chunks:
-            return cls._sorted(
+            index = cls._sorted(
                 np.array([], dtype="S1"),
                 np.array([]),
                 np.array([], dtype=np.int64),
@@ -262,12 +412,15 @@ class CutIndex:
                 cuts=None,
                 source=str(manifest),
             )
-        return cls._sorted(
-            *(np.concatenate([chunk[k] for chunk in chunks]) for k in range(4)),
-            store=store,
-            cuts=None,
-            source=str(manifest),
-        )
+        else:
+            index = cls._sorted(
+                *(np.concatenate([chunk[k] for chunk in chunks]) for k in range(4)),
+                store=store,
+                cuts=None,
+                source=str(manifest),
+            )
+        index.manifest_digest = whole.hexdigest()[:MANIFEST_DIGEST_CHARS]
+        return index
 
     @classmethod
     def from_cuts(cls, cuts: Iterable[Cut]) -> CutIndex:
@@ -485,17 +638,67 @@ def _merge_bucket_tails(
     return [batch for i, batch in enumerate(batches) if i not in tail_set] + merged
 
 
-def plan_epoch_index(
-    index: CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int
-) -> list[list[str]]:
-    """:func:`plan_positions` over ``index``, as lists of cut ids (the form checkpoints digest)."""
-    ids = index.ids
-    return [
-        [raw.decode("utf-8") for raw in ids[batch].tolist()]
-        for batch in plan_positions(
-            index.durations, epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets
-        )
-    ]
+class EpochPlan:
+    """An epoch's batches, compactly: ``positions`` ``(N,)`` int64, every cut's position in the
+    id-sorted ``index`` batch after batch, and ``bounds`` ``(B + 1,)`` int64, batch ``b`` being
+    ``positions[bounds[b]:bounds[b + 1]]``. About 8 bytes a cut, whatever the ids.
+
+    Reads like the list of batches it stands for: ``len(plan)``, ``plan[b]`` (the cut ids of
+    batch ``b``, a list of ``str``; a slice gives a list of them), iteration, ``==``.
+    """
+
+    def __init__(self, index: CutIndex, positions: np.ndarray, bounds: np.ndarray):
+        self.index = index
+        self.positions = positions
+        self.bounds = bounds
+        self._digest: str | None = None
+
+    @classmethod
+    def from_batches(cls, index: CutIndex, batches: Sequence[np.ndarray]) -> EpochPlan:
+        lengths = np.array([len(batch) for batch in batches], dtype=np.int64)
+        positions = np.concatenate(batches).astype(np.int64) if batches else np.zeros(0, dtype=np.int64)
+        return cls(index, positions, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def batch_positions(self, first: int, end: int | None = None) -> np.ndarray:
+        """Positions (into the index) of the cuts of batches ``first`` .. ``end - 1`` (default: ``first`` only)."""
+        end = first + 1 if end is None else end
+        return self.positions[self.bounds[first] : self.bounds[end]]
+
+    def __getitem__(self, batch: int | slice) -> list[str] | list[list[str]]:
+        if isinstance(batch, slice):
+            return [self[b] for b in range(*batch.indices(len(self)))]
+        if not -len(self) <= batch < len(self):
+            raise IndexError(batch)
+        return self.index.id_list(self.batch_positions(batch % len(self)))
+
+    def __iter__(self) -> Iterator[list[str]]:
+        return (self[b] for b in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EpochPlan) and len(self) == len(other) and self.digest == other.digest
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def digest(self) -> str:
+        """16 hex digits of the batches as cut ids (so equal for the same cuts indexed from any manifest
+        order); computed once, on first use: a checkpoint's cost does not grow with the corpus."""
+        if self._digest is None:
+            digest = hashlib.sha256(np.ascontiguousarray(self.bounds).tobytes())
+            ids = self.index.ids
+            for first in range(0, len(self.positions), BUILD_CHUNK):
+                digest.update(b"\0".join(ids[self.positions[first : first + BUILD_CHUNK]].tolist()) + b"\0")
+            self._digest = digest.hexdigest()[:16]
+        return self._digest
+
+
+def plan_epoch_index(index: CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int) -> EpochPlan:
+    """:func:`plan_positions` over ``index``, as an :class:`EpochPlan`."""
+    batches = plan_positions(index.durations, epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets)
+    return EpochPlan.from_batches(index, batches)
 
 
 def data_digest(index: CutIndex, *paths: str | Path) -> str:

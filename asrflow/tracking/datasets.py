@@ -19,18 +19,23 @@ from typing import Any
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.data.sources import LocalArtifactDatasetSource
 
+from asrflow.data.index import MANIFEST_DIGEST_CHARS, manifest_facts
 from asrflow.errors import AsrflowError
 
 #: Hex characters of a manifest digest (MLflow's dataset digest column holds 36).
-DIGEST_CHARS = 16
+DIGEST_CHARS = MANIFEST_DIGEST_CHARS
 #: Dataset input tag MLflow's UI shows as the dataset's context.
 DATASET_CONTEXT_TAG = "mlflow.data.context"
 _READ_BYTES = 1 << 20
 
 
 def manifest_digest(path: str | Path) -> str:
-    """SHA-256 (first :data:`DIGEST_CHARS` hex characters) of a manifest's decompressed content."""
+    """SHA-256 (first :data:`DIGEST_CHARS` hex characters) of a manifest's decompressed content
+    (the train manifest's comes from its index, which hashed it while reading it)."""
     path = Path(path)
+    known = manifest_facts(path)
+    if known is not None and known["digest"]:
+        return known["digest"]
     digest = hashlib.sha256()
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -48,8 +53,13 @@ def combined_digest(digests: Iterable[str]) -> str:
 
 
 def manifest_profile(path: str | Path) -> dict[str, Any]:
-    """``{"utterances": n, "hours": h}`` of a cut manifest (read lazily, in constant memory)."""
+    """``{"utterances": n, "hours": h}`` of a cut manifest (read lazily, in constant memory; the train
+    manifest's from its index)."""
     from lhotse import CutSet
+
+    known = manifest_facts(path)
+    if known is not None:
+        return {"utterances": known["utterances"], "hours": known["hours"]}
 
     utterances = 0
     seconds = 0.0

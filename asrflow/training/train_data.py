@@ -17,7 +17,7 @@ from lhotse.dataset import GlobalMVN
 from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, steps_in_plan
 from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
-from asrflow.data.index import CutIndex, data_digest, store_folder
+from asrflow.data.index import data_digest, shared_index
 from asrflow.data.manifests import cuts_path, load_cuts
 from asrflow.data.workers import init_worker, pack_batch
 from asrflow.errors import AsrflowError
@@ -85,12 +85,11 @@ class TrainData:
         cmvn_path = Path(fbank_dir) / CMVN_FILE
         mvn = load_cmvn(cmvn_path)
         max_speed = max(SPEED_FACTORS) if config.speed_perturb else 1.0
-        # The train cuts as a compact index (ids, durations, offsets into an uncompressed copy of the
-        # manifest): no process, data workers included, holds every cut.
-        store = store_folder()
-        full_index = CutIndex.build(cuts_path(fbank_dir, "train"), Path(store.name) / "train.jsonl")
+        # The train cuts as a compact index (ids, durations, offsets into the node's one uncompressed copy of
+        # the manifest, shared by its ranks and runs): no process, data workers included, holds every cut.
+        full_index = shared_index(cuts_path(fbank_dir, "train"))
         train_cuts, removed = filter_ctc_feasible_index(full_index, tokenizer, features.frame_shift_s, max_speed)
-        train_cuts.store_owner = store  # the folder lives as long as the index that reads it
+        train_cuts.store_owner = full_index.store_owner  # the store stays held as long as the index that reads it
         if len(train_cuts) == 0:
             raise AsrflowError("no train utterance is long enough for its transcript; check the data")
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)

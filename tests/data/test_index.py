@@ -20,7 +20,7 @@ from lhotse import CutSet
 from lhotse.testing.dummies import dummy_cut
 
 from asrflow.data.batches import TrainingBatches, plan_digest, plan_epoch
-from asrflow.data.index import CutIndex, plan_positions, store_folder
+from asrflow.data.index import STORE_PREFIX, CutIndex, manifest_facts, plan_positions, shared_index
 from asrflow.errors import AsrflowError
 from bench.common import cut_entry
 
@@ -177,31 +177,120 @@ def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_pa
     assert list((tmp_path / "store").iterdir()) == []
 
 
-def test_a_killed_trainers_index_store_is_removed_by_the_next_one(tmp_path):
-    """SIGKILL skips every clean-up, but the kernel drops the dead process' lock: the next
-    store_folder removes its folder (an uncompressed manifest copy) and leaves the folders of
-    a living process (this one) alone."""
-    killed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os, signal, sys\n"
-            "from asrflow.data.index import store_folder\n"
-            "folder = store_folder(sys.argv[1])\n"
-            "print(folder.name, flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+_HOLD_STORE = (
+    "import os, signal, sys\n"
+    "from asrflow.data.index import shared_index\n"
+    "index = shared_index(sys.argv[1], sys.argv[2])\n"
+    "print(index.store, flush=True)\n"
+    "{end}\n"
+)
+
+
+def _hold_store(manifest: Path, root: Path, end: str) -> subprocess.Popen:
+    """A process that opens ``manifest``'s shared store under ``root``, prints its line store and runs ``end``."""
+    code = _HOLD_STORE.format(end=end)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(manifest), str(root)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True
     )
-    assert killed.returncode == -signal.SIGKILL
-    dead_folder = Path(killed.stdout.strip())
-    assert dead_folder.is_dir()
-    living = store_folder(tmp_path)
-    later = store_folder(tmp_path)
-    assert not dead_folder.exists()
-    assert Path(living.name).is_dir() and Path(later.name).is_dir()
-    living.cleanup()
-    later.cleanup()
-    assert list(tmp_path.iterdir()) == []
+
+
+def _stores(root: Path) -> list[Path]:
+    return sorted(root.glob(f"{STORE_PREFIX}*"))
+
+
+def test_ranks_share_one_store_and_runs_reuse_it(tmp_path, monkeypatch):
+    """Two processes (two ranks of a node) starting together get one store; a later run on the
+    unchanged manifest loads it without reading the manifest; a changed manifest gets a new store
+    and the old one, held by nobody, is removed: one store per node, not one per rank and run."""
+    manifest, root = tmp_path / "train_cuts.jsonl.gz", tmp_path / "tmp"
+    _write(manifest, _entries(3000))
+    ranks = [_hold_store(manifest, root, "sys.stdin.read()") for _ in range(2)]
+    stores = [rank.stdout.readline().strip() for rank in ranks]
+    assert stores[0] == stores[1] and len(_stores(root)) == 1
+    for rank in ranks:
+        rank.communicate("")
+    built = CutIndex.build(manifest, tmp_path / "reference.jsonl")
+
+    def no_build(*_args, **_kwargs):
+        raise AssertionError("the store was rebuilt")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CutIndex, "build", no_build)
+        reused = shared_index(manifest, root)
+    assert str(reused.store) == stores[0]
+    assert np.array_equal(reused.ids, built.ids) and np.array_equal(reused.offsets, built.offsets)
+    assert reused.digest == built.digest and reused.manifest_digest == built.manifest_digest
+    assert [cut.id for cut in reused.cuts(reused.id_list([5, 0]))] == reused.id_list([5, 0])
+
+    _write(manifest, _entries(2000, seed=1))  # the features stage ran again
+    changed = shared_index(manifest, root)
+    assert len(_stores(root)) == 2  # the old store is still held (by `reused`)
+    reused.store_owner.release()  # its hold goes: the next start removes the old store
+    again = shared_index(manifest, root)
+    assert _stores(root) == [Path(again.store).parent] and again.store == changed.store
+
+
+def test_a_killed_builders_folder_is_removed_and_a_killed_users_store_reused(tmp_path):
+    """SIGKILL skips every clean-up, but the kernel drops the dead process' lock: a store it had
+    finished is reused by the next start, a half-built folder of it is removed."""
+    manifest, root = tmp_path / "train_cuts.jsonl.gz", tmp_path / "tmp"
+    _write(manifest, _entries(500))
+    killed = _hold_store(manifest, root, "os.kill(os.getpid(), signal.SIGKILL)")
+    store = killed.stdout.readline().strip()
+    assert killed.wait() == -signal.SIGKILL
+    half_built = root / f"{STORE_PREFIX}half-built"
+    half_built.mkdir()
+    (half_built / ".owner.lock").touch()  # a builder killed mid-way: nobody holds its lock
+    index = shared_index(manifest, root)
+    assert str(index.store) == store and not half_built.exists()
+
+
+def test_the_mlflow_dataset_takes_the_indexed_manifests_digest_without_reading_it(tmp_path, monkeypatch):
+    """The train manifest is read once at start-up: its decompressed-bytes digest and profile come
+    from the index's pass over it, and equal what reading it gives."""
+    import asrflow.mlflow_dataset as mlflow_dataset
+
+    manifest, root = tmp_path / "train_cuts.jsonl.gz", tmp_path / "tmp"
+    _write(manifest, _entries(400))
+    expected = (mlflow_dataset.manifest_digest(manifest), mlflow_dataset.manifest_profile(manifest))
+    assert manifest_facts(manifest) is None
+    index = shared_index(manifest, root)
+
+    def unread(*_args, **_kwargs):
+        raise AssertionError("the manifest was read again")
+
+    monkeypatch.setattr(mlflow_dataset.gzip, "open", unread)
+    monkeypatch.setattr("lhotse.CutSet.from_jsonl_lazy", unread)
+    assert (mlflow_dataset.manifest_digest(manifest), mlflow_dataset.manifest_profile(manifest)) == expected
+    assert index.manifest_digest == expected[0]
+
+
+def test_plans_are_compact_and_their_digest_is_computed_once(big_index, monkeypatch):
+    """A plan holds int64 positions and batch bounds (no Python strings: ~8 bytes a cut), reads
+    as the lists of ids it stands for, and checkpoints reuse its digest instead of re-encoding it."""
+    import hashlib
+
+    batches = TrainingBatches(
+        big_index,
+        seed=42,
+        max_duration_s=120.0,
+        num_buckets=30,
+        accum_grad=1,
+        world_size=1,
+        rank=0,
+        start_epoch=0,
+        start_step=0,
+        num_epochs=1,
+    )
+    plan = batches.plan(0)
+    assert plan.positions.dtype == np.int64 and plan.positions.nbytes + plan.bounds.nbytes < 9 * len(big_index)
+    as_lists = [
+        big_index.id_list(batch)
+        for batch in plan_positions(big_index.durations, 0, seed=42, max_duration_s=120.0, num_buckets=30)
+    ]
+    assert list(plan) == as_lists and plan[3] == as_lists[3] and plan[2:4] == as_lists[2:4]
+    first = plan_digest(plan)
+    calls = []
+    real = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda *args: calls.append(1) or real(*args))
+    assert all(plan_digest(batches.plan(0)) == first for _ in range(5)) and calls == []
