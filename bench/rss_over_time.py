@@ -66,10 +66,10 @@ def summarise(rows: list[tuple[float, int, float]], minutes: float) -> dict:
     for mark in marks:
         before = [row for row in rows if row[0] <= mark * 60]
         if before:
-            at[f"{mark}min"] = {"step": before[-1][1], "rss_mb": rounded(before[-1][2], 1)}
+            at[f"{mark}min"] = {"step": before[-1][1], "rss_mb": round(before[-1][2], 1)}
     return {
         "rss_at": at,
-        "peak_rss_mb": rounded(max(row[2] for row in rows), 1) if rows else None,
+        "peak_rss_mb": round(max(row[2] for row in rows), 1) if rows else None,
         "steps": rows[-1][1] if rows else 0,
         "slope_second_half_mb_per_min": rounded(slope_mb_per_min(rows) or 0.0, 2),
     }

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from asrflow.allocator import tune_for_training
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.launch.multinode import rendezvous_from_environment
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
     fbank_dir = input_folder(args.fbank, "--fbank", "features")
     lang_dir = input_folder(args.lang, "--lang", "tokenizer")
     paths = TrainPaths.under(args.exp, fbank_dir=fbank_dir, lang_dir=lang_dir)
+    tune_for_training()  # batches of varying shapes would otherwise fragment glibc's heap
     trainer = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths, observers=observers)
     code, _ = run_trainer(trainer)
     if code:

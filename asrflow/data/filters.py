@@ -68,19 +68,27 @@ def entry_frames(entry: dict, frame_shift_s: float) -> int:
 
 
 def filter_ctc_feasible_index(
-    index: CutIndex, tokenizer: Tokenizer, frame_shift_s: float, max_speed: float = 1.0
+    index: CutIndex, tokenizer: Tokenizer, frame_shift_s: float, max_speed: float = 1.0, *, cache_key: str = ""
 ) -> tuple[CutIndex, list[str]]:
     """:func:`filter_ctc_feasible` over a :class:`CutIndex`: one sequential pass over its
     line store (manifest entries, no ``Cut`` objects); returns (the sub-index kept, removed ids).
 
-    Same rule, same ids removed, as :func:`filter_ctc_feasible` on the same cuts.
+    Same rule, same ids removed, as :func:`filter_ctc_feasible` on the same cuts. With a
+    ``cache_key`` (naming the tokenizer's content), the verdicts are kept in the index's shared
+    store (:meth:`CutIndex.cached_array`): a later start on the same store skips the pass.
     """
-    keep = np.zeros(len(index), dtype=bool)
-    for position, entry in index.iter_entries():
-        text = " ".join(s["text"] for s in entry.get("supervisions", []) if s.get("text"))
-        ids = tokenizer.encode(text)
-        num_frames = int(entry_frames(entry, frame_shift_s) / max_speed)
-        keep[position] = bool(ids) and output_frames(num_frames) >= ctc_frames_needed(ids)
+
+    def verdicts() -> np.ndarray:
+        keep = np.zeros(len(index), dtype=bool)
+        for position, entry in index.iter_entries():
+            text = " ".join(s["text"] for s in entry.get("supervisions", []) if s.get("text"))
+            ids = tokenizer.encode(text)
+            num_frames = int(entry_frames(entry, frame_shift_s) / max_speed)
+            keep[position] = bool(ids) and output_frames(num_frames) >= ctc_frames_needed(ids)
+        return keep
+
+    name = f"ctc-{cache_key}-{frame_shift_s!r}-{max_speed!r}"
+    keep = index.cached_array(name, verdicts) if cache_key else verdicts()
     removed = index.id_list(np.flatnonzero(~keep))
     if removed:
         logger.warning(

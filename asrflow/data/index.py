@@ -44,7 +44,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -538,6 +538,25 @@ class CutIndex:
             digest=digest.hexdigest()[:16],
             cuts=cuts,
         )
+
+    def cached_array(self, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """``compute()``, kept as ``<name>.npy`` in the index's shared store (see :func:`shared_index`)
+        and read from there by later callers on the same store; computed each time elsewhere.
+        ``name`` must say everything the array depends on besides the manifest."""
+        folder = Path(self.store).parent if self.store is not None else None
+        if folder is None or not (folder / "meta.json").is_file():
+            return compute()
+        path = folder / f"{hashlib.sha256(name.encode()).hexdigest()[:16]}.npy"
+        try:
+            return np.load(path)
+        except (OSError, ValueError):
+            pass
+        array = compute()
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as out:
+            np.save(out, array)
+        os.replace(tmp, path)
+        return array
 
     def nbytes(self) -> int:
         """Bytes held by the arrays (what a worker's copy costs, beyond a few objects)."""

@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from asrflow.allocator import tune_for_training
+
 #: Linux's ``prctl`` option that sends the process a signal when its parent dies.
 _PR_SET_PDEATHSIG = 1
 
@@ -50,6 +52,7 @@ def init_worker(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
+    tune_for_training()
     torch.set_num_threads(1)
 
 

@@ -24,6 +24,7 @@ from asrflow.errors import AsrflowError
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.config import TrainConfig
 from asrflow.training.distributed import DistInfo
+from asrflow.training.resume import file_digest
 from asrflow.training.validation import dev_batches, dev_loss
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ class TrainData:
         # The train cuts as a compact index (ids, durations, offsets into the node's one uncompressed copy of
         # the manifest, shared by its ranks and runs): no process, data workers included, holds every cut.
         full_index = shared_index(cuts_path(fbank_dir, "train"))
-        train_cuts, removed = filter_ctc_feasible_index(full_index, tokenizer, features.frame_shift_s, max_speed)
+        train_cuts, removed = filter_ctc_feasible_index(
+            full_index, tokenizer, features.frame_shift_s, max_speed, cache_key=file_digest(tokenizer_path)
+        )
         train_cuts.store_owner = full_index.store_owner  # the store stays held as long as the index that reads it
         if len(train_cuts) == 0:
             raise AsrflowError("no train utterance is long enough for its transcript; check the data")

@@ -3,6 +3,7 @@ plans, bit-identical batches through a real DataLoader with spawned workers (iss
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from asrflow.data.batches import AsrBatchDataset, AugmentConfig, TrainingBatches
@@ -59,3 +60,24 @@ def test_index_filters_plans_and_batches_like_the_cutset(yesno_data, tmp_path):
             assert torch.equal(a[key], b[key]), key
         assert a["step_tokens"] == b["step_tokens"]
         assert (a["step_tokens"] > 0) == (a["item"].micro_index == 0)
+
+
+def test_ctc_verdicts_are_kept_in_the_shared_store(yesno_data, tmp_path, monkeypatch):
+    """The CTC filter's pass over every transcript is done once per store and tokenizer: a later
+    start on the same store keeps the same cuts without tokenizing them again; another key recomputes."""
+    from asrflow.data.index import shared_index
+
+    tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
+    manifest = cuts_path(yesno_data / "fbank", "train")
+    first, removed = filter_ctc_feasible_index(shared_index(manifest, tmp_path), tokenizer, 0.01, 1.1, cache_key="a")
+
+    def no_tokenizing(_text):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(tokenizer, "encode", no_tokenizing)
+    again, removed_again = filter_ctc_feasible_index(
+        shared_index(manifest, tmp_path), tokenizer, 0.01, 1.1, cache_key="a"
+    )
+    assert again.id_list() == first.id_list() and removed_again == removed and again.digest == first.digest
+    with pytest.raises(AssertionError, match="tokenized again"):
+        filter_ctc_feasible_index(shared_index(manifest, tmp_path), tokenizer, 0.01, 1.1, cache_key="b")
