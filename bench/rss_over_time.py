@@ -31,8 +31,8 @@ from pathlib import Path
 from bench.common import REPO, emit, generated_data, load_average, parse_args, rounded, workdir
 from bench.startup import write_params
 
-#: The step-log line (every 10 optimizer steps).
-_STEP = re.compile(r"\[asrflow\.training\.step_log\] step (\d+) epoch")
+#: The step-log line (every 10 optimizer steps; ``step_log`` in checkouts before the training/ layout).
+_STEP = re.compile(r"\[asrflow\.training\.(?:monitoring|step_log)\] step (\d+) epoch")
 DEV_UTTERANCES = 40
 
 

@@ -115,7 +115,7 @@ def launch(run_dir: Path, data: Path, steps: int, tmp: Path) -> dict:
     for name in ("MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE"):
         env.pop(name, None)
     log = run_dir / "train.log"
-    stop_when = f"[asrflow.training.step_log] step {steps} epoch"
+    stop_when = f"[asrflow.training.monitoring] step {steps} epoch"  # the step log line (every 10 steps)
     peak, done = [0], threading.Event()
     with log.open("w") as handle:
         launched = time.time()
@@ -152,7 +152,7 @@ def in_process_costs(data: Path, tmp: Path) -> dict:
     from asrflow.data.batches import TrainingBatches
     from asrflow.data.index import shared_index
     from asrflow.data.manifests import cuts_path
-    from asrflow.training.progress import PlanPosition
+    from asrflow.training.run_state import PlanPosition
 
     index = shared_index(cuts_path(data / "fbank", "train"), tmp)
     batches = TrainingBatches(

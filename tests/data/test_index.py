@@ -248,7 +248,7 @@ def test_a_killed_builders_folder_is_removed_and_a_killed_users_store_reused(tmp
 def test_the_mlflow_dataset_takes_the_indexed_manifests_digest_without_reading_it(tmp_path, monkeypatch):
     """The train manifest is read once at start-up: its decompressed-bytes digest and profile come
     from the index's pass over it, and equal what reading it gives."""
-    import asrflow.mlflow_dataset as mlflow_dataset
+    import asrflow.tracking.datasets as mlflow_dataset
 
     manifest, root = tmp_path / "train_cuts.jsonl.gz", tmp_path / "tmp"
     _write(manifest, _entries(400))
