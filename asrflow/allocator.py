@@ -7,8 +7,8 @@ with the number of shapes seen (bench/RESULTS.md, "Trainer memory at scale"). He
 
 * :func:`tune_for_training` fixes the threshold (blocks of 1 MiB and more are mapped and
   unmapped whole), fixes the trim threshold, and caps the per-thread arenas;
-* :func:`release_free_memory` hands the heap's free pages back (``malloc_trim``), for the
-  trainer to call at natural pauses (after a checkpoint or a validation).
+* :func:`release_free_memory` hands the heap's free pages back (``malloc_trim``); the
+  training data loader calls it every few batches.
 
 Elsewhere than glibc (musl, macOS, jemalloc or tcmalloc preloaded) both do nothing.
 """

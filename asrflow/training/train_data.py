@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from lhotse.dataset import GlobalMVN
 
+from asrflow.allocator import release_free_memory
 from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, steps_in_plan
 from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
@@ -171,7 +172,7 @@ class TrainData:
         its iterator; the loader opened before is closed."""
         self.close()
         self._open = iter(self.loader(epoch, step_in_epoch))
-        return _log_first(self._open, epoch, step_in_epoch)
+        return _handed_over(self._open, epoch, step_in_epoch)
 
     def close(self) -> None:
         """Shut the open loader's data workers down. Not left to garbage collection: an exception's traceback
@@ -182,11 +183,18 @@ class TrainData:
             shutdown()
 
 
-def _log_first(batches: Iterator[dict], epoch: int, step_in_epoch: int) -> Iterator[dict]:
-    """``batches``, logging when the first one is handed over (bench.startup reads the line)."""
+#: Free heap pages go back to the system every this many batches (see :mod:`asrflow.allocator`).
+RELEASE_EVERY_BATCHES = 10
+
+
+def _handed_over(batches: Iterator[dict], epoch: int, step_in_epoch: int) -> Iterator[dict]:
+    """``batches``, logging when the first one is handed over (bench.startup reads the line) and
+    returning the heap's free pages now and then: batches of ever-new shapes leave holes in it."""
     for count, batch in enumerate(batches):
         if count == 0:
             logger.info("first batch of epoch %d from step %d handed over", epoch, step_in_epoch)
+        elif count % RELEASE_EVERY_BATCHES == 0:
+            release_free_memory()
         yield batch
 
 
