@@ -14,7 +14,7 @@ same data, or another rank). Each launch is stopped by SIGTERM after step ``S`` 
 Per launch: ``first_step_s`` (launch to the end of the first step, from the log's marks as in
 ``bench.startup``), ``peak_rss_mb`` (the process tree's peak RSS, polled every 0.2 s),
 ``step_s`` (median wall time of a step, from the run's MLflow points) and ``checkpoint_s``
-(median excess of the steps right after a checkpoint, ``checkpoint_every_steps`` 10). Per
+(median excess of the steps right after a checkpoint, ``checkpoint_every_steps`` 5). Per
 size: ``store_mb`` (the temporary folder's size after both launches: one store),
 and in process, over the same index, the plan's size and the cost of a checkpoint's plan
 position state (first call, once per epoch, and later calls).
@@ -35,7 +35,7 @@ from bench.common import REPO, emit, generated_data, load_average, parse_args, r
 from bench.startup import log_marks, write_params
 
 CUTS = {"full": [100_000, 1_000_000], "quick": [2_000]}
-CHECKPOINT_EVERY = 10
+CHECKPOINT_EVERY = 5
 
 
 def grow_corpus(source: Path, target: Path, count: int) -> Path:
@@ -80,11 +80,12 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def step_times(run_dir: Path) -> dict:
-    """Median step wall time and median checkpoint excess, from the run's ``train/loss`` points."""
+def step_times(db: Path) -> dict:
+    """Median step wall time and median checkpoint excess, from the ``train/loss`` points in ``db``
+    (a copy under its own name: MLflow keeps one engine per store URI, open on the first file)."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{db.resolve()}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
     stamps = {m.step: m.timestamp / 1000 for m in client.get_metric_history(run.info.run_id, "train/loss")}
     steps = sorted(stamps)
@@ -101,7 +102,7 @@ def step_times(run_dir: Path) -> dict:
     }
 
 
-def launch(run_dir: Path, data: Path, steps: int, tmp: Path) -> dict:
+def launch(run_dir: Path, data: Path, steps: int, tmp: Path, name: str) -> dict:
     """The train stage on ``data`` until step ``steps`` is logged; marks, peak tree RSS, step costs."""
     import signal
     import subprocess
@@ -138,12 +139,14 @@ def launch(run_dir: Path, data: Path, steps: int, tmp: Path) -> dict:
     text = log.read_text()
     if code not in (0, 75):
         raise RuntimeError(f"train stage exited {code}; log {log}:\n" + "\n".join(text.splitlines()[-15:]))
-    marks = {name: round(at - launched, 3) for name, at in log_marks(text).items()}
+    marks = {mark: round(at - launched, 3) for mark, at in log_marks(text).items()}
+    db = run_dir / f"mlflow-{name}.db"
+    shutil.copy(run_dir / "mlflow.db", db)
     return {
         "first_step_s": marks.get("first_step"),
         "marks": marks,
         "peak_rss_mb": rounded(peak[0] / 2**20),
-        **step_times(run_dir),
+        **step_times(db),
     }
 
 
@@ -189,11 +192,11 @@ def in_process_costs(data: Path, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--cuts", type=int, action="append", help="corpus sizes (default: 10^5 and 10^6)")
-        parser.add_argument("--steps", type=int, default=30)
+        parser.add_argument("--steps", type=int, default=20, help="a multiple of 10 (the step log)")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     sizes = args.cuts or CUTS["quick" if args.quick else "full"]
-    steps = 20 if args.quick else args.steps
+    steps = 10 if args.quick else args.steps
     train = {
         "epochs": 1,
         "max_duration_s": 60.0,
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_dir.mkdir(exist_ok=True)
             write_params(run_dir, train, data=data)
             load_before = load_average()
-            launches = {name: launch(run_dir, data, steps, tmp) for name in ("first", "again")}
+            launches = {name: launch(run_dir, data, steps, tmp, name) for name in ("first", "again")}
             store_mb = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) / 2**20
             records.append(
                 emit(
