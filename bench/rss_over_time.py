@@ -11,7 +11,7 @@ the training process's RSS (``/proc/<pid>/status`` ``VmRSS``) and the last optim
 its log names. With ``--code`` given several times (e.g. a checkout of the main branch and
 this one), those runs go side by side, started together, each with its own run folder.
 
-Writes ``<workdir>/rss-<label>.csv`` (``seconds,step,rss_mb``) and prints one JSON line per
+Writes ``<workdir>/rss-<label>.csv`` (``seconds,step,rss_mb,rss_anon_mb``) and prints one JSON line per
 run (``benchmark: rss_over_time``): RSS at 1, 5, 10, 15, ... minutes, the peak, and the
 slope (MB per minute, least squares) over the second half of the run, with the load average.
 """
@@ -36,11 +36,12 @@ _STEP = re.compile(r"\[asrflow\.training\.(?:monitoring|step_log)\] step (\d+) e
 DEV_UTTERANCES = 40
 
 
-def rss_mb(pid: int) -> float | None:
-    """VmRSS of ``pid`` in MB, None once it is gone."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
+    """``field`` of ``/proc/<pid>/status`` (VmRSS; RssAnon: without file-backed pages, which the
+    kernel may drop and map again) in MB, None once the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -93,6 +94,7 @@ def run(label: str, code: Path, data: Path, work: Path, minutes: float, train: d
     env.update(extra)
     log = work / f"train-{label}.log"
     rows: list[tuple[float, int, float]] = []
+    anon: list[float] = []
     with log.open("w") as handle:
         began = time.time()
         process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=handle, stderr=subprocess.STDOUT)
@@ -102,15 +104,17 @@ def run(label: str, code: Path, data: Path, work: Path, minutes: float, train: d
                 time.sleep(1.0)
                 for match in _STEP.finditer(reader.read()):
                     step = int(match.group(1))
-                rss = rss_mb(process.pid)
-                if rss is not None:
+                rss, rss_anon = rss_mb(process.pid), rss_mb(process.pid, "RssAnon")
+                if rss is not None and rss_anon is not None:
                     rows.append((time.time() - began, step, rss))
+                    anon.append(rss_anon)
                 if time.time() - began > minutes * 60:
                     process.send_signal(signal.SIGTERM)
                     break
         code_ = process.wait(timeout=300)
     csv = work / f"rss-{label}.csv"
-    csv.write_text("seconds,step,rss_mb\n" + "".join(f"{t:.1f},{s},{r:.1f}\n" for t, s, r in rows))
+    lines = (f"{t:.1f},{s},{r:.1f},{a:.1f}\n" for (t, s, r), a in zip(rows, anon, strict=True))
+    csv.write_text("seconds,step,rss_mb,rss_anon_mb\n" + "".join(lines))
     return {
         "label": label,
         "code": str(code),
