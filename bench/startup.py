@@ -118,7 +118,14 @@ def write_params(run_dir: Path, train: dict, code: Path = REPO, data: Path | Non
 
 
 def launch(
-    run_dir: Path, data: Path, *, stop_when: str, log: Path, code: Path = REPO, timeout_s: float = 600.0
+    run_dir: Path,
+    data: Path,
+    *,
+    stop_when: str,
+    log: Path,
+    code: Path = REPO,
+    timeout_s: float = 600.0,
+    extra_env: dict[str, str] | None = None,
 ) -> dict:
     """Run the train stage in ``run_dir`` on ``data`` (``fbank/``, ``lang/``) until ``stop_when`` is logged.
 
@@ -131,6 +138,7 @@ def launch(
     env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
     for name in ("MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE", "DVC_STAGE", "DVC_EXP_NAME"):
         env.pop(name, None)
+    env.update(extra_env or {})
     peak, done = [0], threading.Event()
     with log.open("w") as handle:
         launched = time.time()

@@ -12,7 +12,7 @@ folders: ``first`` builds the node's line store, ``again`` reuses it (a second r
 same data, or another rank). Each launch is stopped by SIGTERM after step ``S`` is logged.
 
 Per launch: ``first_step_s`` (launch to the end of the first step, from the log's marks as in
-``bench.startup``), ``peak_rss_mb`` (the process tree's peak RSS, polled every 0.2 s),
+``bench.startup``), ``peak_tree_pss_mb`` (the process tree's peak PSS, polled every 0.25 s),
 ``step_s`` (median wall time of a step, from the run's MLflow points) and ``checkpoint_s``
 (median excess of the steps right after a checkpoint, ``checkpoint_every_steps`` 5). Per
 size: ``store_mb`` (the temporary folder's size after both launches: one store),
@@ -23,16 +23,14 @@ position state (first call, once per epoch, and later calls).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
-import threading
 import time
 from pathlib import Path
 
-from bench.common import REPO, emit, generated_data, load_average, parse_args, rounded, workdir
-from bench.startup import log_marks, write_params
+from bench.common import emit, generated_data, load_average, parse_args, rounded, workdir
+from bench.startup import launch, write_params
 
 CUTS = {"full": [100_000, 1_000_000], "quick": [2_000]}
 CHECKPOINT_EVERY = 5
@@ -66,20 +64,6 @@ def grow_corpus(source: Path, target: Path, count: int) -> Path:
     return target
 
 
-def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            total += process.memory_info().rss
-    return total
-
-
 def step_times(db: Path) -> dict:
     """Median step wall time and median checkpoint excess, from the ``train/loss`` points in ``db``
     (a copy under its own name: MLflow keeps one engine per store URI, open on the first file)."""
@@ -102,52 +86,18 @@ def step_times(db: Path) -> dict:
     }
 
 
-def launch(run_dir: Path, data: Path, steps: int, tmp: Path, name: str) -> dict:
-    """The train stage on ``data`` until step ``steps`` is logged; marks, peak tree RSS, step costs."""
-    import signal
-    import subprocess
-    import sys
-
+def launch_until(run_dir: Path, data: Path, steps: int, tmp: Path, name: str) -> dict:
+    """The train stage on ``data`` until step ``steps`` is logged (``bench.startup.launch``, with
+    ``TMPDIR`` = ``tmp``): marks, peak PSS of the process tree, step and checkpoint costs."""
     shutil.rmtree(run_dir / "exp", ignore_errors=True)
     (run_dir / "mlflow.db").unlink(missing_ok=True)
-    command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
-    command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
-    for name in ("MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE"):
-        env.pop(name, None)
-    log = run_dir / "train.log"
     stop_when = f"[asrflow.training.monitoring] step {steps} epoch"  # the step log line (every 10 steps)
-    peak, done = [0], threading.Event()
-    with log.open("w") as handle:
-        launched = time.time()
-        process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=handle, stderr=subprocess.STDOUT)
-
-        def poll() -> None:
-            signalled = False
-            while not done.is_set():
-                peak[0] = max(peak[0], _tree_rss(process.pid))
-                if not signalled and stop_when in log.read_text():
-                    process.send_signal(signal.SIGTERM)
-                    signalled = True
-                done.wait(0.2)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        code = process.wait(timeout=1800)
-        done.set()
-        poller.join()
-    text = log.read_text()
-    if code not in (0, 75):
-        raise RuntimeError(f"train stage exited {code}; log {log}:\n" + "\n".join(text.splitlines()[-15:]))
-    marks = {mark: round(at - launched, 3) for mark, at in log_marks(text).items()}
+    result = launch(
+        run_dir, data, stop_when=stop_when, log=run_dir / "train.log", timeout_s=1800, extra_env={"TMPDIR": str(tmp)}
+    )
     db = run_dir / f"mlflow-{name}.db"
     shutil.copy(run_dir / "mlflow.db", db)
-    return {
-        "first_step_s": marks.get("first_step"),
-        "marks": marks,
-        "peak_rss_mb": rounded(peak[0] / 2**20),
-        **step_times(db),
-    }
+    return {"first_step_s": result["marks"].get("first_step"), **result, **step_times(db)}
 
 
 def in_process_costs(data: Path, tmp: Path) -> dict:
@@ -216,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_dir.mkdir(exist_ok=True)
             write_params(run_dir, train, data=data)
             load_before = load_average()
-            launches = {name: launch(run_dir, data, steps, tmp, name) for name in ("first", "again")}
+            launches = {name: launch_until(run_dir, data, steps, tmp, name) for name in ("first", "again")}
             store_mb = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) / 2**20
             records.append(
                 emit(
