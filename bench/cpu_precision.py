@@ -23,18 +23,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from bench.common import (
-    REPO,
-    data_features,
-    emit,
-    generated_data,
-    machine,
-    parse_args,
-    ratio,
-    rounded,
-    workdir,
-    yesno_data,
-)
+from asrflow.testing.corpora import data_features, generated_data, yesno_data
+from asrflow.testing.repo import REPO
+from bench.common import emit, machine, parse_args, ratio, rounded, workdir
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Padded seconds per batch of the preset's model here (its own 600 s is sized for a GPU).

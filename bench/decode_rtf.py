@@ -28,7 +28,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.common import REPO, emit, parse_args, ratio, repo_params, rounded, workdir, yesno_data
+from asrflow.testing.corpora import yesno_data
+from asrflow.testing.repo import REPO, repo_params
+from bench.common import emit, parse_args, ratio, rounded, workdir
 
 REPEATS = {"full": 3, "quick": 1}
 #: Epochs of the fallback model (when exp/model.pt is missing), full mode.

@@ -1,6 +1,6 @@
 """The features stage at 5 and 50 hours: peak memory of its process tree, and speed.
 
-Generated cut manifests (:func:`bench.common.write_segment_manifests`: segments of 2-7 s,
+Generated cut manifests (:func:`asrflow.testing.corpora.write_segment_manifests`: segments of 2-7 s,
 each of its own length, cut at random offsets out of a few generated 16 kHz FLAC
 recordings, so the audio on disk stays small whatever the hours) are extracted by the
 real stage, as the pipeline runs it, with params.yaml's ``features:`` section at 16 kHz
@@ -33,17 +33,9 @@ import sys
 
 import yaml
 
-from bench.common import (
-    emit,
-    load_average,
-    machine,
-    parse_args,
-    ratio,
-    repo_params,
-    rounded,
-    workdir,
-    write_segment_manifests,
-)
+from asrflow.testing.corpora import write_segment_manifests
+from asrflow.testing.repo import repo_params
+from bench.common import emit, load_average, machine, parse_args, ratio, rounded, workdir
 from bench.memory import measure
 
 #: Hours of audio compared, per mode.

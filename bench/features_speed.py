@@ -35,7 +35,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from bench.common import emit, generate_corpus, parse_args, ratio, repo_params, rounded, workdir
+from asrflow.testing.corpora import generate_corpus
+from asrflow.testing.repo import repo_params
+from bench.common import emit, parse_args, ratio, rounded, workdir
 
 #: Utterances of the generated corpus per mode (1-15 s each: about 32 and 2 minutes).
 UTTERANCES = {"full": 240, "quick": 15}

@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 import time
 
-from bench.common import emit, machine, parse_args, ratio, repo_params, rounded
+from asrflow.testing.repo import repo_params
+from bench.common import emit, machine, parse_args, ratio, rounded
 
 #: (name, subsampling_channels, subsampling_norm); None channels = (d_model, d_model).
 CANDIDATES = [

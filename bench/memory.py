@@ -51,17 +51,9 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import (
-    REPO,
-    emit,
-    generate_corpus,
-    machine,
-    parse_args,
-    ratio,
-    repo_params,
-    rounded,
-    workdir,
-)
+from asrflow.testing.corpora import generate_corpus
+from asrflow.testing.repo import REPO, repo_params
+from bench.common import emit, machine, parse_args, ratio, rounded, workdir
 
 #: (small, large) corpus sizes in utterances, per mode.
 SIZES = {"full": (2500, 10000), "quick": (100, 400)}

@@ -24,7 +24,9 @@ Usage: ``python -m bench.padding [--quick] [--workdir DIR]``.
 
 from __future__ import annotations
 
-from bench.common import emit, generated_data, parse_args, ratio, repo_params, rounded, workdir, yesno_data
+from asrflow.testing.corpora import generated_data, yesno_data
+from asrflow.testing.repo import repo_params
+from bench.common import emit, parse_args, ratio, rounded, workdir
 
 #: Utterances of the generated corpus (shared with bench.train_throughput), per mode.
 GENERATED = {"full": 2000, "quick": 200}

@@ -75,18 +75,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.common import (
-    REPO,
-    data_features,
-    emit,
-    generated_data,
-    machine,
-    parse_args,
-    ratio,
-    rounded,
-    workdir,
-    yesno_data,
-)
+from asrflow.testing.corpora import data_features, generated_data, yesno_data
+from asrflow.testing.repo import REPO
+from bench.common import emit, machine, parse_args, ratio, rounded, workdir
 
 #: The peer, pinned, and what ``pip install --target`` puts into PEER_DIR (no torch: the venv's).
 PEER_VERSION = "1.1.2"

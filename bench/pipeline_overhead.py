@@ -27,8 +27,9 @@ from pathlib import Path
 
 import yaml
 
+from asrflow.testing.repo import copy_repo
 from asrflow.training.config import set_train_keys
-from bench.common import copy_repo, emit, parse_args, ratio, rounded, workdir
+from bench.common import emit, parse_args, ratio, rounded, workdir
 
 REPEATS = {"full": 3, "quick": 2}
 #: params.yaml changes that make the copy's pipeline quick to build.

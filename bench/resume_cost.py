@@ -3,7 +3,7 @@
 A resume jumps to batch ``k`` of the epoch's plan (made from manifest metadata) instead of
 replaying the data pipeline, so its cost should not grow with ``k``. This benchmark checks
 that: it resumes the same run from checkpoints at 10 %, 50 % and 90 % of an epoch and
-times each resume as a real training process (``tests/training/train_entry.py``: the
+times each resume as a real training process (``asrflow.testing.train_entry``: the
 Trainer with the tiny test model, two spawned data workers) from launch to the end of its
 first step, in wall-clock seconds and in CPU seconds of the trainer's process. The baseline,
 measured in the same run, is a fresh start on the same data (launch to the end of step 1).
@@ -40,11 +40,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "training"), str(REPO / "tests"), str(REPO)]
-os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.repo import YESNO_DIR
+from asrflow.testing.tiny_config import tiny_train_config
+from asrflow.testing.train_entry import TrainingProcess
 
-from train_entry import TrainingProcess, fresh_mlflow_store  # noqa: E402
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 POSITIONS = (0.1, 0.5, 0.9)
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \[[^\]]+\] (.*)$", re.MULTILINE)
@@ -59,7 +60,7 @@ def build_corpus(root: Path, replicas: int) -> Path:
     from asrflow.data.prepare import PrepareConfig, prepare_corpus
     from asrflow.tokenizer import TokenizerConfig, train_tokenizer
 
-    prepare_corpus(PrepareConfig(corpus_dir=str(REPO / "data/corpora/yesno")), root / "manifests", seed=42)
+    prepare_corpus(PrepareConfig(corpus_dir=str(YESNO_DIR)), root / "manifests", seed=42)
     test = load_cuts(root / "manifests", "test")
     test.subset(first=1).to_file(cuts_path(root / "manifests", "test"))  # training never reads it: spare its fbank
     compute_features(root / "manifests", root / "fbank", FeatureConfig(num_jobs=1))
@@ -197,8 +198,6 @@ def main(argv: list[str] | None = None) -> dict:
         data = build_corpus(workdir / "data", replicas)
         _phase("corpus", began)
         base = {"epochs": 1, "num_workers": workers, "validate_every_steps": 0, "keep_last": 100, "average_last": 1}
-        from conftest import tiny_train_config
-
         config = tiny_train_config(**base)
         steps = batches_per_epoch(data, config.max_duration_s, config.num_buckets)
         batch_cpu_s = batch_cpu_seconds(data, config.max_duration_s, config.num_buckets)

@@ -26,7 +26,8 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.common import REPO, emit, load_average, machine, workdir
+from asrflow.testing.repo import REPO
+from bench.common import emit, load_average, machine, workdir
 
 #: In-process benchmarks, in the order they run: (name, module).
 MODULES = [

@@ -36,7 +36,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import cut_entry, emit, parse_args, ratio, rounded, workdir
+from asrflow.testing.corpora import cut_entry
+from bench.common import emit, parse_args, ratio, rounded, workdir
 
 #: Cuts in the manifest, per mode.
 CUTS = {"full": 1_000_000, "quick": 20_000}

@@ -53,19 +53,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from asrflow.testing.corpora import generated_data, params_for, yesno_data
+from asrflow.testing.repo import REPO, repo_params
 from asrflow.training.outcome import Outcome, exit_code
-from bench.common import (
-    REPO,
-    emit,
-    generated_data,
-    load_average,
-    params_for,
-    parse_args,
-    repo_params,
-    rounded,
-    workdir,
-    yesno_data,
-)
+from bench.common import emit, load_average, parse_args, rounded, workdir
 from bench.peer_speed import _tree_pss
 
 #: Log markers of the breakdown: name -> (logger, text the message starts with or holds).

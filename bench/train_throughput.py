@@ -49,19 +49,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.common import (
-    data_features,
-    emit,
-    generated_data,
-    machine,
-    matmul_flops,
-    parse_args,
-    ratio,
-    repo_params,
-    rounded,
-    workdir,
-    yesno_data,
-)
+from asrflow.testing.corpora import data_features, generated_data, yesno_data
+from asrflow.testing.repo import repo_params
+from bench.common import emit, machine, matmul_flops, parse_args, ratio, rounded, workdir
 
 #: Utterances of the generated corpus, per mode (the yesno corpus is fixed).
 GENERATED = {"full": 2000, "quick": 200}

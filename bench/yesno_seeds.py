@@ -27,7 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import REPO, emit, machine, parse_args, rounded, workdir, yesno_data
+from asrflow.testing.corpora import yesno_data
+from asrflow.testing.repo import REPO
+from bench.common import emit, machine, parse_args, rounded, workdir
 
 #: A step line of asrflow.training.monitoring: "step 40 epoch 3: loss 0.9709 ...".
 STEP_LINE = re.compile(r"step (\d+) epoch \d+: loss ([0-9.]+|nan|inf)")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import REPO
 
 from asrflow.model.conformer_ctc import ModelConfig, build_model
+from asrflow.testing.repo import REPO
 from bench.front_end import _front_end_flops
 from bench.yesno_seeds import seeded_params
 

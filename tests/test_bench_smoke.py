@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
 
-#: Benchmarks of bench.run_all that must print figures, and the figures each must hold.
+from asrflow.testing.repo import REPO
+
 FIGURES = {
     "machine": ["cpu_count", "usable_cores"],
     "matmul_fp32": ["flops"],

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from conftest import write_shipped_params
 
 from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, compute_features, load_cmvn
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
+from asrflow.testing.repo import write_shipped_params
 
 
 def test_yesno_features_are_80_dim_at_the_target_rate(yesno_data):

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import soundfile
 from mlflow.tracking import MlflowClient
-from test_mlflow_ui import free_port, stop
+from test_mlflow_ui import stop
 from trained_model import split_files
 
 from asrflow.data.manifests import cuts_path
@@ -28,6 +28,7 @@ from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.pyfunc import log_bundle
+from asrflow.testing.processes import free_port
 from asrflow.tracking.datasets import manifest_digest
 from asrflow.tracking.run import MlflowRun
 

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ from pathlib import Path
 import pytest
 
 from asrflow.params import flatten
+from asrflow.testing.processes import free_port
 from asrflow.tracking.run import MlflowRun
 
 STARTUP_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http(base: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import yaml
-from conftest import REPO
 
 from asrflow.errors import AsrflowError
 from asrflow.launch.multinode import ENDPOINT_ENV, NNODES_ENV, rendezvous_from_environment
+from asrflow.testing.processes import free_port
+from asrflow.testing.repo import REPO
 
 
 def test_nothing_set_changes_nothing():
@@ -40,12 +40,6 @@ def test_bad_values_name_the_variable(environ, message):
         rendezvous_from_environment(environ)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 #: One node, 2 s to reach a rendezvous.
 PARAMS = yaml.safe_dump({"seed": 1, "run": {"nnodes": 1, "dist_timeout_s": 2.0}})
 
@@ -62,7 +56,7 @@ def _train_stage(tmp_path, **environ: str) -> subprocess.CompletedProcess:
 def test_the_train_stage_takes_the_jobs_rendezvous_and_leaves_params_alone(tmp_path):
     """Node 1 of a two-node job whose params.yaml says one node: it waits for the job's rendezvous
     (nobody listens there: it gives up after train.dist_timeout_s), and params.yaml is untouched."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     result = _train_stage(tmp_path, ASRFLOW_NNODES="2", ASRFLOW_RDZV_ENDPOINT=endpoint)
     assert result.returncode == 2, result.stderr
     assert f"error: nobody listens at {endpoint} (train.rdzv_endpoint) after 2 s" in result.stderr, result.stderr

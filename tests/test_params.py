@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import write_shipped_params
 
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.params import read_seed
+from asrflow.testing.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[1]
 

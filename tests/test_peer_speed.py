@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
 
+from asrflow.testing.repo import REPO
 from bench.peer_speed import _parts
 
 

@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, copy_repo
-
 from asrflow.logs import PROGRESS_LOGGER, TerminalFilter, TerminalProgress, format_duration
+from asrflow.testing.repo import REPO, copy_repo
 
 CHILD = r"""
 import logging

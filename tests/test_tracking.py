@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import fresh_mlflow_store
 from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
 from asrflow.params import flatten
+from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.tracking.naming import param_value
 from asrflow.tracking.run import LOGGED_THROUGH_TAG, REOPENED_END_STATUS_TAG, MlflowRun
 from asrflow.tracking.store import default_artifact_location, default_tracking_uri, resolve_tracking_uri

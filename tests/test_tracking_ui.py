@@ -7,7 +7,6 @@ import gzip
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from lhotse.audio import AudioSource
 from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
+from asrflow.testing.processes import free_port
 from asrflow.tracking.datasets import ManifestDataset, combined_digest, manifest_digest
 from asrflow.tracking.naming import (
     DVC_EXP_TAG,
@@ -36,12 +36,6 @@ from asrflow.tracking.store import check_tracking_uri, runs_page
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.001, "epochs": 40, "d_model": 144}, "evaluate": {"decoder": "greedy"}}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_cuts(path: Path, durations: list[float], prefix: str = "utt") -> Path:

@@ -52,11 +52,11 @@ def dev_wer(model_path: Path, fbank_dir: Path) -> float:
 @pytest.fixture(scope="session")
 def yesno_model(yesno_data: Path, tmp_path_factory) -> Path:
     """Path of a model bundle trained on the yesno train split that transcribes its dev split."""
-    from conftest import REPO, tiny_train_config, train_paths
-
     from asrflow.data.features import FeatureConfig
     from asrflow.data.manifests import cut_text, load_cuts
     from asrflow.params import build_config, load_params
+    from asrflow.testing.repo import REPO
+    from asrflow.testing.tiny_config import tiny_train_config, train_paths
     from asrflow.tokenizer import TokenizerConfig, train_tokenizer
     from asrflow.training.trainer import Trainer
 

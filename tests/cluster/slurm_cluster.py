@@ -35,11 +35,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from asrflow.testing.processes import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 PACKAGES = ("slurm-wlm", "munge")
@@ -77,12 +78,6 @@ def install(timeout_s: float = 600) -> None:
         raise SlurmUnavailable(
             f"apt-get install {' '.join(PACKAGES)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _node_line() -> tuple[str, str]:
@@ -141,11 +136,11 @@ class LocalSlurm:
             self.node_names = [f"{host}-n{i}" for i in range(1, self.nodes + 1)]
             rest = re.sub(r"^NodeName=\S+\s*", "", hardware)
             node_lines = "\n".join(
-                f"NodeName={name} NodeHostname={host} NodeAddr={host} Port={_free_port()} {rest} State=UNKNOWN"
+                f"NodeName={name} NodeHostname={host} NodeAddr={host} Port={free_port()} {rest} State=UNKNOWN"
                 for name in self.node_names
             )
         self.node = self.node_names[0]
-        ctld_port, node_port = _free_port(), _free_port()
+        ctld_port, node_port = free_port(), free_port()
         run = self.root / "run"
         log = self.root / "log"
         self.conf.write_text(f"""\

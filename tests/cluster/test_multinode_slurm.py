@@ -9,9 +9,10 @@ Select with ``pytest -m slurm``; skipped like tests/cluster/test_slurm.py where 
 from __future__ import annotations
 
 import re
-import socket
 
 import pytest
+
+from asrflow.testing.processes import free_port
 
 from .test_slurm import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, run, slurm_env, tail
 
@@ -22,12 +23,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
 def two_nodes(tmp_path_factory):
     """A running two-node Slurm cluster on this host, torn down after the module."""
     yield from local_cluster(tmp_path_factory, nodes=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def static_rendezvous() -> bool:
@@ -50,7 +45,7 @@ def test_two_slurm_nodes_train_the_model_of_two_local_processes(two_nodes, tmp_p
 
     copy = fresh_copy(tmp_path_factory, "slurm-multinode")
     shipped_params = (copy / "params.yaml").read_bytes()
-    port = _free_port()
+    port = free_port()
     env = {**slurm_env(two_nodes, copy), "ASRFLOW_RDZV_PORT": str(port)}
     result = run(
         copy, "sbatch", "--wait", "workflow/slurm/multinode.sbatch", timeout=RUN_TIMEOUT_S, check=False, env=env

@@ -19,20 +19,17 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from pipeline.helpers import ToolError, git_init, kill_group, run, set_params, tail, tool_env
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest, pipeline.helpers
+from asrflow.testing.repo import copy_repo
 
-from conftest import copy_repo  # noqa: E402
-from pipeline.helpers import ToolError, git_init, kill_group, run, set_params, tail, tool_env  # noqa: E402
-
-from .slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install  # noqa: E402
+from .slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install
 
 # End to end: also `pipeline`, so `make test-fast` (-m "not pipeline") leaves them out.
 pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]

@@ -23,7 +23,8 @@ from asrflow.data.features import (
 )
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import AsrflowError
-from bench.common import REPO, write_segment_manifests
+from asrflow.testing.corpora import write_segment_manifests
+from asrflow.testing.repo import REPO
 
 #: Coarse frames and few bins: what is tested is how the stage streams, not the features.
 COARSE = FeatureConfig(num_jobs=1, frame_shift_s=0.05, num_mel_bins=10)

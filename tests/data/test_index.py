@@ -22,7 +22,7 @@ from lhotse.testing.dummies import dummy_cut
 from asrflow.data.batches import TrainingBatches, plan_digest, plan_epoch
 from asrflow.data.index import STORE_PREFIX, CutIndex, manifest_facts, plan_positions, shared_index
 from asrflow.errors import AsrflowError
-from bench.common import cut_entry
+from asrflow.testing.corpora import cut_entry
 
 
 def _entries(count: int, seed: int = 0, *, storage: str = "fbank/feats.lca") -> list[dict]:

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from conftest import tiny_train_config, train_paths
 from lhotse.dataset import GlobalMVN
 
 from asrflow.data.features import CMVN_FILE, FeatureConfig, compute_features, load_cmvn
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
 from asrflow.serving.bundle import load_bundle
+from asrflow.testing.tiny_config import tiny_train_config, train_paths
 from asrflow.training.train_data import TrainData
 from asrflow.training.trainer import Trainer
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import copy_repo
+
+from asrflow.testing.repo import copy_repo
 
 from .helpers import dvc_init, git_init, output_files, read_metrics, run
 

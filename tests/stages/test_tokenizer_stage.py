@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import write_shipped_params
 from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
 from asrflow.data.manifests import cuts_path
 from asrflow.errors import EXIT_USER_ERROR
+from asrflow.testing.repo import write_shipped_params
 from stages.tokenizer import main
 
 REPO = Path(__file__).resolve().parents[2]

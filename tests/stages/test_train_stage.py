@@ -6,11 +6,11 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import write_shipped_params
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import EXIT_USER_ERROR
 from asrflow.serving.bundle import load_bundle
+from asrflow.testing.repo import write_shipped_params
 from asrflow.training.config import KEY_SECTION
 from stages.train import main
 

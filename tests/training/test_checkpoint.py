@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_entry import fresh_mlflow_store, train_in_process
 
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.run_state import capture_rng_state, restore_rng_state, seed_everything
 

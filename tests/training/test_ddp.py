@@ -25,13 +25,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import tiny_train_config, train_paths
 from ddp_jobs import SEED, Job, jobs_fixture  # noqa: F401 (the `jobs` fixture)
-from train_entry import fresh_mlflow_store
 
 from asrflow.data.batches import plan_epoch, steps_in_plan
 from asrflow.data.features import FeatureConfig
 from asrflow.data.manifests import load_cuts
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.tiny_config import tiny_train_config, train_paths
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 from asrflow.training.monitoring import write_stacks
 from asrflow.training.outcome import DataWorkerDied, Outcome, PeerFailed, Stalled, exit_code

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_train_config
 
 from asrflow.data.batches import AsrBatchDataset
 from asrflow.data.features import CMVN_FILE, load_cmvn
 from asrflow.data.manifests import load_cuts
 from asrflow.model.conformer_ctc import build_model
+from asrflow.testing.tiny_config import tiny_train_config
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -15,15 +14,10 @@ import yaml
 
 from asrflow.errors import AsrflowError
 from asrflow.launch.torchrun import check_launch
+from asrflow.testing.processes import free_port
 from asrflow.training.config import TrainConfig
 from asrflow.training.distributed import DistInfo, check_same_everywhere
 from stages import train as train_stage
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch, capsys):
@@ -39,7 +33,7 @@ def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch
 
 
 def test_a_rendezvous_endpoint_nobody_listens_on_ends_within_the_timeout():
-    config = TrainConfig(nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{_free_port()}", dist_timeout_s=2.0)
+    config = TrainConfig(nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{free_port()}", dist_timeout_s=2.0)
     began = time.monotonic()
     with pytest.raises(AsrflowError, match=r"nobody listens at 127\.0\.0\.1:\d+ \(train\.rdzv_endpoint\) after 2 s"):
         check_launch(config)
@@ -63,7 +57,7 @@ def _compare_on_rank(rank: int, port: int, results: str) -> None:
 
 
 def test_nodes_with_different_params_stop_on_every_rank(tmp_path):
-    mp.spawn(_compare_on_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_compare_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert outcome["same"] == "no error"

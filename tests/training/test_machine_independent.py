@@ -12,9 +12,10 @@ import re
 
 import pytest  # noqa: F401
 import torch
-from train_entry import TrainingProcess, fresh_mlflow_store, run_training
 
 from asrflow.data.features import FeatureConfig, compute_features
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.train_entry import TrainingProcess, run_training
 
 OVERRIDES = {"epochs": 1, "num_workers": 0, "checkpoint_every_steps": 2}
 

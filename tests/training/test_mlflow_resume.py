@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 from mlflow.tracking import MlflowClient
-from train_entry import TrainingProcess, fresh_mlflow_store, run_training
 
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.train_entry import TrainingProcess, run_training
 from asrflow.tracking.run import LOGGED_THROUGH_TAG
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 

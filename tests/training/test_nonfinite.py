@@ -22,9 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, tiny_train_config, train_paths
 from mlflow.tracking import MlflowClient
-from train_entry import fresh_mlflow_store
 
 from asrflow.data.batches import plan_epoch
 from asrflow.data.features import FeatureConfig
@@ -32,6 +30,9 @@ from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.testing.faults import NonFiniteSteps
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.repo import REPO
+from asrflow.testing.tiny_config import tiny_train_config, train_paths
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
 from asrflow.training.config import set_train_keys
 from asrflow.training.step import warmup_factor

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_train_config, train_paths
-from train_entry import fresh_mlflow_store
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.tiny_config import tiny_train_config, train_paths
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
 from asrflow.training.precision import native_bf16_cpu_flags, resolve_precision
 from asrflow.training.trainer import Trainer

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch.multiprocessing as mp
-from conftest import tiny_train_config, train_paths
-from train_entry import fresh_mlflow_store, train_in_process
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.processes import free_port
+from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.distributed import shutdown_distributed
@@ -29,12 +30,6 @@ from asrflow.training.trainer import Trainer
 WORLD_SIZE = 2
 SEED = 42
 OVERRIDES = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 0}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
@@ -90,7 +85,7 @@ def test_other_ranks_follow_rank_0s_decision(yesno_data, tmp_path):
         "results": str(tmp_path / "results"),
     }
 
-    mp.spawn(_decide_on_rank, args=(str(yesno_data), folders, _free_port()), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_decide_on_rank, args=(str(yesno_data), folders, free_port()), nprocs=WORLD_SIZE, join=True)
 
     results = [json.loads((tmp_path / "results" / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     for rank, result in enumerate(results):

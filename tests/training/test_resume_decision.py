@@ -12,12 +12,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from conftest import copy_repo, tiny_train_config
-from train_entry import fresh_mlflow_store, train_in_process
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
 from asrflow.model.conformer_ctc import ModelConfig
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.repo import copy_repo
+from asrflow.testing.tiny_config import tiny_train_config
+from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, training_params
 
@@ -191,7 +193,8 @@ def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_dat
         done = subprocess.run(
             [
                 sys.executable,
-                str(repo / "tests" / "training" / "train_entry.py"),
+                "-m",
+                "asrflow.testing.train_entry",
                 "--data",
                 str(yesno_data),
                 "--exp",
@@ -200,7 +203,7 @@ def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_dat
                 overrides,
             ],
             cwd=tmp_path,
-            env={**os.environ, "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_TRACKING_URI": ""},
+            env={**os.environ, "PYTHONPATH": str(repo), "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_TRACKING_URI": ""},
             capture_output=True,
             text=True,
             timeout=600,

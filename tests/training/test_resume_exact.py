@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_entry import TrainingProcess, fresh_mlflow_store, run_training
 
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.train_entry import TrainingProcess, run_training
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 from asrflow.training.outcome import Outcome, exit_code
 

@@ -10,12 +10,12 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_train_config
 
 from asrflow.data.batches import AsrBatchDataset, BatchItem, TrainingBatches, plan_epoch
 from asrflow.data.features import CMVN_FILE, load_cmvn
 from asrflow.data.manifests import load_cuts
 from asrflow.data.workers import pack_batch
+from asrflow.testing.tiny_config import tiny_train_config
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
 SEED = 42

@@ -10,8 +10,10 @@ import sys
 from dataclasses import asdict
 
 import yaml
-from conftest import REPO, tiny_train_config
 
+from asrflow.testing.processes import free_port
+from asrflow.testing.repo import REPO
+from asrflow.testing.tiny_config import tiny_train_config
 from asrflow.training.config import KEY_SECTION, set_train_keys
 
 
@@ -61,14 +63,6 @@ def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
     assert "[train rank 1] step" not in terminal, terminal
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
     """Two "machines" (two torchrun launches sharing one folder, as on a shared filesystem):
     node 0 is the stage as the tools run it, node 1 is ``python -m stages.train --node-rank 1``.
@@ -81,7 +75,7 @@ def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
         tiny_train_config(
             epochs=1,
             nnodes=2,
-            rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
             num_workers=0,
             checkpoint_every_steps=2,
             dist_timeout_s=60.0,

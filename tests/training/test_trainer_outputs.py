@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_train_config, train_paths
 from mlflow.tracking import MlflowClient
-from train_entry import fresh_mlflow_store
 
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
+from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.testing.tiny_config import tiny_train_config, train_paths
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.monitoring import LOSS_SCALE_FLOOR
 from asrflow.training.observers import TrainObserver

@@ -1,0 +1,318 @@
+"""Corpora for tests and benchmarks: tone-burst utterances, generated folder corpora, prepared yesno.
+
+The generated corpus is synthetic "speech": each word (``YES`` or ``NO``) is a harmonic tone
+burst with its own pitch, separated by short pauses, in background noise. It is meant for
+throughput, padding and memory figures, not for accuracy. A prepared corpus is a folder with
+``manifests/``, ``fbank/`` and ``lang/`` whose cuts point at their features by absolute path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from asrflow.testing.repo import REPO, YESNO_DIR, repo_params
+
+SAMPLING_RATE = 16000
+
+logger = logging.getLogger(__name__)
+
+
+def synth_utterance(rng, duration_s: float) -> tuple[object, str]:
+    """``duration_s`` seconds of tone-burst "words" in noise (float32 array at 16 kHz), and its transcript."""
+    import numpy as np
+
+    total = round(duration_s * SAMPLING_RATE)
+    audio = np.zeros(total, dtype=np.float32)
+    words = []
+    pos = int(rng.uniform(0.05, 0.2) * SAMPLING_RATE)
+    pitches = {"YES": 310.0, "NO": 190.0}
+    while True:
+        word = "YES" if rng.random() < 0.5 else "NO"
+        length = int(rng.uniform(0.3, 0.5) * SAMPLING_RATE)
+        if pos + length > total - int(0.05 * SAMPLING_RATE):
+            break
+        t = np.arange(length, dtype=np.float32) / SAMPLING_RATE
+        f0 = pitches[word] * rng.uniform(0.9, 1.1)
+        tone = sum(np.sin(2 * np.pi * k * f0 * t) / k for k in (1, 2, 3))
+        envelope = np.sin(np.pi * np.arange(length) / length).astype(np.float32)
+        audio[pos : pos + length] += 0.3 * tone * envelope
+        words.append(word)
+        pos += length + int(rng.uniform(0.1, 0.3) * SAMPLING_RATE)
+    if not words:  # very short: one short word filling most of it
+        length = int(0.8 * total)
+        t = np.arange(length, dtype=np.float32) / SAMPLING_RATE
+        audio[:length] += 0.3 * np.sin(2 * np.pi * pitches["NO"] * t)
+        words.append("NO")
+    audio += rng.normal(0.0, 0.01, total).astype(np.float32)
+    return audio, " ".join(words)
+
+
+def generate_corpus(
+    folder: Path,
+    num_utterances: int,
+    *,
+    seed: int = 0,
+    min_s: float = 1.0,
+    max_s: float = 15.0,
+    dev_fraction: float = 0.02,
+    test_fraction: float = 0.02,
+) -> dict:
+    """Write a ``corpus: folder`` corpus (16 kHz WAVs + train/dev/test TSVs) into ``folder``.
+
+    Utterance lengths are uniform in ``[min_s, max_s]`` seconds. Returns ``{"utterances": n,
+    "audio_s": total seconds}``. Deterministic for ``seed``.
+    """
+    import numpy as np
+    import soundfile as sf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "wav").mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lines: dict[str, list[str]] = {"train": [], "dev": [], "test": []}
+    n_dev = max(2, round(dev_fraction * num_utterances))
+    n_test = max(2, round(test_fraction * num_utterances))
+    total_s = 0.0
+    for index in range(num_utterances):
+        audio, text = synth_utterance(rng, float(rng.uniform(min_s, max_s)))
+        name = f"wav/utt{index:05d}.wav"
+        sf.write(folder / name, audio, SAMPLING_RATE, subtype="PCM_16")
+        split = "dev" if index < n_dev else "test" if index < n_dev + n_test else "train"
+        lines[split].append(f"{name}\t{text}")
+        total_s += len(audio) / SAMPLING_RATE
+    for split, rows in lines.items():
+        (folder / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+    return {"utterances": num_utterances, "audio_s": total_s}
+
+
+def cut_entry(
+    cut_id: str,
+    duration: float,
+    *,
+    text: str,
+    storage_path: str,
+    storage_key: str,
+    source: str,
+    speaker: str | None = None,
+) -> dict:
+    """One line of a features-stage manifest (a Lhotse ``MonoCut`` with stored fbank) as a dict: the
+    metadata of a cut whose audio and features need not exist, for manifests of millions of cuts."""
+    supervision = {"id": cut_id, "recording_id": cut_id, "start": 0.0, "duration": duration, "channel": 0}
+    supervision["text"] = text
+    if speaker is not None:
+        supervision["speaker"] = speaker
+    return {
+        "id": cut_id,
+        "start": 0.0,
+        "duration": duration,
+        "channel": 0,
+        "supervisions": [supervision],
+        "features": {
+            "type": "kaldi-fbank",
+            "num_frames": int(round(duration * 100)),
+            "num_features": 80,
+            "frame_shift": 0.01,
+            "sampling_rate": SAMPLING_RATE,
+            "start": 0.0,
+            "duration": duration,
+            "storage_type": "lilcom_chunky",
+            "storage_path": storage_path,
+            "storage_key": storage_key,
+            "channels": 0,
+        },
+        "recording": {
+            "id": cut_id,
+            "sources": [{"type": "file", "channels": [0], "source": source}],
+            "sampling_rate": SAMPLING_RATE,
+            "num_samples": int(duration * SAMPLING_RATE),
+            "duration": duration,
+            "channel_ids": [0],
+        },
+        "type": "MonoCut",
+    }
+
+
+@contextmanager
+def one_thread_per_process():
+    """Torch and OpenMP at one thread here and in processes spawned meanwhile, then restored: several
+    multi-threaded extraction processes would oversubscribe a small machine."""
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    previous_env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous_threads)
+        if previous_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous_env
+
+
+def prepare_features_tokenizer(root: Path, prepare, features, tokenizer, *, seed: int = 42) -> Path:
+    """prepare + features + tokenizer into ``root/{manifests,fbank,lang}``, as the stages run them,
+    from a ``PrepareConfig``, a ``FeatureConfig`` and a ``TokenizerConfig``."""
+    from asrflow.data.features import compute_features
+    from asrflow.data.manifests import load_cuts
+    from asrflow.data.prepare import prepare_corpus
+    from asrflow.tokenizer import train_tokenizer
+
+    prepare_corpus(prepare, root / "manifests", seed=seed)
+    compute_features(root / "manifests", root / "fbank", features)
+    texts = [" ".join(s.text for s in cut.supervisions) for cut in load_cuts(root / "manifests", "train")]
+    train_tokenizer(texts, root / "lang", tokenizer)
+    return root
+
+
+def prepare_from_params(root: Path, prepare, params: dict, num_jobs: int) -> Path:
+    """:func:`prepare_features_tokenizer` with the features and tokenizer sections of ``params``."""
+    from dataclasses import replace
+
+    from asrflow.data.features import FeatureConfig
+    from asrflow.params import build_config
+    from asrflow.tokenizer import TokenizerConfig
+
+    features = replace(build_config(FeatureConfig, params.get("features"), "features"), num_jobs=num_jobs)
+    tokenizer = build_config(TokenizerConfig, params.get("tokenizer"), "tokenizer")
+    return prepare_features_tokenizer(root, prepare, features, tokenizer, seed=int(params.get("seed", 42)))
+
+
+def prepare_yesno(root: Path) -> Path:
+    """The shipped yesno corpus prepared into ``root`` with the configs' defaults (one extraction job)."""
+    from asrflow.data.features import FeatureConfig
+    from asrflow.data.prepare import PrepareConfig
+    from asrflow.tokenizer import TokenizerConfig
+
+    prepare = PrepareConfig(corpus_dir=str(YESNO_DIR))
+    return prepare_features_tokenizer(root, prepare, FeatureConfig(num_jobs=1), TokenizerConfig())
+
+
+def _cached(root: Path, build) -> Path:
+    """``root`` built once by ``build(root)``; a ``.done`` marker tells a finished build from a cut one."""
+    if (root / ".done").is_file():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    build(root)
+    (root / ".done").write_text("")
+    return root
+
+
+def yesno_data(work: Path, params: dict | None = None) -> Path:
+    """The shipped yesno corpus prepared with the prepare, features and tokenizer sections of ``params``
+    (default: params.yaml), cached in ``work`` per set of their values."""
+    from asrflow.data.prepare import PrepareConfig
+
+    params = params or repo_params()
+    sections = {key: params.get(key) for key in ("seed", "prepare", "features", "tokenizer")}
+    digest = hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:10]
+
+    def build(root: Path) -> None:
+        with one_thread_per_process():
+            prepare = PrepareConfig.from_section({**params["prepare"], "corpus_dir": str(YESNO_DIR)})
+            prepare_from_params(root, prepare, params, num_jobs=1)
+
+    return _cached(work / f"yesno-{digest}", build)
+
+
+def generated_features() -> dict:
+    """The features section of a 16 kHz corpus (presets/real-corpus.yaml's); params.yaml's are yesno's."""
+    from asrflow.params import load_params
+
+    return load_params(REPO / "presets" / "real-corpus.yaml")["features"]
+
+
+def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterances: int = 2) -> Path:
+    """A generated corpus of ``num_utterances`` (1-15 s, 16 kHz; ``dev_utterances`` in dev, 2 in test),
+    prepared with :func:`generated_features`, cached in ``work``; train on it with :func:`params_for`."""
+    from asrflow.data.prepare import PrepareConfig
+
+    def build(root: Path) -> None:
+        start = time.perf_counter()
+        dev_fraction = dev_utterances / num_utterances
+        info = generate_corpus(root / "corpus", num_utterances, seed=seed, dev_fraction=dev_fraction, test_fraction=0)
+        took = time.perf_counter() - start
+        logger.info("generated %d utterances (%.0f s of audio) in %.1f s", num_utterances, info["audio_s"], took)
+        splits = {"train": "train", "dev": "dev", "test": "test"}
+        prepare = PrepareConfig(corpus="folder", corpus_dir=str(root / "corpus"), splits=splits)
+        with one_thread_per_process():  # small corpora: one process (spawning workers costs more)
+            params = {**repo_params(), "features": generated_features()}
+            prepare_from_params(root, prepare, params, num_jobs=0 if num_utterances > 500 else 1)
+
+    suffix = "" if dev_utterances == 2 else f"-dev{dev_utterances}"
+    return _cached(work / f"generated-{num_utterances}{suffix}", build)
+
+
+def data_features(data: Path):
+    """The ``FeatureConfig`` that ``data/fbank`` was computed with: what a trainer on ``data`` must be given."""
+    from asrflow.data.features import CONFIG_FILE, FeatureConfig
+
+    return FeatureConfig(**json.loads((data / "fbank" / CONFIG_FILE).read_text()))
+
+
+def params_for(data: Path, params: dict | None = None) -> dict:
+    """``params`` (default: params.yaml) with the ``features`` section ``data`` was computed with."""
+    from dataclasses import asdict
+
+    params = dict(params or repo_params())
+    params["features"] = {**params["features"], **asdict(data_features(data)), "num_jobs": 0}
+    return params
+
+
+def write_segment_manifests(
+    folder: Path,
+    audio_dir: Path,
+    cuts_per_split: dict[str, int],
+    *,
+    seed: int = 0,
+    min_s: float = 0.5,
+    max_s: float = 1.5,
+    recordings: int = 8,
+    recording_s: float = 60.0,
+) -> float:
+    """Cut manifests as the prepare stage writes them (sorted by id), of any size, at little cost.
+
+    ``recordings`` generated recordings of ``recording_s`` seconds (16 kHz FLAC, in ``audio_dir``)
+    are cut into ``cuts_per_split[split]`` segments of ``min_s``-``max_s`` seconds at random
+    offsets: every cut has its own length, and the audio on disk stays the same whatever the
+    count. Deterministic for ``seed``. Returns the seconds of audio listed.
+    """
+    import numpy as np
+    import soundfile as sf
+    from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
+
+    from asrflow.data.manifests import cuts_path
+
+    rng = np.random.default_rng(seed)
+    audio_dir.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    pool = []
+    for index in range(recordings):
+        path = audio_dir / f"long{index:03d}.flac"
+        if not path.is_file():
+            audio, _text = synth_utterance(rng, recording_s)
+            sf.write(path, audio, SAMPLING_RATE, format="FLAC", subtype="PCM_16")
+        pool.append(Recording.from_file(path, recording_id=f"long{index:03d}"))
+    total = 0.0
+    for split, count in cuts_per_split.items():
+        with CutSet.open_writer(cuts_path(folder, split)) as writer:
+            for index in range(count):
+                recording = pool[index % len(pool)]
+                duration = round(float(rng.uniform(min_s, max_s)), 3)
+                start = round(float(rng.uniform(0.0, recording.duration - duration)), 3)
+                cut_id = f"{split}-{index:08d}"
+                supervision = SupervisionSegment(cut_id, recording.id, 0.0, duration, channel=0, text="YES NO")
+                writer.write(
+                    MonoCut(cut_id, start, duration, channel=0, recording=recording, supervisions=[supervision])
+                )
+                total += duration
+    return total

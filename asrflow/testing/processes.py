@@ -1,0 +1,144 @@
+"""Child processes for tests and benchmarks: own session, a log file, timeouts that kill the whole
+tree, the tree's peak memory, and free TCP ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and every process below it (empty once it is gone)."""
+    try:
+        process = psutil.Process(pid)
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """Summed resident and proportional set sizes (RSS, PSS) in bytes of ``pid`` and its descendants.
+
+    PSS splits shared pages between the processes sharing them: what the machine must hold.
+    """
+    rss = pss = 0
+    for process in tree(pid):
+        with contextlib.suppress(psutil.Error):  # a worker that just ended
+            info = process.memory_full_info()
+            rss, pss = rss + info.rss, pss + info.pss
+    return rss, pss
+
+
+class ChildProcess:
+    """``command`` in a session of its own (a signal reaches it and its workers), output to ``log_path``.
+
+    With ``memory_poll_s``, a thread reads the tree's memory that often: :attr:`peak_rss` and
+    :attr:`peak_pss` (bytes; spikes shorter than the interval may be missed). Reading PSS costs
+    CPU (each process's smaps), so poll no faster than the figure needs.
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        memory_poll_s: float | None = None,
+    ):
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.peak_rss = self.peak_pss = 0
+        self.started = time.time()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        self._done = threading.Event()
+        self._poller = None
+        if memory_poll_s:
+            self._poller = threading.Thread(target=self._poll, args=(memory_poll_s,), daemon=True)
+            self._poller.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _poll(self, every_s: float) -> None:
+        while not self._done.is_set() and self.process.poll() is None:
+            rss, pss = tree_memory(self.process.pid)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self._done.wait(every_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process group (the process and its workers), as a scheduler or Ctrl-C would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the group and every descendant, also those in sessions of their own (torchrun's ranks)."""
+        below = [p.pid for p in tree(self.process.pid)[1:]]
+        self.signal(signal.SIGKILL)
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        self._reap()
+
+    def _reap(self) -> int:
+        code = self.process.wait(timeout=60)
+        self._done.set()
+        if self._poller is not None:
+            self._poller.join()
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; on a timeout the tree is killed and a ``TimeoutError`` raised. Workers left
+        behind in the group are killed either way."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"{self.log_path.name}: no exit within {timeout} s:\n{self.tail()}") from None
+        self.signal(signal.SIGKILL)
+        return self._reap()
+
+    def wait_for(self, text: str, timeout: float = 300.0) -> None:
+        """Block until ``text`` is in the log; raise ``RuntimeError`` (tree killed) if the process
+        ends or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited {self.process.returncode} before {text!r}:\n{self.tail(40)}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"no {text!r} within {timeout} s:\n{self.tail(40)}")
+            time.sleep(0.05)

@@ -1,0 +1,38 @@
+"""A model and training config small enough to train in seconds on one CPU core."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+
+def tiny_train_config(**overrides):
+    """A ``TrainConfig`` for a one-layer Conformer of width 32, with ``overrides`` applied."""
+    from asrflow.training.config import TrainConfig
+
+    tiny = TrainConfig(
+        d_model=32,
+        num_heads=2,
+        ffn_dim=64,
+        num_layers=1,
+        conv_kernel_size=7,
+        dropout=0.1,
+        max_duration_s=30.0,
+        num_buckets=10,
+        num_workers=0,
+        epochs=2,
+        warmup_steps=5,
+        num_threads=1,
+        checkpoint_every_steps=4,
+        validate_every_steps=4,
+        keep_last=20,
+        average_last=1,
+    )
+    return replace(tiny, **overrides)
+
+
+def train_paths(data: Path, exp: Path):
+    """``TrainPaths`` reading ``data`` (``fbank/``, ``lang/``) and writing under ``exp``."""
+    from asrflow.training.config import TrainPaths
+
+    return TrainPaths.under(exp, fbank_dir=Path(data) / "fbank", lang_dir=Path(data) / "lang")
