@@ -13,7 +13,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -59,24 +58,16 @@ def rounded(value: float, digits: int = 4) -> float:
 def parse_args(
     description: str, argv: list[str] | None = None, configure: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> argparse.Namespace:
-    """``--quick`` (small sizes, for the smoke test) and ``--workdir`` (shared data cache).
-
-    ``configure`` may add a benchmark's own options to the parser.
-    """
+    """``--quick`` (small sizes, for the smoke test), ``--workdir`` (shared data cache) and the options
+    ``configure`` adds."""
     parser = argparse.ArgumentParser(description=description)
     if configure is not None:
         configure(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that the benchmark runs")
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        default=None,
-        help="folder for generated data, reused across benchmarks (default: a temporary folder)",
-    )
+    parser.add_argument("--workdir", type=Path, help="folder for generated data, reused (default: a temporary one)")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s", stream=sys.stderr, force=True
-    )
+    log_format = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
+    logging.basicConfig(level=logging.INFO, format=log_format, stream=sys.stderr, force=True)
     return args
 
 
@@ -97,40 +88,23 @@ def workdir(path: Path | None):
 # --------------------------------------------------------------------------- the machine
 def load_average() -> list[float]:
     """1/5/15-minute load averages (other processes compete for the cores when high)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def machine() -> dict:
-    """The machine the figures were measured on."""
+    """The machine the figures were measured on (Linux)."""
+    import psutil
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory_gib = round(int(line.split()[1]) / 2**20, 1)
-                break
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    names = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
-        "cpu": cpu,
+        "cpu": names[0].split(":", 1)[1].strip() if names else platform.machine(),
         "cpu_count": os.cpu_count(),
-        "usable_cores": usable,
-        "memory_gib": memory_gib,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": gpu,
         "os": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -140,32 +114,31 @@ def machine() -> dict:
 
 
 # --------------------------------------------------------------------------- timing
-def median_time(function: Callable[[], object], repeat: int) -> tuple[float, list[float]]:
-    """Median wall seconds of ``repeat`` calls of ``function``, and every time measured."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
-
-
 def matmul_flops(size: int = 2048, repeat: int = 5, threads: int | None = None) -> float:
-    """Measured fp32 FLOP/s of ``torch.mm`` on two ``size`` x ``size`` matrices (best of ``repeat``).
-
-    The best, not the median, stands for the peak the machine can give; with ``threads``
-    the torch thread count is set for the measurement and restored after it.
-    """
+    """Measured fp32 FLOP/s of ``torch.mm`` on two ``size`` x ``size`` matrices at ``threads`` torch threads:
+    the best of ``repeat``, which stands for the peak the machine can give."""
     import torch
 
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        a = torch.randn(size, size)
-        b = torch.randn(size, size)
+    from asrflow.testing.corpora import torch_threads
+
+    with torch_threads(threads):
+        a, b = torch.randn(size, size), torch.randn(size, size)
         torch.mm(a, b)  # warm-up
-        best = min(median_time(lambda: torch.mm(a, b), 1)[0] for _ in range(repeat))
-    finally:
-        torch.set_num_threads(previous)
-    return 2 * size**3 / best
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / min(times)
+
+
+def train_config(params: dict, *, quick: bool, **changes):
+    """``params``' TrainConfig for one process, with :data:`~asrflow.testing.tiny_config.TINY_MODEL`'s
+    model when ``quick``, and ``changes``."""
+    from dataclasses import replace
+
+    from asrflow.testing.tiny_config import TINY_MODEL
+    from asrflow.training.config import load_train_config
+
+    train = load_train_config(params)
+    return replace(train, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}), **changes)

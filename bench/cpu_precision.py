@@ -1,21 +1,14 @@
 """Training steps on the CPU in fp32, bf16 and fp16 autocast, side by side: what ``precision: auto`` picks there.
 
-For each case (yesno with params.yaml's model; a generated corpus of 1-15 s utterances with
-params.yaml's model and with the real-corpus preset's model, d_model 256 x 12 layers) one
-process builds one copy of the model per precision (same seed, so the same weights) and
-times the bare training step of each (:func:`bench.train_throughput.bare_step`: forward
-under the precision's autocast, the CTC head and loss in fp32 as in training, backward,
-AdamW) on the same planned batches, the precisions in turn, batch after batch, so every
-precision sees the same load. The first batch of each is a warm-up and is not timed.
+For each case (yesno and a generated corpus with params.yaml's model, and the generated corpus with
+the real-corpus preset's model) one process builds one copy of the model per precision (same seed)
+and times the bare training step of each (:func:`bench.train_throughput.bare_step`) on the same
+planned batches, the precisions in turn, batch after batch; the first batch is a warm-up.
 
-Record ``cpu_precision`` per case and precision: ``audio_s_per_s`` (audio seconds of the
-timed batches / their summed step seconds) and ``ratio_to_fp32``. The ``machine`` record
-says whether the CPU has native bf16 instructions (``cpu_bf16``: ``avx512_bf16``,
-``amx_bf16`` in /proc/cpuinfo; without them bf16 is emulated and can only be slower) and
-what ``train.precision: auto`` picks on this CPU (``auto_picks``).
+Record ``cpu_precision`` per case and precision: ``audio_s_per_s`` and ``ratio_to_fp32``; the
+``machine`` record says whether the CPU has native bf16 (``cpu_bf16``) and what ``auto`` picks.
 
-Usage: ``python -m bench.cpu_precision [--quick] [--workdir DIR] [--steps N]``
-(about 3 minutes on 2 cores; ``--quick``: a tiny model, 2 batches, generated corpus only).
+Usage: ``python -m bench.cpu_precision [--quick] [--workdir DIR] [--steps N]``.
 """
 
 from __future__ import annotations
@@ -24,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from asrflow.testing.corpora import data_features, generated_data, yesno_data
-from asrflow.testing.repo import REPO
-from bench.common import emit, machine, parse_args, ratio, rounded, workdir
+from asrflow.testing.repo import REPO, repo_params
+from bench.common import emit, machine, parse_args, ratio, rounded, train_config, workdir
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Padded seconds per batch of the preset's model here (its own 600 s is sized for a GPU).
@@ -35,10 +28,10 @@ PRESET_BATCH_S = 60.0
 def cases(work: Path, quick: bool, steps: int) -> list[tuple[str, Path, object, int]]:
     """(name, data folder, TrainConfig, timed batches) per case."""
     from asrflow.params import load_params
+    from asrflow.testing.tiny_config import TINY_MODEL
     from asrflow.training.config import load_train_config
-    from bench.train_throughput import TINY_MODEL, configs
 
-    _, train = configs(quick)
+    train = train_config(repo_params(), quick=quick, epochs=1000)
     if quick:
         return [("generated, tiny model", generated_data(work, 200), train, 1)]
     preset = load_train_config(load_params(REPO / "presets" / "real-corpus.yaml"))
@@ -64,10 +57,7 @@ def measure(name: str, data: Path, config, *, timed: int, threads: int) -> list[
     features = data_features(data)
     planned = PlannedBatches(data, config, features, seed=0)
     vocab_size = planned.tokenizer.vocab_size
-    runs = {
-        precision: (resolve_precision(precision, "cpu", None), *build(config, features, 0, vocab_size))
-        for precision in PRECISIONS
-    }
+    runs = {p: (resolve_precision(p, "cpu", None), *build(config, features, 0, vocab_size)) for p in PRECISIONS}
     seconds = dict.fromkeys(PRECISIONS, 0.0)
     audio_s = 0.0
     for index in range(timed + 1):
@@ -78,18 +68,11 @@ def measure(name: str, data: Path, config, *, timed: int, threads: int) -> list[
         audio_s += sum(float(b["durations"].sum()) for b in batches) if index else 0.0
     fp32_rate = audio_s / seconds["fp32"]
     params = count_parameters(runs["fp32"][1])
+    common = {"benchmark": "cpu_precision", "case": name}
+    common |= {"params": params, "threads": threads, "timed_batches": timed, "audio_s_timed": rounded(audio_s)}
     return [
-        {
-            "benchmark": "cpu_precision",
-            "case": name,
-            "precision": precision,
-            "params": params,
-            "threads": threads,
-            "timed_batches": timed,
-            "audio_s_timed": rounded(audio_s),
-            "audio_s_per_s": rounded(audio_s / spent),
-            "ratio_to_fp32": rounded(ratio(audio_s / spent, fp32_rate)),
-        }
+        {**common, "precision": precision, "audio_s_per_s": rounded(audio_s / spent)}
+        | {"ratio_to_fp32": rounded(ratio(audio_s / spent, fp32_rate))}
         for precision, spent in seconds.items()
     ]
 

@@ -1,21 +1,11 @@
 """Decoding real-time factor of greedy and beam search on the yesno test split.
 
-The evaluate stage decodes with the one decoder params.yaml's ``evaluate.decoder`` names;
-this benchmark prices both, so the choice is an informed one. It runs
-:func:`asrflow.evaluation.evaluate.decode_split` (the stage's decoding: stored fbank,
-CMVN, encoder, then the decoder) on the shipped yesno corpus' test split once with
-``decoder: greedy`` and once with ``decoder: beam`` (params.yaml's ``beam_size``, and its
-KenLM settings when ``lm_path`` is set). Each RTF is (encoder seconds + that decoder's
-seconds) / audio seconds.
-
-* figures: ``rtf_greedy``, ``rtf_beam`` (medians over the repeats);
-* baseline: ``rtf_encoder``, the features + encoder alone on the same batches, measured in
-  the same run; ``greedy_vs_encoder``, ``beam_vs_encoder`` and ``beam_vs_greedy`` are the
-  ratios. ``wer`` is printed as a check that the model is a trained one.
-
-The model: the repository's ``exp/model.pt`` when it loads; else one trained here with
-params.yaml's model for a few epochs (``--quick``: an untrained one, which only checks
-that decoding runs).
+Runs the evaluate stage's decoding (:func:`asrflow.evaluation.evaluate.decode_split`) once with
+``decoder: greedy`` and once with ``decoder: beam`` (params.yaml's beam and KenLM settings). Each
+RTF is (encoder seconds + that decoder's seconds) / audio seconds: ``rtf_greedy``, ``rtf_beam``
+(medians over repeats), against ``rtf_encoder`` (features + encoder alone, same run) and their
+ratios; ``wer`` checks that the model is a trained one. The model: ``exp/model.pt`` when it loads,
+else one trained here for a few epochs (``--quick``: an untrained one).
 
 Usage: ``python -m bench.decode_rtf [--quick] [--workdir DIR]``.
 """
@@ -76,14 +66,9 @@ def untrained(data: Path, work: Path) -> Path:
     torch.manual_seed(0)
     cmvn = cmvn_stats(load_cmvn(data / "fbank" / CMVN_FILE))
     path = work / "decode-model-untrained.pt"
+    model = build_model(config).state_dict()
     save_bundle(
-        path,
-        model_state=build_model(config).state_dict(),
-        model_config=config,
-        tokenizer=tokenizer,
-        features=features,
-        cmvn=cmvn,
-        run_id=None,
+        path, model_state=model, model_config=config, tokenizer=tokenizer, features=features, cmvn=cmvn, run_id=None
     )
     return path
 
@@ -96,25 +81,14 @@ def trained(data: Path, work: Path) -> Path:
     from asrflow.training.trainer import Trainer
 
     params = repo_params()
-    train = replace(
-        load_train_config(params),
-        epochs=FALLBACK_EPOCHS,
-        num_workers=0,
-        warmup_steps=5,
-        average_last=1,
-    )
+    changes = {"epochs": FALLBACK_EPOCHS, "num_workers": 0, "warmup_steps": 5, "average_last": 1}
+    train = replace(load_train_config(params), **changes)
     features = build_config(FeatureConfig, params.get("features"), "features")
     exp = work / "decode-exp"
     shutil.rmtree(exp, ignore_errors=True)
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    Trainer(
-        train,
-        features,
-        seed=int(params.get("seed", 0)),
-        all_params=params,
-        paths=paths,
-        tracking_uri=f"sqlite:///{work / 'bench-mlflow.db'}",
-    ).run()
+    uri = f"sqlite:///{work / 'bench-mlflow.db'}"
+    Trainer(train, features, seed=int(params.get("seed", 0)), all_params=params, paths=paths, tracking_uri=uri).run()
     return paths.model_path
 
 
@@ -148,10 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         bundle = load_bundle(model_path)
         cuts = load_cuts(data / "fbank", "test").to_eager()
         audio = sum(cut.duration for cut in cuts)
-        configs = {
-            "greedy": replace(config, decoder="greedy", lm_path=None),
-            "beam": replace(config, decoder="beam"),
-        }
+        configs = {"greedy": replace(config, decoder="greedy", lm_path=None), "beam": replace(config, decoder="beam")}
         decode_split(bundle, cuts, configs["greedy"])  # warm-up
         rtfs: dict[str, list[float]] = {"greedy": [], "beam": [], "encoder": []}
         hyps: dict[str, dict[str, str]] = {}
@@ -162,30 +133,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rtfs["encoder"].append(encoder_seconds(bundle, cuts, config.max_batch_duration_s) / audio)
         score = score_corpus({cut.id: cut_text(cut) for cut in cuts}, hyps[config.decoder])
         rtf_greedy, rtf_beam, rtf_encoder = (statistics.median(rtfs[kind]) for kind in ("greedy", "beam", "encoder"))
-        return [
-            emit(
-                {
-                    "benchmark": "decode_rtf",
-                    "mode": mode,
-                    "model": source,
-                    "parameters": sum(p.numel() for p in bundle.model.parameters()),
-                    "utterances": len(cuts),
-                    "audio_s": rounded(audio),
-                    "decoder_in_params": config.decoder,
-                    "beam_size": config.beam_size,
-                    "beam_lm": config.lm_path,
-                    "torch_threads": torch.get_num_threads(),
-                    "rtf_greedy": rounded(rtf_greedy),
-                    "rtf_beam": rounded(rtf_beam),
-                    "rtf_encoder": rounded(rtf_encoder),
-                    "greedy_vs_encoder": rounded(ratio(rtf_greedy, rtf_encoder)),
-                    "beam_vs_encoder": rounded(ratio(rtf_beam, rtf_encoder)),
-                    "beam_vs_greedy": rounded(ratio(rtf_beam, rtf_greedy)),
-                    "repeats": REPEATS[mode],
-                    "wer": rounded(score.wer),
-                }
-            )
-        ]
+        record = {"benchmark": "decode_rtf", "mode": mode, "model": source, "utterances": len(cuts)}
+        record |= {"parameters": sum(p.numel() for p in bundle.model.parameters()), "audio_s": rounded(audio)}
+        record |= {"decoder_in_params": config.decoder, "beam_size": config.beam_size, "beam_lm": config.lm_path}
+        record |= {"torch_threads": torch.get_num_threads(), "rtf_greedy": rounded(rtf_greedy)}
+        record |= {"rtf_beam": rounded(rtf_beam), "rtf_encoder": rounded(rtf_encoder)}
+        record |= {"greedy_vs_encoder": rounded(ratio(rtf_greedy, rtf_encoder))}
+        record |= {"beam_vs_encoder": rounded(ratio(rtf_beam, rtf_encoder))}
+        record |= {"beam_vs_greedy": rounded(ratio(rtf_beam, rtf_greedy))}
+        return [emit({**record, "repeats": REPEATS[mode], "wer": rounded(score.wer)})]
 
 
 if __name__ == "__main__":

@@ -1,27 +1,12 @@
 """Feature extraction speed: audio seconds per wall second, one worker vs all cores.
 
-Runs :func:`asrflow.data.features.compute_features` (fbank for train/dev/test, stored with
-Lhotse's ``LilcomChunkyWriter``, plus the CMVN statistics) on the same generated manifests
-(240 generated utterances of 1-15 s, about half an hour of audio; the train split's cuts
-are listed 4 times under new ids, so 2.2 hours are extracted in full mode) with params.yaml's
-``features:`` section, every process at one torch/OpenMP thread, and:
-
-* ``one_worker`` (baseline): ``num_jobs: 1``, extraction in this process;
-* ``all_cores`` (figure): ``num_jobs`` = the usable cores, one spawned process per core;
-* ``default``: ``num_jobs: 0``, the stage's default (one process per 10 minutes of audio in
-  a split, at most one per core: spawning a process costs seconds);
-* ``one_worker_default_threads``: ``num_jobs: 1`` at the torch threads a fresh process has
-  (the stage now extracts at one thread whatever the caller set, so this matches
-  ``one_worker``; it shows that the caller's setting no longer matters).
-
-``speedup`` = all_cores / one_worker audio seconds per second. Wall time includes starting
-the worker processes, so the speed-up on a small corpus is below the core count.
-
-``input_rates`` (issue 13, item 6): the same generated audio written at 8 kHz, 16 kHz and
-44.1 kHz (resampled once, when the corpus is written), prepared, and extracted by the stage
-(``num_jobs: 1``, one thread) into 16 kHz features; the rates are run in turn, twice, and
-each keeps its faster run. ``seconds_vs_16k`` = seconds for that rate / seconds at 16 kHz
-(the baseline, same audio, same run); goal: <= 1.5 for 8 kHz and 44.1 kHz.
+Runs :func:`asrflow.data.features.compute_features` on the same generated manifests (the train cuts
+listed several times under new ids) with params.yaml's ``features:``, every process at one thread:
+``one_worker`` (the baseline, ``num_jobs: 1``), ``all_cores`` (one spawned process per usable core),
+``default`` (``num_jobs: 0``) and ``one_worker_default_threads``; ``speedup`` = all_cores /
+one_worker (worker start-up included). ``input_rates``: the same audio written at 8, 16 and 44.1
+kHz and extracted into 16 kHz features, each rate's best of two runs; ``seconds_vs_16k`` per rate
+(goal <= 1.5).
 
 Usage: ``python -m bench.features_speed [--quick] [--workdir DIR]``.
 """
@@ -31,11 +16,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.testing.corpora import generate_corpus
+from asrflow.testing.corpora import folder_corpus, generate_corpus, torch_threads
 from asrflow.testing.repo import repo_params
 from bench.common import emit, parse_args, ratio, rounded, workdir
 
@@ -66,7 +50,7 @@ def corpus_at_rate(source: Path, destination: Path, rate: int) -> None:
 def input_rates(work: Path, utterances: int, config) -> dict:
     """Stage seconds for the same audio at each of :data:`INPUT_RATES` (see the module docstring)."""
     from asrflow.data.features import compute_features
-    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+    from asrflow.data.prepare import prepare_corpus
 
     root = work / f"features-rates-{utterances}"
     shutil.rmtree(root, ignore_errors=True)
@@ -75,18 +59,10 @@ def input_rates(work: Path, utterances: int, config) -> dict:
     for rate in INPUT_RATES:
         if rate != 16000:
             corpus_at_rate(root / "corpus-16000", root / f"corpus-{rate}", rate)
-        summary = prepare_corpus(
-            PrepareConfig(
-                corpus="folder",
-                corpus_dir=str(root / f"corpus-{rate}"),
-                splits={"train": "train", "dev": "dev", "test": "test"},
-            ),
-            root / f"manifests-{rate}",
-            seed=42,
-        )
+        summary = prepare_corpus(folder_corpus(root / f"corpus-{rate}"), root / f"manifests-{rate}", seed=42)
         audio = summary.total_hours * 3600
     seconds = {rate: float("inf") for rate in INPUT_RATES}
-    with threads(1):
+    with torch_threads(1):
         for _ in range(2):
             for rate in INPUT_RATES:
                 out = root / f"fbank-{rate}"
@@ -105,47 +81,17 @@ def input_rates(work: Path, utterances: int, config) -> dict:
     }
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@contextmanager
-def threads(count: int | None):
-    """``count`` torch threads here and OpenMP threads in spawned workers (None: unchanged)."""
-    import torch
-
-    previous, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    if count:
-        torch.set_num_threads(count)
-        os.environ["OMP_NUM_THREADS"] = str(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)  # compute_features sets 1 thread when it spawns workers
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env
-
-
 def manifests(work: Path, utterances: int, train_repeats: int) -> tuple[Path, float]:
     """Prepared manifests of a generated corpus (train cuts listed ``train_repeats`` times), and its audio seconds."""
     from lhotse import CutSet
 
     from asrflow.data.manifests import cuts_path, load_cuts
-    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+    from asrflow.data.prepare import prepare_corpus
 
     root = work / f"features-speed-{utterances}"
     shutil.rmtree(root, ignore_errors=True)
     generate_corpus(root / "corpus", utterances, seed=1)
-    prepare_corpus(
-        PrepareConfig(
-            corpus="folder", corpus_dir=str(root / "corpus"), splits={"train": "train", "dev": "dev", "test": "test"}
-        ),
-        root / "manifests",
-        seed=42,
-    )
+    prepare_corpus(folder_corpus(root / "corpus"), root / "manifests", seed=42)
     train = load_cuts(root / "manifests", "train").to_eager()
     CutSet.from_cuts(cut.with_id(f"{cut.id}-r{r}") for r in range(train_repeats) for cut in train).to_file(
         cuts_path(root / "manifests", "train")
@@ -165,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = build_config(FeatureConfig, repo_params().get("features"), "features")
     with workdir(args.workdir) as work:
         root, audio = manifests(work, UTTERANCES[mode], TRAIN_REPEATS[mode])
-        cores = usable_cores()
+        cores = len(os.sched_getaffinity(0))
         variants = [
             ("one_worker", 1, 1),
             ("all_cores", cores, 1),
@@ -177,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, num_jobs, thread_count in variants:
             out = root / f"fbank-{name}"
             shutil.rmtree(out, ignore_errors=True)
-            with threads(thread_count):
+            with torch_threads(thread_count):
                 start = time.perf_counter()
                 compute_features(root / "manifests", out, replace(config, num_jobs=num_jobs))
                 seconds[name] = time.perf_counter() - start
@@ -185,18 +131,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             shutil.rmtree(out, ignore_errors=True)
         speedup = ratio(rates["all_cores"], rates["one_worker"])
         by_rate = input_rates(work, UTTERANCES[mode], config)
+        record = {
+            "benchmark": "features_speed",
+            "mode": mode,
+            "utterances": UTTERANCES[mode],
+            "audio_s": rounded(audio),
+        }
+        record |= {"cores": cores, "torch_threads_default": default_threads, "baseline": "one_worker"}
         return [
             emit(
                 {
-                    "benchmark": "features_speed",
-                    "mode": mode,
-                    "utterances": UTTERANCES[mode],
-                    "audio_s": rounded(audio),
-                    "cores": cores,
-                    "torch_threads_default": default_threads,
+                    **record,
                     "audio_s_per_s": {name: rounded(rate) for name, rate in rates.items()},
                     "wall_s": {name: rounded(s) for name, s in seconds.items()},
-                    "baseline": "one_worker",
                     "speedup": rounded(speedup),
                     "default_vs_one_worker": rounded(ratio(rates["default"], rates["one_worker"])),
                     "one_thread_vs_default_threads": rounded(

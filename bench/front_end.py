@@ -1,15 +1,12 @@
 """The model's step alone, front end by front end, against SpeechBrain's model of the same shape.
 
-What decided ``train.subsampling_channels`` / ``train.subsampling_norm`` (issue 12): one
-process builds asrflow's Conformer-CTC at params.yaml's shape with each candidate front end,
-and SpeechBrain 1.1.2's (``bench.peer_speed``'s model, installed there), then times a bare
-forward + CTC loss + backward + AdamW step of each on the same random batch (8 utterances
-of 6 s, 80 mel bins), the models in turn, repeat after repeat, so every model sees the same
-load. No data loading, no trainer: the figure is the model's own cost.
+What decided ``train.subsampling_channels`` / ``train.subsampling_norm``: one process builds
+asrflow's Conformer-CTC at params.yaml's shape with each candidate front end, and SpeechBrain's
+(:mod:`bench.peer.speechbrain_side`), then times a bare forward + CTC + backward + AdamW step of
+each on the same random batch, the models in turn, so every model sees the same load.
 
-Record ``front_end`` per model: ``params``, ``front_end_mflop_per_audio_s`` (training
-FLOPs of the subsampling front end alone, ``FlopCounterMode``), ``audio_s_per_s`` (batch
-audio seconds / median step seconds) and ``ratio_to_speechbrain``.
+Record ``front_end`` per model: ``params``, ``front_end_mflop_per_audio_s``, ``audio_s_per_s``
+(batch audio / median step seconds) and ``ratio_to_speechbrain``.
 
 Usage: ``python -m bench.front_end [--quick] [--threads N] [--repeats N]``.
 """
@@ -82,8 +79,10 @@ def models(quick: bool) -> dict[str, tuple[object, float]]:
     import torch
 
     from asrflow.model.conformer_ctc import ModelConfig, build_model
+    from asrflow.testing.tiny_config import TINY_MODEL
     from asrflow.training.config import load_train_config
-    from bench.peer_speed import PEER_DIR, TINY_MODEL, _speechbrain_model, install_peer
+    from bench.peer.install import PEER_DIR, install_peer
+    from bench.peer.speechbrain_side import speechbrain_model
 
     train = load_train_config(repo_params())
     shape = {key: getattr(train, key) for key in ("d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")}
@@ -93,16 +92,14 @@ def models(quick: bool) -> dict[str, tuple[object, float]]:
     found: dict[str, tuple[object, float]] = {}
     for name, channels, norm in CANDIDATES[:2] if quick else CANDIDATES:
         torch.manual_seed(0)
-        config = ModelConfig(
-            input_dim=BATCH[2], vocab_size=VOCAB_SIZE, subsampling_channels=channels, subsampling_norm=norm, **shape
-        )
-        model = build_model(config)
+        front = {"subsampling_channels": channels, "subsampling_norm": norm}
+        model = build_model(ModelConfig(input_dim=BATCH[2], vocab_size=VOCAB_SIZE, **front, **shape))
         found[name] = (model, _front_end_flops(model.subsampling, 1000))
     problem = install_peer()
     if problem is None:
         sys.path.insert(0, str(PEER_DIR))
         torch.manual_seed(0)
-        peer = _speechbrain_model(shape, BATCH[2], VOCAB_SIZE)
+        peer = speechbrain_model(shape, BATCH[2], VOCAB_SIZE)
         found["speechbrain 1.1.2"] = (peer, _front_end_flops(peer.cnn, 1000))
     else:
         emit({"benchmark": "front_end", "status": "peer unavailable", "reason": problem})
@@ -134,17 +131,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rates = {name: audio_s / sorted(found)[len(found) // 2] for name, found in times.items()}
     peer = rates.get("speechbrain 1.1.2")
     for name, (model, flops) in built.items():
-        record = {
-            "benchmark": "front_end",
-            "status": "ok",
-            "model": name,
-            "threads": args.threads,
-            "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "front_end_mflop_per_audio_s": rounded(flops / 1e6),
-            "audio_s_per_s": rounded(rates[name]),
-            "ratio_to_speechbrain": rounded(ratio(rates[name], peer)) if peer else None,
-        }
-        out.append(emit(record))
+        record = {"benchmark": "front_end", "status": "ok", "model": name, "threads": args.threads}
+        record |= {"params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+        record |= {"front_end_mflop_per_audio_s": rounded(flops / 1e6), "audio_s_per_s": rounded(rates[name])}
+        out.append(emit({**record, "ratio_to_speechbrain": rounded(ratio(rates[name], peer)) if peer else None}))
     return out
 
 

@@ -1,23 +1,11 @@
 """Padding of training batches: asrflow's bucketed plan vs random batching of the same corpus.
 
-A batch of ``N`` utterances is padded to its longest one, so it holds ``N * max(frames)``
-frames of which ``sum(frames)`` are real. The padding ratio of an epoch is
-``1 - sum(real frames) / sum(padded frames)`` over all its batches (what the train loop
-logs per step as ``train/padding_ratio``).
-
-* figure: the epochs planned by :func:`asrflow.data.batches.plan_epoch` (a global
-  permutation cut into ``num_buckets`` equal-count duration buckets,
-  :func:`asrflow.data.index.plan_positions`; params.yaml's ``train.max_duration_s`` and
-  ``num_buckets``);
-* baseline: Lhotse's ``SimpleCutSampler`` with ``shuffle=True`` at the same
-  ``max_duration`` (random batches), same cuts, same seed and epochs;
-* ``ratio`` = figure / baseline; goal: figure <= 0.05.
-
-Also printed: the figure for other ``num_buckets`` values (``by_num_buckets``), to show
-what the setting buys, and the mean audio seconds per batch (``mean_batch_audio_s_*``):
-bucketing a small corpus leaves few utterances per bucket, so batches stay far below
-``max_duration_s``. Corpora: the generated training corpus (utterances of 1-15 s,
-uniform) and the shipped yesno corpus (all about 6 s). Only manifest metadata is read.
+The padding ratio of an epoch is ``1 - real frames / padded frames`` over its batches (what the
+loop logs as ``train/padding_ratio``). Figure: the epochs :func:`asrflow.data.batches.plan_epoch`
+plans (params.yaml's ``max_duration_s`` and ``num_buckets``); baseline: Lhotse's
+``SimpleCutSampler`` with ``shuffle=True``, same cuts, seed and epochs; ``ratio`` = figure /
+baseline (goal: figure <= 0.05). Also ``by_num_buckets`` and ``mean_batch_audio_s_*``. Corpora:
+the generated one (1-15 s) and yesno; only manifest metadata is read.
 
 Usage: ``python -m bench.padding [--quick] [--workdir DIR]``.
 """
@@ -46,9 +34,7 @@ def frames_of(cuts) -> dict[str, int]:
     return {cut.id: cut.num_frames for cut in cuts}
 
 
-def planned(
-    cuts, frames: dict[str, int], *, seed: int, max_duration_s: float, num_buckets: int
-) -> tuple[float, int, float]:
+def planned(cuts, frames: dict[str, int], *, seed: int, max_duration_s: float, num_buckets: int):
     """Padding of asrflow's plan over ``EPOCHS`` epochs."""
     from asrflow.data.batches import plan_epoch
 
@@ -87,32 +73,17 @@ def measure(corpus: str, data, params: dict) -> dict:
     )
     baseline, n_random, fill_random = random_batches(cuts, frames, seed, max_duration)
     frame_s = cuts[0].frame_shift
-    return {
-        "benchmark": "padding",
-        "corpus": corpus,
-        "utterances": len(cuts),
-        "duration_s_min_median_max": [
-            rounded(durations[0]),
-            rounded(durations[len(durations) // 2]),
-            rounded(durations[-1]),
-        ],
-        "max_duration_s": max_duration,
-        "num_buckets": num_buckets,
-        "epochs": EPOCHS,
-        "padding_ratio": rounded(figure),
-        "baseline_random_padding_ratio": rounded(baseline),
-        "ratio": rounded(ratio(figure, baseline)),
-        "batches_planned": n_planned,
-        "batches_random": n_random,
-        "mean_batch_audio_s_planned": rounded(fill_planned * frame_s),
-        "mean_batch_audio_s_random": rounded(fill_random * frame_s),
-        "goal": "padding_ratio <= 0.05",
-        "meets_goal": figure <= 0.05,
-        "by_num_buckets": {
-            str(n): rounded(planned(cuts, frames, seed=seed, max_duration_s=max_duration, num_buckets=n)[0])
-            for n in OTHER_NUM_BUCKETS
-        },
-    }
+    spread = [rounded(durations[0]), rounded(durations[len(durations) // 2]), rounded(durations[-1])]
+    record = {"benchmark": "padding", "corpus": corpus, "utterances": len(cuts), "duration_s_min_median_max": spread}
+    record |= {"max_duration_s": max_duration, "num_buckets": num_buckets, "epochs": EPOCHS}
+    record |= {"padding_ratio": rounded(figure), "baseline_random_padding_ratio": rounded(baseline)}
+    record |= {"ratio": rounded(ratio(figure, baseline)), "batches_planned": n_planned, "batches_random": n_random}
+    record |= {"mean_batch_audio_s_planned": rounded(fill_planned * frame_s)}
+    record |= {"mean_batch_audio_s_random": rounded(fill_random * frame_s)}
+    record |= {"goal": "padding_ratio <= 0.05", "meets_goal": figure <= 0.05}
+    plan = {"seed": seed, "max_duration_s": max_duration}
+    by_buckets = {str(n): rounded(planned(cuts, frames, num_buckets=n, **plan)[0]) for n in OTHER_NUM_BUCKETS}
+    return {**record, "by_num_buckets": by_buckets}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

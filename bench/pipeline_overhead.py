@@ -1,18 +1,11 @@
 """Pipeline tool overhead: ``snakemake --cores all`` and ``dvc repro`` with nothing to do.
 
-In a temporary copy of the repository (``bench.common.copy_repo``, as the pipeline tests
-copy it) whose params.yaml is made tiny (1 epoch of a small model, one feature job, no
-data workers), the whole pipeline is built once with ``snakemake --cores all`` on the
-shipped yesno corpus, DVC is set up (``dvc init --no-scm``) and records the same outputs
-with ``dvc commit -f`` (so ``dvc.lock`` matches what Snakemake built). Then each tool is
-run again on the up-to-date pipeline; each no-op run must report nothing to do.
+In a copy of the repository with a tiny params.yaml, the pipeline is built once with Snakemake and
+recorded by DVC (``dvc commit -f``); then each tool runs again on the up-to-date pipeline and must
+have nothing to do. ``noop_s``: median wall seconds of the no-op runs; baseline ``startup_s``: the
+same tool's ``--version``; ``ratio`` = noop / startup; ``snakemake_build_s`` for scale.
 
-Figures: the median wall seconds of the no-op runs (``noop_s``); baseline: the median of
-``--version`` of the same tool (``startup_s``, start-up cost of the tool alone) in the same
-run; ``ratio`` = noop / startup. ``snakemake_build_s`` is the one full build, for scale.
-
-Usage: ``python -m bench.pipeline_overhead [--quick] [--workdir DIR]`` (3 repeats; 2 with
-``--quick``).
+Usage: ``python -m bench.pipeline_overhead [--quick] [--workdir DIR]``.
 """
 
 from __future__ import annotations
@@ -28,27 +21,14 @@ from pathlib import Path
 import yaml
 
 from asrflow.testing.repo import copy_repo
+from asrflow.testing.tiny_config import TINY_MODEL
 from asrflow.training.config import set_train_keys
 from bench.common import emit, parse_args, ratio, rounded, workdir
 
 REPEATS = {"full": 3, "quick": 2}
 #: params.yaml changes that make the copy's pipeline quick to build.
-TINY = {
-    "features": {"num_jobs": 1},
-    "train": {
-        "epochs": 1,
-        "d_model": 32,
-        "num_heads": 2,
-        "ffn_dim": 64,
-        "num_layers": 1,
-        "conv_kernel_size": 7,
-        "num_workers": 0,
-        "max_duration_s": 60.0,
-        "warmup_steps": 2,
-        "average_last": 1,
-        "num_threads": 1,
-    },
-}
+TRAIN = {"epochs": 1, "num_workers": 0, "max_duration_s": 60.0, "warmup_steps": 2, "average_last": 1, "num_threads": 1}
+TINY = {"features": {"num_jobs": 1}, "train": {**TINY_MODEL, **TRAIN}}
 
 
 def tool(name: str) -> str:
@@ -111,25 +91,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 idle = idle and nothing_done(output)
                 startup_times.append(run(version, repo, env)[0])
             noop_s, startup_s = statistics.median(noop_times), statistics.median(startup_times)
-            records.append(
-                emit(
-                    {
-                        "benchmark": "pipeline_overhead",
-                        "status": "ok" if idle else "failed: the no-op run did work",
-                        "mode": mode,
-                        "tool": name,
-                        "command": " ".join([Path(noop[0]).name, *noop[1:]]),
-                        "noop_s": rounded(noop_s),
-                        "noop_s_all": [rounded(t) for t in noop_times],
-                        "startup_s": rounded(startup_s),
-                        "ratio": rounded(ratio(noop_s, startup_s)),
-                        "snakemake_build_s": rounded(build_s),
-                        "dvc_commit_s": rounded(commit_s),
-                        "repeats": repeats,
-                        "nothing_to_do": idle,
-                    }
-                )
-            )
+            status = "ok" if idle else "failed: the no-op run did work"
+            record = {"benchmark": "pipeline_overhead", "status": status, "mode": mode, "tool": name}
+            record |= {"command": " ".join([Path(noop[0]).name, *noop[1:]]), "noop_s": rounded(noop_s)}
+            record |= {"noop_s_all": [rounded(t) for t in noop_times], "startup_s": rounded(startup_s)}
+            record |= {"ratio": rounded(ratio(noop_s, startup_s)), "snakemake_build_s": rounded(build_s)}
+            record |= {"dvc_commit_s": rounded(commit_s), "repeats": repeats, "nothing_to_do": idle}
+            records.append(emit(record))
         shutil.rmtree(repo, ignore_errors=True)
         return records
 

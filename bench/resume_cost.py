@@ -1,36 +1,20 @@
 """Resume cost: seconds from process start to the first resumed training step, by position in the epoch.
 
-A resume jumps to batch ``k`` of the epoch's plan (made from manifest metadata) instead of
-replaying the data pipeline, so its cost should not grow with ``k``. This benchmark checks
-that: it resumes the same run from checkpoints at 10 %, 50 % and 90 % of an epoch and
-times each resume as a real training process (``asrflow.testing.train_entry``: the
-Trainer with the tiny test model, two spawned data workers) from launch to the end of its
-first step, in wall-clock seconds and in CPU seconds of the trainer's process. The baseline,
-measured in the same run, is a fresh start on the same data (launch to the end of step 1).
+A resume jumps to batch ``k`` of the epoch's plan instead of replaying the data pipeline, so its
+cost should not grow with ``k``. This resumes one run from checkpoints at 10 %, 50 % and 90 % of an
+epoch, each as a real training process (:mod:`asrflow.testing.train_entry`: the tiny model, two
+data workers), timed from launch to the end of its first step in wall and trainer-CPU seconds,
+against a fresh start on the same data. The corpus is yesno with its train cuts replicated until an
+epoch holds about 650 batches (``--quick``: ~40, no workers). ``replay_estimate_s`` is the CPU time
+that replaying the skipped batches would add.
 
-Corpus: the shipped yesno corpus, prepared and featurised once, its train cuts replicated
-under new ids until an epoch holds about 650 batches (``--quick``: ~40, no data workers),
-so that replaying the skipped part of the epoch would cost seconds, not a rounding error.
-Checkpoints: the first fresh-start run (itself timed as the baseline) trains on past 90 % of
-the epoch with a checkpoint every tenth of it and is then killed; each resume starts from a
-copy of that run cut back to one of them.
-
-Prints one JSON object: the three times, their spread ((max - min) / mean), the baseline,
-each time's ratio to it, the same in CPU seconds, the time from the resume decision (the
-"resuming from" log line) to the end of the first step with its spread, and for comparison
-the CPU time a resume that replayed the data pipeline up to the position would add::
-
-    python bench/resume_cost.py            # about 5 minutes on 2 CPU cores
-    python bench/resume_cost.py --quick    # smoke run, < 40 s
+Usage: ``python -m bench.resume_cost [--quick] [--workdir DIR] [--rounds N]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import logging
-import os
 import re
 import shutil
 import statistics
@@ -40,33 +24,24 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from asrflow.testing.corpora import prepare_yesno, torch_threads
 from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.repo import YESNO_DIR
 from asrflow.testing.tiny_config import tiny_train_config
 from asrflow.testing.train_entry import TrainingProcess
-
-os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+from bench.common import emit, load_average, parse_args
 
 POSITIONS = (0.1, 0.5, 0.9)
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \[[^\]]+\] (.*)$", re.MULTILINE)
 
 
 def build_corpus(root: Path, replicas: int) -> Path:
-    """yesno prepared and featurised into ``root``, its train cuts repeated ``replicas`` times."""
+    """yesno prepared into ``root``, its train cuts listed ``replicas`` times under new ids (no more features)."""
     from lhotse import CutSet
 
-    from asrflow.data.features import FeatureConfig, compute_features
-    from asrflow.data.manifests import cut_text, cuts_path, load_cuts
-    from asrflow.data.prepare import PrepareConfig, prepare_corpus
-    from asrflow.tokenizer import TokenizerConfig, train_tokenizer
+    from asrflow.data.manifests import cuts_path, load_cuts
 
-    prepare_corpus(PrepareConfig(corpus_dir=str(YESNO_DIR)), root / "manifests", seed=42)
-    test = load_cuts(root / "manifests", "test")
-    test.subset(first=1).to_file(cuts_path(root / "manifests", "test"))  # training never reads it: spare its fbank
-    compute_features(root / "manifests", root / "fbank", FeatureConfig(num_jobs=1))
+    prepare_yesno(root)
     train = load_cuts(root / "fbank", "train").to_eager()
-    train_tokenizer([cut_text(cut) for cut in train], root / "lang", TokenizerConfig())
-    # New cut ids over the same stored features: more batches, no more feature extraction.
     many = CutSet.from_cuts(cut.with_id(f"{cut.id}-r{r:03d}") for r in range(replicas) for cut in train)
     many.to_file(cuts_path(root / "fbank", "train"))
     return root
@@ -76,28 +51,18 @@ def batches_per_epoch(data: Path, max_duration_s: float, num_buckets: int) -> in
     from asrflow.data.batches import plan_epoch
     from asrflow.data.manifests import load_cuts
 
-    return len(
-        plan_epoch(
-            load_cuts(data / "fbank", "train").to_eager(),
-            0,
-            seed=42,
-            max_duration_s=max_duration_s,
-            num_buckets=num_buckets,
-        )
-    )
+    cuts = load_cuts(data / "fbank", "train").to_eager()
+    return len(plan_epoch(cuts, 0, seed=42, max_duration_s=max_duration_s, num_buckets=num_buckets))
 
 
 def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count: int = 30) -> float:
     """CPU seconds to build one training batch (features, CMVN, SpecAugment, targets) in one process."""
-    import torch
 
     from asrflow.data.features import FeatureConfig
     from asrflow.training.config import TrainConfig
     from asrflow.training.train_data import TrainData
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         config = TrainConfig(max_duration_s=max_duration_s, num_buckets=num_buckets, epochs=1)
         train_data = TrainData.build(config, FeatureConfig(), seed=42, fbank_dir=data / "fbank", lang_dir=data / "lang")
         dataset, items = train_data.dataset, iter(train_data.batches)
@@ -107,8 +72,6 @@ def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count
         for item in batch:
             dataset[item]
         return (time.process_time() - began) / len(batch)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _log_times(log: str) -> dict[str, float]:
@@ -178,16 +141,12 @@ def _spread(values: list[float]) -> float:
     return round((max(values) - min(values)) / statistics.fmean(values), 3)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller epoch, no data workers (smoke run)")
-    parser.add_argument(
-        "--rounds", type=int, default=None, help="launches per position, interleaved, medians reported (2; quick: 1)"
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="keep the corpus and runs in a folder here")
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None) -> list[dict]:
+    def configure(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--rounds", type=int, help="launches per position, interleaved, medians (2; quick: 1)")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
     args.rounds = args.rounds or (1 if args.quick else 2)
-    logging.basicConfig(level=logging.WARNING)
     began = time.perf_counter()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
@@ -212,17 +171,13 @@ def main(argv: list[str] | None = None) -> dict:
                 log = target / "train.log"
                 if name == "fresh":
                     # The first fresh run trains on past the last position: its checkpoints are resumed.
-                    uri = fresh_mlflow_store(target)
+                    uri, first = fresh_mlflow_store(target), 1
                     stop = max(positions.values()) + 1 if round_index == 0 else 1
-                    timing = time_first_step(
-                        data, target / "exp", overrides=run_config, uri=uri, first_step=1, log=log, stop_after=stop
-                    )
                 else:
-                    uri = clone_run(trained, target, positions[name])
-                    timing = time_first_step(
-                        data, target / "exp", overrides=run_config, uri=uri, first_step=positions[name] + 1, log=log
-                    )
-                runs[name].append(timing)
+                    uri, first = clone_run(trained, target, positions[name]), positions[name] + 1
+                    stop = first
+                times = {"first_step": first, "stop_after": stop, "log": log}
+                runs[name].append(time_first_step(data, target / "exp", overrides=run_config, uri=uri, **times))
             _phase(f"round {round_index + 1}", began)
     finally:
         if args.workdir is None:
@@ -253,21 +208,12 @@ def main(argv: list[str] | None = None) -> dict:
         "decision_to_first_step_spread": _spread(list(after_decision.values())),
         "replay_estimate_s": {name: round(step * batch_cpu_s, 3) for name, step in positions.items()},
         "runs": runs,
-        "load_average_1min": round(os.getloadavg()[0], 2),
+        "load_average": load_average(),
         "total_s": round(time.perf_counter() - began, 1),
-        "note": (
-            "resume_first_step_s: wall seconds from launching a training process (tiny test model, CPU) to the "
-            "end of its first resumed step: imports, data and model set-up, checkpoint load, MLflow reopen, "
-            "data workers' start, one step. A resume indexes into the epoch's plan instead of replaying it, "
-            "so neither figure should grow with the position; main_process_cpu_s is the trainer process's CPU "
-            "time and barely moves with other load on the machine, whereas the wall-clock spread carries that "
-            f"noise (1-minute load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores). "
-            "replay_estimate_s: CPU seconds that building the skipped batches would add if a resume replayed "
-            "the data pipeline instead (measured per batch in this process)."
-        ),
+        "note": "wall and trainer-CPU seconds from launch to the end of the first resumed step; "
+        "replay_estimate_s: what replaying the skipped batches would add",
     }
-    print(json.dumps(result, indent=2))
-    return result
+    return [emit(result)]
 
 
 if __name__ == "__main__":

@@ -1,16 +1,9 @@
 """Run every benchmark once: ``python -m bench.run_all [--quick] [--output FILE]``.
 
-Prints one JSON object per measured figure group (each with ``benchmark`` and ``status``)
-as the benchmarks run, then a ``summary`` object with every goal and whether it was met,
-and writes everything to ``bench/results.json`` (full mode; with ``--quick`` only where
-``--output`` says). The benchmarks share one work folder (generated data is built once)
-and run one after the other, in this process, so they do not disturb each other's
-timings; ``bench/resume_cost.py`` runs as its own process, and is reported as skipped if
-it is missing or failed. ``--quick`` uses small sizes: it checks that everything runs,
-its figures mean little.
-
-The figures are wall-clock measurements on a possibly shared machine: each benchmark
-measures its baseline in the same run and reports the ratio, which is what to compare.
+Prints each benchmark's JSON records as it runs, then a ``summary`` record with every goal and
+whether it was met, and writes them all to ``bench/results.json`` (with ``--quick``, only to
+``--output``). The benchmarks run one after the other in this process and share one work folder
+(data is generated once); ``--quick`` checks that everything runs, its figures mean little.
 """
 
 from __future__ import annotations
@@ -19,7 +12,6 @@ import argparse
 import importlib
 import json
 import logging
-import subprocess
 import sys
 import time
 import traceback
@@ -40,9 +32,8 @@ MODULES = [
     ("scale", "bench.scale"),
     ("startup", "bench.startup"),  # the train stage launched as a process: start-up, workers, memory
     ("peer_speed", "bench.peer_speed"),  # trains SpeechBrain beside asrflow, in processes of their own
+    ("resume", "bench.resume_cost"),
 ]
-#: Benchmarks written as separate scripts: (name, module, time limit in s for full, quick).
-EXTERNAL = [("resume", "bench.resume_cost", 900, 150)]
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"
 
 logger = logging.getLogger("bench.run_all")  # its import path (run as __main__)
@@ -62,74 +53,19 @@ def run_module(name: str, module: str, args: list[str]) -> list[dict]:
         torch.set_num_threads(threads)
 
 
-def _json_objects(text: str) -> list[dict]:
-    """The JSON objects printed on stdout: the whole text as one (indented) object, or one per line."""
-    try:
-        value = json.loads(text)
-        return [value] if isinstance(value, dict) else []
-    except json.JSONDecodeError:
-        pass
-    records = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                records.append(value)
-    return records
-
-
-def run_external(name: str, module: str, args: list[str], limit_s: float) -> list[dict]:
-    """Run ``python -m module`` with ``args`` (fewer if it refuses them); pass its JSON lines on."""
-    path = REPO / Path(*module.split(".")).with_suffix(".py")
-    if not path.is_file():
-        return [emit({"benchmark": name, "status": f"skipped: {path.relative_to(REPO)} is missing"})]
-    attempts = [args, [a for a in args if a == "--quick"], []]
-    done = None
-    for attempt in dict.fromkeys(tuple(a) for a in attempts):
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", module, *attempt], cwd=REPO, capture_output=True, text=True, timeout=limit_s
-            )
-        except subprocess.TimeoutExpired:
-            return [emit({"benchmark": name, "status": f"failed: no result within {limit_s:.0f} s"})]
-        if not (done.returncode == 2 and "unrecognized arguments" in done.stderr):
-            break
-    sys.stderr.write(done.stderr[-5000:])
-    records = _json_objects(done.stdout)
-    if done.returncode != 0 or not records:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return [emit({"benchmark": name, "status": f"failed: exit {done.returncode}: {tail}"[:500]})]
-    return [emit({"benchmark": record.get("benchmark", name), **record}) for record in records]
-
-
 def gpu_bf16() -> list[dict]:
-    """The GPU bf16 throughput/MFU item: only measurable where a GPU is present."""
+    """The GPU bf16 item: only measurable where a GPU is present, and not written yet."""
     import torch
 
-    if not torch.cuda.is_available():
-        return [emit({"benchmark": "gpu_bf16", "status": "not measured: no GPU lent to this task"})]
-    return [
-        emit(
-            {
-                "benchmark": "gpu_bf16",
-                "status": f"not measured: {torch.cuda.get_device_name(0)} present, "
-                "but the bf16 benchmark is not written yet",
-            }
-        )
-    ]
+    found = f"{torch.cuda.get_device_name(0)} present, but the bf16 benchmark is not written yet"
+    status = f"not measured: {found}" if torch.cuda.is_available() else "not measured: no GPU lent to this task"
+    return [emit({"benchmark": "gpu_bf16", "status": status})]
 
 
 def summary(records: list[dict]) -> dict:
     """Every goal and whether it was met, and every record that was not measured."""
-    goals = [
-        {key: record[key] for key in ("benchmark", "corpus", "goal", "meets_goal") if key in record}
-        for record in records
-        if "goal" in record
-    ]
+    keys = ("benchmark", "corpus", "goal", "meets_goal")
+    goals = [{key: record[key] for key in keys if key in record} for record in records if "goal" in record]
     problems = [{"benchmark": r["benchmark"], "status": r["status"]} for r in records if r.get("status") != "ok"]
     return {"benchmark": "summary", "goals": goals, "not_ok": problems}
 
@@ -137,13 +73,8 @@ def summary(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that every benchmark runs")
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help=f"results file (default: {DEFAULT_OUTPUT.relative_to(REPO)}; none with --quick)",
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="shared data folder (default: temporary)")
+    parser.add_argument("--output", type=Path, help=f"results file (default: {DEFAULT_OUTPUT.relative_to(REPO)})")
+    parser.add_argument("--workdir", type=Path, help="shared data folder (default: temporary)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     output = args.output or (None if args.quick else DEFAULT_OUTPUT)
@@ -159,22 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
             records += run_module(name, module, common)
             wall[name] = round(time.perf_counter() - tic, 1)
             logger.info("bench %s done in %.1f s", name, wall[name])
-        for name, module, full_limit, quick_limit in EXTERNAL:
-            tic = time.perf_counter()
-            own = ["--workdir", str(work / name), *(["--quick"] if args.quick else [])]
-            records += run_external(name, module, own, quick_limit if args.quick else full_limit)
-            wall[name] = round(time.perf_counter() - tic, 1)
         records += gpu_bf16()
     records.append(emit(summary(records)))
-    result = {
-        "command": "python -m bench.run_all" + (" --quick" if args.quick else ""),
-        "mode": mode,
-        "started_utc": started.strftime("%Y-%m-%d %H:%M:%S"),
-        "wall_s": round(time.perf_counter() - start, 1),
-        "wall_s_by_benchmark": wall,
-        "load_average_at_end": load_average(),
-        "records": records,
-    }
+    result = {"command": "python -m bench.run_all" + (" --quick" if args.quick else ""), "mode": mode}
+    result |= {"started_utc": started.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(time.perf_counter() - start, 1)}
+    result |= {"wall_s_by_benchmark": wall, "load_average_at_end": load_average(), "records": records}
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=1) + "\n")

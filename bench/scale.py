@@ -1,26 +1,12 @@
-"""Scale: a million training utterances (issue 13, item 5), metadata only (no audio).
+"""Scale: a million training utterances, metadata only (no audio).
 
-Generates a train cuts manifest of ``N`` synthetic cuts (LibriSpeech-style ids, speaker
-first; durations 1-20 s; a features entry and a transcript each, as the features stage
-writes them) and measures, in this one run:
-
-* ``index_build_s``: :meth:`asrflow.data.index.CutIndex.build` (one read of the manifest,
-  writing the line store); ``index_bytes``: the arrays a worker receives;
-* ``plan_s_per_million`` (figure): one epoch's plan, :func:`asrflow.data.batches.plan_epoch`
-  over the index (median of 3 epochs), per million cuts; goal <= 5 s.
-  ``baseline``: Lhotse's ``DynamicBucketingSampler`` (what plan_epoch was) over
-  ``LHOTSE_CUTS`` eager cuts, per million cuts (linear extrapolation: building it over a
-  million eager cuts needs ~1.3 GB per process); ``ratio`` = figure / baseline;
-* ``worker_rss_growth_mb_per_million`` (figure): peak RSS of a spawned process that unpickles
-  the index and builds batches of cuts from the line store, minus that of the same process
-  given a one-cut index, per million cuts; goal <= 200 MB. ``worker_baseline``: the same for
-  a dict of ``LHOTSE_CUTS`` eager Lhotse cuts (what each worker got pickled), per million;
-* ``trainer_rss_mb``: this process' peak RSS after building the index and two epoch plans,
-  and ``trainer_rss_start_mb`` before generating anything;
-* ``resume_s``: time to the first batch of :class:`asrflow.data.batches.TrainingBatches`
-  started at 10 %, 50 % and 90 % of an epoch (plan included, cache empty);
-  ``resume_90_vs_10``: their ratio (goal: flat, ~1); each is measured twice, in turn, and
-  the faster run kept.
+Writes a train manifest of ``N`` synthetic cuts (:func:`asrflow.testing.corpora.cut_entry`) and
+measures: ``index_build_s`` and ``index_bytes`` (:meth:`asrflow.data.index.CutIndex.build`);
+``plan_s_per_million`` (one epoch's :func:`~asrflow.data.batches.plan_epoch`, median of 3; goal <= 5
+s) against Lhotse's ``DynamicBucketingSampler`` over ``LHOTSE_CUTS`` eager cuts, extrapolated;
+``worker_rss_growth_mb_per_million`` (a spawned worker's peak RSS with the index, less with a
+one-cut index; goal <= 200 MB) against a dict of eager cuts; ``trainer_rss_mb``; ``resume_s`` (to
+the first batch at 10/50/90 % of an epoch, best of two) and ``resume_90_vs_10`` (goal: about 1).
 
 Usage: ``python -m bench.scale [--quick] [--workdir DIR] [--cuts N]``.
 """
@@ -31,7 +17,6 @@ import gzip
 import json
 import multiprocessing
 import pickle
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -61,28 +46,17 @@ def write_manifest(path: Path, count: int, seed: int = 0) -> None:
     rows.sort()
     with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as out:
         for cut_id, duration, i in rows:
-            entry = cut_entry(
-                cut_id,
-                duration,
-                text=f"WORD{i % 97} WORD{i % 89} WORD{i % 83}",
-                storage_path="data/fbank/train_feats.lca",
-                storage_key=str(i * 5000),
-                source=f"corpus/{cut_id}.flac",
-                speaker=cut_id[:4],
-            )
+            text, where = f"WORD{i % 97} WORD{i % 89} WORD{i % 83}", {"storage_key": str(i * 5000)}
+            where |= {"storage_path": "data/fbank/train_feats.lca", "source": f"corpus/{cut_id}.flac"}
+            entry = cut_entry(cut_id, duration, text=text, speaker=cut_id[:4], **where)
             out.write(json.dumps(entry) + "\n")
 
 
 def peak_rss_mb() -> float:
     """Peak resident memory of this process image (MB): ``VmHWM`` (``ru_maxrss`` would carry a
-    spawned child's parent's peak over ``exec``), or ``ru_maxrss`` where /proc is missing."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    spawned child's parent's peak over ``exec``)."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
 def _worker(payload: bytes, batches: list[list[str]], queue) -> None:
@@ -109,16 +83,8 @@ def lhotse_plan_s(cuts) -> float:
     """Seconds for one epoch of Lhotse's ``DynamicBucketingSampler`` over ``cuts`` (eager)."""
     from lhotse.dataset import DynamicBucketingSampler
 
-    sampler = DynamicBucketingSampler(
-        cuts,
-        max_duration=MAX_DURATION_S,
-        num_buckets=NUM_BUCKETS,
-        shuffle=True,
-        drop_last=False,
-        seed=SEED,
-        world_size=1,
-        rank=0,
-    )
+    shape = {"max_duration": MAX_DURATION_S, "num_buckets": NUM_BUCKETS, "world_size": 1, "rank": 0}
+    sampler = DynamicBucketingSampler(cuts, shuffle=True, drop_last=False, seed=SEED, **shape)
     sampler.set_epoch(0)
     start = time.perf_counter()
     sum(len(batch) for batch in sampler)
@@ -163,18 +129,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         resume = {}
         for _ in range(2):  # each position twice, in turn; the faster run counts
             for share in (0.1, 0.5, 0.9):
-                batches = TrainingBatches(
-                    index,
-                    seed=SEED,
-                    max_duration_s=MAX_DURATION_S,
-                    num_buckets=NUM_BUCKETS,
-                    accum_grad=1,
-                    world_size=1,
-                    rank=0,
-                    start_epoch=0,
-                    start_step=int(share * steps),
-                    num_epochs=1,
-                )
+                shape = {"max_duration_s": MAX_DURATION_S, "num_buckets": NUM_BUCKETS, "accum_grad": 1}
+                where = {
+                    "world_size": 1,
+                    "rank": 0,
+                    "start_epoch": 0,
+                    "start_step": int(share * steps),
+                    "num_epochs": 1,
+                }
+                batches = TrainingBatches(index, seed=SEED, **shape, **where)
                 start = time.perf_counter()
                 next(iter(batches))
                 key = f"{int(share * 100)}%"
@@ -200,35 +163,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         plan_baseline = lhotse_s * 1_000_000 / lhotse_count
         worker_figure = (worker_index - worker_empty) * per_million
         worker_baseline = (worker_dict - worker_empty) * 1_000_000 / lhotse_count
-        return [
-            emit(
-                {
-                    "benchmark": "scale",
-                    "mode": mode,
-                    "cuts": count,
-                    "generate_s": rounded(generate_s),
-                    "index_build_s": rounded(build_s),
-                    "index_bytes": index.nbytes(),
-                    "plan_s": rounded(plan_s),
-                    "plan_s_per_million": rounded(plan_figure),
-                    "baseline": f"lhotse DynamicBucketingSampler over {lhotse_count} eager cuts, per million",
-                    "baseline_plan_s_per_million": rounded(plan_baseline),
-                    "ratio": rounded(ratio(plan_figure, plan_baseline)),
-                    "plan_goal_s_per_million": 5.0,
-                    "worker_rss_empty_mb": rounded(worker_empty),
-                    "worker_rss_index_mb": rounded(worker_index),
-                    "worker_rss_growth_mb_per_million": rounded(worker_figure),
-                    "worker_baseline_eager_dict_growth_mb_per_million": rounded(worker_baseline),
-                    "worker_ratio": rounded(ratio(worker_figure, worker_baseline)),
-                    "worker_goal_mb_per_million": 200,
-                    "trainer_rss_start_mb": rounded(rss_start),
-                    "trainer_rss_mb": rounded(trainer_rss),
-                    "resume_s": {key: rounded(value) for key, value in resume.items()},
-                    "resume_90_vs_10": rounded(ratio(resume["90%"], resume["10%"])),
-                    "batches_per_epoch": len(plan),
-                }
-            )
-        ]
+        record = {"benchmark": "scale", "mode": mode, "cuts": count, "generate_s": rounded(generate_s)}
+        record |= {"index_build_s": rounded(build_s), "index_bytes": index.nbytes(), "plan_s": rounded(plan_s)}
+        record |= {"plan_s_per_million": rounded(plan_figure)}
+        record |= {"baseline": f"lhotse DynamicBucketingSampler over {lhotse_count} eager cuts, per million"}
+        record |= {"baseline_plan_s_per_million": rounded(plan_baseline)}
+        record |= {"ratio": rounded(ratio(plan_figure, plan_baseline)), "plan_goal_s_per_million": 5.0}
+        record |= {"worker_rss_empty_mb": rounded(worker_empty), "worker_rss_index_mb": rounded(worker_index)}
+        record |= {"worker_rss_growth_mb_per_million": rounded(worker_figure)}
+        record |= {"worker_baseline_eager_dict_growth_mb_per_million": rounded(worker_baseline)}
+        record |= {"worker_ratio": rounded(ratio(worker_figure, worker_baseline)), "worker_goal_mb_per_million": 200}
+        record |= {"trainer_rss_start_mb": rounded(rss_start), "trainer_rss_mb": rounded(trainer_rss)}
+        record |= {"resume_s": {key: rounded(value) for key, value in resume.items()}}
+        record |= {"resume_90_vs_10": rounded(ratio(resume["90%"], resume["10%"])), "batches_per_epoch": len(plan)}
+        return [emit(record)]
 
 
 if __name__ == "__main__":

@@ -2,62 +2,38 @@
 
 ``python -m bench.startup [--quick] [--workdir W] [--repeat N] [--parts startup,workers]``
 
-**startup** (yesno): seconds from launching ``python -m stages.train --params ... --fbank
-... --lang ... --exp ...`` (a new process, cwd = a run folder holding ``params.yaml``, MLflow's
-default ``sqlite:///mlflow.db`` there) to the end of its first optimizer step, median of
-``--repeat`` (3) launches each, for three cases:
+**startup** (yesno; record ``startup``): seconds from launching ``python -m stages.train`` in a run
+folder to the end of its first optimizer step, median of ``--repeat`` launches, for ``fresh_new_db``
+(no checkpoint, no ``mlflow.db``), ``fresh_existing_db`` (a store a previous run left) and
+``resumed`` (the checkpoint a fresh run left after SIGTERM). Every launch is stopped with SIGTERM
+after its first step. ``breakdown_median_s`` times the stage's own log lines (:data:`MARKERS`).
+``--code DIR`` also times another checkout in the same run.
 
-* ``fresh_new_db``: no checkpoints, no ``mlflow.db`` (its schema is created and migrated);
-* ``fresh_existing_db``: no checkpoints, an ``mlflow.db`` a previous run left;
-* ``resumed``: the checkpoint a fresh run left after SIGTERM, same store.
-
-Every launch is stopped with SIGTERM as soon as its first step is logged (the trainer
-finishes the step in flight, saves a checkpoint and exits 75, which gives the ``resumed``
-case its checkpoint). The breakdown comes from the stage's own log lines (their
-timestamps, in seconds after launch): ``imports`` (the stage's first line: Python, torch,
-Lhotse and asrflow imported), ``data`` (train data ready: tokenizer, CMVN, cut index, plan),
-``model`` (model and components built), ``first_batch`` (the loader handed over its first
-batch), ``first_step`` (the progress line after this process's first step: the figure),
-and ``mlflow_ready`` (the MLflow run opened or continued; it may come after the first
-step: MLflow starts off the critical path). ``--code DIR`` also times another checkout
-(e.g. the main branch) in the same run, with its own params.yaml (marks its log lacks are
-left out).
-
-**workers** (the generated 2,000-utterance corpus and yesno): ``train.num_workers`` 0 / 1 /
-2 x ``train.num_threads`` 1 / 2, side by side in one run, each one launch of the stage
-stopped after about ``steps`` steps: launch to the end of the first step, training
-throughput (audio seconds per second over steps 2..N, from the run's MLflow points: each
-step's ``train/audio_s_per_s`` times the time since the step before, over the time from
-step 1 to N; also over the second half of the steps, after MLflow's background start, and
-the median ``train/data_wait_fraction``) and the peak PSS of the whole process tree (trainer plus data workers,
-``bench.peer_speed``'s sampler, every 0.25 s). Precomputed features; other params as in
-params.yaml.
-
-Prints one JSON line per case (``benchmark: startup``) and per setting (``benchmark:
-startup_workers``), with the load average.
+**workers** (record ``startup_workers``): ``train.num_workers`` x ``train.num_threads`` side by side,
+one launch each stopped after ``STEPS`` steps: launch to the first step, audio seconds per second
+over steps 2..N from the run's MLflow points (also over their second half, after MLflow's background
+start), the median ``train/data_wait_fraction``, and the peak PSS of the process tree.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from datetime import datetime
 from pathlib import Path
 
 from asrflow.testing.corpora import generated_data, params_for, yesno_data
+from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO, repo_params
-from asrflow.training.outcome import Outcome, exit_code
+from asrflow.training.outcome import Outcome
 from bench.common import emit, load_average, parse_args, rounded, workdir
-from bench.peer_speed import _tree_pss
 
 #: Log markers of the breakdown: name -> (logger, text the message starts with or holds).
 MARKERS = {
@@ -76,7 +52,7 @@ GENERATED = {"full": 2000, "quick": 40}
 #: Steps timed in the workers part (a multiple of 10: the step log's interval).
 STEPS = {"full": 20, "quick": 10}
 SETTINGS = {"full": [(w, t) for w in (0, 1, 2) for t in (1, 2)], "quick": [(0, 1)]}
-#: Goals of issue 12: launch to the end of the first step (s), peak PSS of the process tree (MB).
+#: Goals: launch to the end of the first step (s), peak PSS of the process tree (MB).
 GOAL_S = 5.0
 GOAL_PSS_MB = 2000.0
 
@@ -118,47 +94,24 @@ def launch(
     timeout_s: float = 600.0,
     extra_env: dict[str, str] | None = None,
 ) -> dict:
-    """Run the train stage in ``run_dir`` on ``data`` (``fbank/``, ``lang/``) until ``stop_when`` is logged.
-
-    Then SIGTERM: the step in flight finishes, a checkpoint is saved, the stage exits 75 (0
-    if it finished first). Returns the marks (seconds after launch), the exit code and the
-    process tree's peak PSS in MB.
-    """
+    """Run the train stage in ``run_dir`` on ``data`` until ``stop_when`` is logged, then SIGTERM it (the
+    step in flight finishes and is saved: exit 75). Returns the marks (seconds after launch), the exit code
+    and the process tree's peak PSS in MB."""
     command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
     command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
     env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
     for name in ("MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE", "DVC_STAGE", "DVC_EXP_NAME"):
         env.pop(name, None)
     env.update(extra_env or {})
-    peak, done = [0], threading.Event()
-    with log.open("w") as handle:
-        launched = time.time()
-        process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=handle, stderr=subprocess.STDOUT)
-
-        def poll() -> None:
-            signalled = False
-            while not done.is_set():
-                peak[0] = max(peak[0], _tree_pss(process.pid))
-                if not signalled and stop_when in log.read_text():
-                    process.send_signal(signal.SIGTERM)
-                    signalled = True
-                done.wait(0.25)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        try:
-            code = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            code = process.wait()
-        done.set()
-        poller.join()
-    text = log.read_text()
-    if code not in (0, exit_code(Outcome.STOPPED)):
-        tail = "\n".join(text.splitlines()[-15:])
-        raise RuntimeError(f"train stage exited {code} in {run_dir}; log {log}:\n{tail}")
-    marks = {name: round(at - launched, 3) for name, at in log_marks(text).items()}
-    return {"marks": marks, "exit_code": code, "peak_tree_pss_mb": rounded(peak[0] / 2**20)}
+    process = ChildProcess(command, log_path=log, env=env, cwd=run_dir, memory_poll_s=0.25)
+    with contextlib.suppress(RuntimeError):  # it ended first: its exit code tells
+        process.wait_for(stop_when, timeout_s)
+        process.process.send_signal(signal.SIGTERM)
+    exit_code = process.wait(timeout_s)
+    if exit_code not in (0, exit_code(Outcome.STOPPED)):
+        raise RuntimeError(f"train stage exited {exit_code} in {run_dir}; log {log}:\n{process.tail(15)}")
+    marks = {name: round(at - process.started, 3) for name, at in log_marks(process.log()).items()}
+    return {"marks": marks, "exit_code": exit_code, "peak_tree_pss_mb": rounded(process.peak_pss / 2**20)}
 
 
 def throughput(run_dir: Path) -> dict:
@@ -215,22 +168,17 @@ def measure_startup(work: Path, repeat: int, code: Path = REPO) -> list[dict]:
     records = []
     for case, runs in results.items():
         first_step = [r["marks"].get("first_step") for r in runs]
+        median = statistics.median(first_step) if all(first_step) else None
+        record = {"benchmark": "startup", "case": case, "corpus": "yesno"}
+        record |= {
+            "code": "this checkout" if code == REPO else str(code),
+            "launch_to_first_step_s": median and rounded(median),
+        }
+        record |= {"runs_s": first_step, "breakdown_median_s": _median_marks(runs)}
+        record |= {"peak_tree_pss_mb": rounded(statistics.median(r["peak_tree_pss_mb"] for r in runs))}
+        record |= {"goal": "launch to the end of the first step <= 5 s (median)"}
         records.append(
-            emit(
-                {
-                    "benchmark": "startup",
-                    "case": case,
-                    "corpus": "yesno",
-                    "code": "this checkout" if code == REPO else str(code),
-                    "launch_to_first_step_s": rounded(statistics.median(first_step)) if all(first_step) else None,
-                    "runs_s": first_step,
-                    "breakdown_median_s": _median_marks(runs),
-                    "peak_tree_pss_mb": rounded(statistics.median(r["peak_tree_pss_mb"] for r in runs)),
-                    "goal": "launch to the end of the first step <= 5 s (median)",
-                    "meets_goal": all(first_step) and statistics.median(first_step) <= GOAL_S,
-                    "load_average": load_average(),
-                }
-            )
+            emit({**record, "meets_goal": bool(median and median <= GOAL_S), "load_average": load_average()})
         )
     return records
 
@@ -252,54 +200,26 @@ def measure_workers(
             run_dir.mkdir(parents=True)
             write_params(run_dir, {"epochs": 100, **train, "num_workers": workers, "num_threads": threads}, data=data)
             result = launch(run_dir, data, stop_when=_STEP_LINE.format(steps), log=run_dir / "train.log")
-            records.append(
-                emit(
-                    {
-                        "benchmark": "startup_workers",
-                        "corpus": f"generated-{GENERATED[mode]}" if corpus == "generated" else corpus,
-                        "num_workers": workers,
-                        "num_threads": threads,
-                        **train,
-                        "launch_to_first_step_s": result["marks"].get("first_step"),
-                        **throughput(run_dir),
-                        "peak_tree_pss_mb": result["peak_tree_pss_mb"],
-                        **(
-                            {"goal": "peak PSS <= 2000 MB", "meets_goal": result["peak_tree_pss_mb"] <= GOAL_PSS_MB}
-                            if corpus == "generated"
-                            else {}
-                        ),
-                        "load_average": load_average(),
-                    }
-                )
-            )
+            name = f"generated-{GENERATED[mode]}" if corpus == "generated" else corpus
+            record = {"benchmark": "startup_workers", "corpus": name, "num_workers": workers, "num_threads": threads}
+            pss = result["peak_tree_pss_mb"]
+            record |= {**train, "launch_to_first_step_s": result["marks"].get("first_step"), **throughput(run_dir)}
+            record |= {"peak_tree_pss_mb": pss}
+            if corpus == "generated":
+                record |= {"goal": "peak PSS <= 2000 MB", "meets_goal": pss <= GOAL_PSS_MB}
+            records.append(emit({**record, "load_average": load_average()}))
     return records
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--repeat", type=int, default=None, help="launches per start-up case (default 3; quick 1)")
-        parser.add_argument("--parts", default="startup,workers", help="startup, workers or both (default: both)")
-        parser.add_argument(
-            "--settings",
-            default=None,
-            help="workers part: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2; quick: 0/1)",
-        )
-        parser.add_argument(
-            "--max-duration-s",
-            type=float,
-            default=None,
-            help="workers part: train.max_duration_s (default: params.yaml)",
-        )
-        parser.add_argument(
-            "--code",
-            type=Path,
-            action="append",
-            default=[],
-            help="also time the start-up cases of another checkout (e.g. the main branch), same data, same run",
-        )
-        parser.add_argument(
-            "--corpora", default=None, help="corpora of the workers part (default: generated,yesno; quick: yesno)"
-        )
+        add = parser.add_argument
+        add("--repeat", type=int, help="launches per start-up case (default 3; quick 1)")
+        add("--parts", default="startup,workers", help="startup, workers or both (default: both)")
+        add("--settings", help="workers part: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2)")
+        add("--max-duration-s", type=float, help="workers part: train.max_duration_s (default: params.yaml)")
+        add("--code", type=Path, action="append", default=[], help="also time another checkout's start-up cases")
+        add("--corpora", help="corpora of the workers part (default: generated,yesno; quick: yesno)")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     parts = args.parts.split(",")
@@ -311,9 +231,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 records += measure_startup(work, repeat, code)
         if "workers" in parts:
             corpora = args.corpora or ("yesno" if args.quick else "generated,yesno")
-            settings = (
-                [tuple(int(x) for x in pair.split("/")) for pair in args.settings.split(",")] if args.settings else None
-            )
+            pairs = args.settings.split(",") if args.settings else []
+            settings = [tuple(int(x) for x in pair.split("/")) for pair in pairs] or None
             train = {} if args.max_duration_s is None else {"max_duration_s": args.max_duration_s}
             records += measure_workers(
                 work, quick=args.quick, corpora=corpora.split(","), settings=settings, train=train

@@ -1,44 +1,19 @@
 """Training throughput of the real train loop vs the bare model step; data waiting; FLOPs and MFU.
 
-For each corpus (the shipped yesno corpus, and a generated corpus of utterances of 1-15 s,
-features precomputed) this runs :class:`asrflow.training.trainer.Trainer` as the train
-stage does (params.yaml's ``train:`` section: model, ``num_workers`` data workers,
-augmentation, guards, scheduler, MLflow recording into a throw-away SQLite store), and
-right after each of its optimizer steps, in the same process, the **bare step** (the
-baseline): a second copy of the same model (same seed, same thread count) doing forward,
-CTC loss, backward and AdamW on the very batch the loop just used, loaded into memory
-beforehand (the plan is deterministic). Pairing the two step by step means both see the
-same load from other processes on the machine. The loop stops itself through its own stop
-request (the path SIGTERM takes) after ``max_steps`` steps or once its time budget is
-spent. Step 1 (start-up, worker spawn) is left out of every figure.
+For each corpus (yesno, and a generated one of 1-15 s utterances) this runs the Trainer as the train
+stage does (params.yaml's ``train:``, data workers, augmentation, guards, MLflow into a throw-away
+store) and, right after each of its steps in the same process, the **bare step** (the baseline): a
+second copy of the model doing forward, CTC loss, backward and AdamW on the very batches the loop
+just used, loaded beforehand. Pairing them step by step gives both the same load from other
+processes. The loop stops itself after ``max_steps`` or its time budget; step 1 is never timed.
 
-Figures (record ``train_throughput``):
+Record ``train_throughput``: ``loop_audio_s_per_s`` (audio of steps 2..N / the loop's wall time less
+this benchmark's own work), ``bare_audio_s_per_s``, ``ratio`` = loop / bare, ``flops_per_audio_s``
+(``FlopCounterMode``, forward + backward), ``matmul_flops`` (fp32 ``torch.mm`` at the same threads,
+record ``matmul_fp32``), ``mfu_loop`` / ``mfu_bare``; without ``--quick`` also the bare step at one
+thread. Record ``data_wait``: the loop's summed data wait / summed step time.
 
-* ``loop_audio_s_per_s``: audio seconds of steps 2..N / wall seconds from the end of step
-  1 to the end of step N, less the time spent in this benchmark's work after each step
-  (building the bare step's batch, the bare steps), so all the loop's own bookkeeping counts;
-* ``loop_metric_audio_s_per_s``: the same audio / the summed step times the loop logs as
-  ``train/audio_s_per_s`` (data wait + step);
-* ``bare_audio_s_per_s``: the same audio / the bare steps' time; ``ratio`` = loop / bare
-  (goal >= 0.9);
-* ``flops_per_audio_s``: model FLOPs (``torch.utils.flop_counter.FlopCounterMode``:
-  matmuls, convolutions, attention) of one forward + backward of the first batch / its
-  audio seconds; ``matmul_flops``: the measured fp32 ``torch.mm`` 2048 x 2048 rate at the
-  same thread count (record ``matmul_fp32``); ``mfu_loop`` / ``mfu_bare`` = achieved
-  model FLOP/s / that rate.
-
-Record ``data_wait``: summed data wait / summed step time over steps 2..N, i.e. the loop's
-``train/data_wait_fraction`` (goal <= 0.02); its baseline is the bare step's 0 (batches in
-memory).
-
-Without ``--quick``, a third copy of the model also takes each step at one thread
-(``bare_1_thread_audio_s_per_s``, and ``bare_1_thread_speedup`` over the bare step at
-``num_threads``): on 2 busy cores a second torch thread can cost more than it gives.
-With ``--quick`` the model is tiny and only the generated corpus runs, for 2 steps (1
-timed): it only checks that the benchmark works.
-
-Usage: ``python -m bench.train_throughput [--quick] [--workdir DIR] [--num-threads N]``
-(``--num-threads`` overrides ``train.num_threads`` for both the loop and the bare step).
+Usage: ``python -m bench.train_throughput [--quick] [--workdir DIR] [--num-threads N]``.
 """
 
 from __future__ import annotations
@@ -46,12 +21,11 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from asrflow.testing.corpora import data_features, generated_data, yesno_data
 from asrflow.testing.repo import repo_params
-from bench.common import emit, machine, matmul_flops, parse_args, ratio, rounded, workdir
+from bench.common import emit, machine, matmul_flops, parse_args, ratio, rounded, train_config, workdir
 
 #: Utterances of the generated corpus, per mode (the yesno corpus is fixed).
 GENERATED = {"full": 2000, "quick": 200}
@@ -62,22 +36,6 @@ PLANS = {
 }
 #: Steps run whatever the budget says (1 warm-up + at least 3 timed).
 MIN_STEPS = 4
-#: The --quick model (only checks that the benchmark runs).
-TINY_MODEL = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "conv_kernel_size": 7}
-
-
-def configs(quick: bool, num_threads: int | None = None):
-    """params.yaml and its TrainConfig (tiny model with ``quick``). The features are those each
-    corpus was computed with (:func:`bench.common.data_features`)."""
-    from asrflow.training.config import load_train_config
-
-    params = repo_params()
-    train = load_train_config(params)
-    # Enough epochs for any step count (the loop is stopped), one process.
-    train = replace(train, epochs=1000, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}))
-    if num_threads:
-        train = replace(train, num_threads=num_threads)
-    return params, train
 
 
 class PlannedBatches:
@@ -143,19 +101,7 @@ def model_flops(model, batch: dict) -> float:
     return float(counter.get_total_flops())
 
 
-def run_paired(
-    data: Path,
-    exp: Path,
-    *,
-    tracking_uri: str,
-    params: dict,
-    config,
-    features,
-    seed: int,
-    max_steps: int,
-    budget_s: float,
-    one_thread_check: bool,
-) -> tuple[list[dict], float]:
+def run_paired(data: Path, exp: Path, *, tracking_uri, params, config, features, seed, max_steps, budget_s, one_thread):
     """The Trainer, with a bare step after each of its steps; per-step records, and FLOPs/audio s."""
     import torch
 
@@ -165,7 +111,7 @@ def run_paired(
 
     planned = PlannedBatches(data, config, features, seed)
     bare_model, bare_optimizer = build(config, features, seed, planned.tokenizer.vocab_size)
-    single = build(config, features, seed, planned.tokenizer.vocab_size) if one_thread_check else None
+    single = build(config, features, seed, planned.tokenizer.vocab_size) if one_thread else None
     first = planned.next_step()
     flops_per_audio_s = model_flops(bare_model, first[0]) / float(first[0]["durations"].sum())
     pending = [first]
@@ -187,189 +133,85 @@ def run_paired(
                 torch.set_num_threads(config.num_threads)
             if not started:
                 started.append(time.perf_counter())
-            records.append(
-                {
-                    "t": now,
-                    "audio_s": result.audio_seconds,
-                    "waited": result.data_wait_s,
-                    "elapsed": result.elapsed_s,
-                    "padding": result.padding_ratio,
-                    "bare_s": bare_s,
-                    "single_s": single_s,
-                    "same_batch": ids == list(result.cut_ids),
-                    "hook_s": time.perf_counter() - now,
-                }
-            )
+            record = {"t": now, "audio_s": result.audio_seconds, "waited": result.data_wait_s, "bare_s": bare_s}
+            record |= {"elapsed": result.elapsed_s, "padding": result.padding_ratio, "single_s": single_s}
+            records.append({**record, "same_batch": ids == list(result.cut_ids), "hook_s": time.perf_counter() - now})
             steps = result.step
             spent = time.perf_counter() - started[0]
             if steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s):
                 run.stop.request()  # the next step is the last one, then a checkpoint (as on SIGTERM)
 
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    Trainer(
-        config,
-        features,
-        seed=seed,
-        all_params=params,
-        paths=paths,
-        tracking_uri=tracking_uri,
-        observers=[PairedSteps()],
-    ).run()  # returns when finished or stopped (as on SIGTERM)
+    where = {"paths": paths, "tracking_uri": tracking_uri, "observers": [PairedSteps()]}
+    Trainer(config, features, seed=seed, all_params=params, **where).run()  # returns when finished or stopped
     torch.set_num_threads(config.num_threads)
     return records, flops_per_audio_s
 
 
-def measure(
-    corpus: str,
-    data: Path,
-    *,
-    work: Path,
-    quick: bool,
-    max_steps: int,
-    budget_s: float,
-    peak: float,
-    num_threads: int | None = None,
-) -> list[dict]:
-    """One corpus: returns the records to print."""
+def measure(corpus: str, data: Path, *, work: Path, quick: bool, max_steps, budget_s, peak, num_threads=None):
+    """One corpus: the ``train_throughput`` and ``data_wait`` records."""
     import torch
 
-    params, config = configs(quick, num_threads)
-    features = data_features(data)
-    seed = int(params.get("seed", 0))
+    params = repo_params()
+    config = train_config(params, quick=quick, epochs=1000, **({"num_threads": num_threads} if num_threads else {}))
     torch.set_num_threads(config.num_threads)
     exp = work / f"train-throughput-{corpus}"
     shutil.rmtree(exp, ignore_errors=True)
-    records, flops_per_audio_s = run_paired(
-        data,
-        exp,
-        tracking_uri=f"sqlite:///{work / 'bench-mlflow.db'}",
-        params=params,
-        config=config,
-        features=features,
-        seed=seed,
-        max_steps=max_steps,
-        budget_s=budget_s,
-        one_thread_check=not quick,
-    )
+    run = {"tracking_uri": f"sqlite:///{work / 'bench-mlflow.db'}", "params": params, "config": config}
+    run |= {"features": data_features(data), "seed": int(params.get("seed", 0)), "one_thread": not quick}
+    records, flops = run_paired(data, exp, max_steps=max_steps, budget_s=budget_s, **run)
     timed = records[1:]
-    audio = sum(r["audio_s"] for r in timed)
-    # the loop's wall time: from the end of step 1 to the end of step N, less this benchmark's
-    # own work after each step (building the bare batch, the bare steps)
-    loop_wall = records[-1]["t"] - records[0]["t"] - sum(r["hook_s"] for r in records[:-1])
-    loop_rate = audio / loop_wall
-    bare_rate = audio / sum(r["bare_s"] for r in timed)
-    step_time = sum(r["elapsed"] for r in timed)
-    wait = sum(r["waited"] for r in timed) / step_time
-    settings = {
-        k: getattr(config, k)
-        for k in (
-            "d_model",
-            "num_heads",
-            "ffn_dim",
-            "num_layers",
-            "conv_kernel_size",
-            "max_duration_s",
-            "num_buckets",
-            "accum_grad",
-            "num_threads",
-            "num_workers",
-            "precision",
-        )
+    total = {key: sum(r[key] for r in timed) for key in ("audio_s", "bare_s", "single_s", "elapsed", "waited")}
+    audio = total["audio_s"]
+    # the loop's wall time less this benchmark's own work after each step (the bare batch and steps)
+    loop_rate = audio / (records[-1]["t"] - records[0]["t"] - sum(r["hook_s"] for r in records[:-1]))
+    bare_rate, wait = audio / total["bare_s"], total["waited"] / total["elapsed"]
+    per_step = [r["bare_s"] / r["elapsed"] for r in timed]
+    names = "d_model num_heads ffn_dim num_layers conv_kernel_size max_duration_s num_buckets accum_grad"
+    settings = {k: getattr(config, k) for k in (*names.split(), "num_threads", "num_workers", "precision")}
+    common = {"corpus": corpus, "steps": len(records), "timed_steps": len(timed), "audio_s_timed": rounded(audio)}
+    common["same_batches"] = all(r["same_batch"] for r in records)
+    loop = {"benchmark": "train_throughput", **common, "loop_audio_s_per_s": rounded(loop_rate)}
+    loop |= {"loop_metric_audio_s_per_s": rounded(audio / total["elapsed"]), "bare_audio_s_per_s": rounded(bare_rate)}
+    loop |= {"ratio": rounded(ratio(loop_rate, bare_rate)), "goal": "ratio >= 0.9"}
+    loop |= {
+        "meets_goal": ratio(loop_rate, bare_rate) >= 0.9,
+        "per_step_ratio_min_max": [rounded(min(per_step)), rounded(max(per_step))],
     }
-    common = {
-        "corpus": corpus,
-        "steps": len(records),
-        "timed_steps": len(timed),
-        "same_batches": all(r["same_batch"] for r in records),
-        "audio_s_timed": rounded(audio),
-    }
-    return [
-        {
-            "benchmark": "train_throughput",
-            **common,
-            "loop_audio_s_per_s": rounded(loop_rate),
-            "loop_metric_audio_s_per_s": rounded(audio / step_time),
-            "bare_audio_s_per_s": rounded(bare_rate),
-            "ratio": rounded(ratio(loop_rate, bare_rate)),
-            "goal": "ratio >= 0.9",
-            "meets_goal": ratio(loop_rate, bare_rate) >= 0.9,
-            "per_step_ratio_min_max": [
-                rounded(min(r["audio_s"] / r["elapsed"] / (r["audio_s"] / r["bare_s"]) for r in timed)),
-                rounded(max(r["audio_s"] / r["elapsed"] / (r["audio_s"] / r["bare_s"]) for r in timed)),
-            ],
-            **(
-                {}
-                if quick
-                else {
-                    "bare_1_thread_audio_s_per_s": rounded(audio / sum(r["single_s"] for r in timed)),
-                    "bare_1_thread_speedup": rounded(
-                        ratio(sum(r["bare_s"] for r in timed), sum(r["single_s"] for r in timed))
-                    ),
-                }
-            ),
-            "flops_per_audio_s": rounded(flops_per_audio_s),
-            "matmul_flops": rounded(peak),
-            "achieved_flops_loop": rounded(flops_per_audio_s * loop_rate),
-            "achieved_flops_bare": rounded(flops_per_audio_s * bare_rate),
-            "mfu_loop": rounded(ratio(flops_per_audio_s * loop_rate, peak)),
-            "mfu_bare": rounded(ratio(flops_per_audio_s * bare_rate, peak)),
-            "loop_padding_ratio": rounded(sum(r["padding"] * r["audio_s"] for r in timed) / max(audio, 1e-9)),
-            "settings": settings,
-        },
-        {
-            "benchmark": "data_wait",
-            **common,
-            "data_wait_fraction": rounded(wait),
-            "baseline": 0.0,
-            "per_step_max": rounded(max(r["waited"] / r["elapsed"] for r in timed)),
-            "first_step_wait_s": rounded(records[0]["waited"]),
-            "goal": "data_wait_fraction <= 0.02",
-            "meets_goal": wait <= 0.02,
-            "num_workers": config.num_workers,
-        },
-    ]
+    if not quick:
+        loop["bare_1_thread_audio_s_per_s"] = rounded(audio / total["single_s"])
+        loop["bare_1_thread_speedup"] = rounded(ratio(total["bare_s"], total["single_s"]))
+    loop |= {"flops_per_audio_s": rounded(flops), "matmul_flops": rounded(peak)}
+    loop |= {"achieved_flops_loop": rounded(flops * loop_rate), "achieved_flops_bare": rounded(flops * bare_rate)}
+    loop |= {"mfu_loop": rounded(ratio(flops * loop_rate, peak)), "mfu_bare": rounded(ratio(flops * bare_rate, peak))}
+    loop["loop_padding_ratio"] = rounded(sum(r["padding"] * r["audio_s"] for r in timed) / max(audio, 1e-9))
+    waits = {"benchmark": "data_wait", **common, "data_wait_fraction": rounded(wait), "baseline": 0.0}
+    waits |= {"per_step_max": rounded(max(r["waited"] / r["elapsed"] for r in timed))}
+    waits |= {"first_step_wait_s": rounded(records[0]["waited"]), "goal": "data_wait_fraction <= 0.02"}
+    return [{**loop, "settings": settings}, {**waits, "meets_goal": wait <= 0.02, "num_workers": config.num_workers}]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(
-        __doc__.splitlines()[0],
-        argv,
-        lambda parser: parser.add_argument(
-            "--num-threads",
-            type=int,
-            default=None,
-            help="override train.num_threads for the loop and the bare step (default: params.yaml's)",
-        ),
-    )
+    def configure(parser) -> None:
+        parser.add_argument("--num-threads", type=int, help="train.num_threads of the loop and the bare step")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"
     out = []
     with workdir(args.workdir) as work:
-        threads = configs(args.quick, args.num_threads)[1].num_threads
+        threads = args.num_threads or train_config(repo_params(), quick=args.quick).num_threads
         peak = matmul_flops(threads=threads)
-        out.append(
-            emit(
-                {
-                    "benchmark": "matmul_fp32",
-                    "size": 2048,
-                    "threads": threads,
-                    "flops": rounded(peak),
-                    "flops_1_thread": rounded(matmul_flops(threads=1)),
-                    "machine": machine(),
-                }
-            )
-        )
+        matmul = {
+            "size": 2048,
+            "threads": threads,
+            "flops": rounded(peak),
+            "flops_1_thread": rounded(matmul_flops(threads=1)),
+        }
+        out.append(emit({"benchmark": "matmul_fp32", **matmul, "machine": machine()}))
         for corpus, max_steps, budget_s in PLANS[mode]:
             data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
-            for record in measure(
-                corpus,
-                data,
-                work=work,
-                quick=args.quick,
-                max_steps=max_steps,
-                budget_s=budget_s,
-                peak=peak,
-                num_threads=args.num_threads,
-            ):
+            limits = {"max_steps": max_steps, "budget_s": budget_s, "peak": peak, "num_threads": args.num_threads}
+            for record in measure(corpus, data, work=work, quick=args.quick, **limits):
                 out.append(emit({**record, "mode": mode}))
     return out
 

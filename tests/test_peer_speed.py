@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from asrflow.testing.repo import REPO
-from bench.peer_speed import _parts
+from bench.peer.side import flops_by_part
 
 
 def test_flops_are_split_by_model_part():
@@ -28,7 +28,7 @@ def test_flops_are_split_by_model_part():
         "ConformerCtc.encoder.conformer_layers.0.ffn2": {"mm": 20},
         "ConformerCtc.head": {"mm": 5},
     }
-    parts = _parts(counts)
+    parts = flops_by_part(counts)
     assert parts == {
         "front_end": 50,
         "attention": 30,
@@ -63,7 +63,7 @@ def test_unavailable_peer_is_reported_and_quick_exits_zero(tmp_path):
 
 def test_the_sweep_picks_each_side_by_its_best_round():
     """A load spike in one round does not decide: 2 threads lost round 1 to a spike and wins on its best round."""
-    from bench.peer_speed import pick_settings
+    from bench.peer.sweep import pick_settings
 
     best, figures = pick_settings(
         {

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-#: conftest's tiny model (d_model 32, 1 layer) with a high learning rate, no augmentation and
-#: 60 s batches (the cost of a step here is mostly fixed overhead, so few large batches are
-#: cheapest): about 13 CPU-seconds on one thread.
+#: The tiny model with a high learning rate, no augmentation and large batches (a step here is
+#: mostly fixed overhead, so few large batches are cheapest).
 TRAIN_OVERRIDES = dict(
     dropout=0.0,
     spec_augment=False,
@@ -29,10 +28,8 @@ TRAIN_OVERRIDES = dict(
     checkpoint_every_steps=1000,
     validate_every_steps=1000,
 )
-#: A model this small trained on 27 utterances either learns yesno (0% WER on held-out
-#: utterances) or memorises its train split (30-80% WER), depending on the seed (3 of 4
-#: seeds learn it). The dev split tells which; a model that memorised is replaced by one
-#: trained with the next seed.
+#: A model this small either learns yesno or memorises its train split, depending on the seed;
+#: the dev split tells which, and a model that memorised is replaced by the next seed's.
 SEEDS = (42, 1, 4, 5)
 MAX_DEV_WER = 0.05
 

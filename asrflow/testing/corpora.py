@@ -139,23 +139,31 @@ def cut_entry(
 
 
 @contextmanager
-def one_thread_per_process():
-    """Torch and OpenMP at one thread here and in processes spawned meanwhile, then restored: several
-    multi-threaded extraction processes would oversubscribe a small machine."""
+def torch_threads(count: int | None = 1):
+    """``count`` torch threads here and OpenMP threads in processes spawned meanwhile (None: unchanged),
+    then restored: several multi-threaded extraction processes would oversubscribe a small machine."""
     import torch
 
-    previous_threads = torch.get_num_threads()
-    previous_env = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    previous, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    if count:
+        torch.set_num_threads(count)
+        os.environ["OMP_NUM_THREADS"] = str(count)
     try:
         yield
     finally:
-        torch.set_num_threads(previous_threads)
-        if previous_env is None:
+        torch.set_num_threads(previous)
+        if env is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
-            os.environ["OMP_NUM_THREADS"] = previous_env
+            os.environ["OMP_NUM_THREADS"] = env
+
+
+def folder_corpus(corpus_dir: Path):
+    """The ``PrepareConfig`` of a ``corpus: folder`` corpus with train, dev and test TSVs (:func:`generate_corpus`)."""
+    from asrflow.data.prepare import PrepareConfig
+
+    splits = {"train": "train", "dev": "dev", "test": "test"}
+    return PrepareConfig(corpus="folder", corpus_dir=str(corpus_dir), splits=splits)
 
 
 def prepare_features_tokenizer(root: Path, prepare, features, tokenizer, *, seed: int = 42) -> Path:
@@ -217,7 +225,7 @@ def yesno_data(work: Path, params: dict | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(sections, sort_keys=True).encode()).hexdigest()[:10]
 
     def build(root: Path) -> None:
-        with one_thread_per_process():
+        with torch_threads(1):
             prepare = PrepareConfig.from_section({**params["prepare"], "corpus_dir": str(YESNO_DIR)})
             prepare_from_params(root, prepare, params, num_jobs=1)
 
@@ -234,7 +242,6 @@ def generated_features() -> dict:
 def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterances: int = 2) -> Path:
     """A generated corpus of ``num_utterances`` (1-15 s, 16 kHz; ``dev_utterances`` in dev, 2 in test),
     prepared with :func:`generated_features`, cached in ``work``; train on it with :func:`params_for`."""
-    from asrflow.data.prepare import PrepareConfig
 
     def build(root: Path) -> None:
         start = time.perf_counter()
@@ -242,9 +249,8 @@ def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterance
         info = generate_corpus(root / "corpus", num_utterances, seed=seed, dev_fraction=dev_fraction, test_fraction=0)
         took = time.perf_counter() - start
         logger.info("generated %d utterances (%.0f s of audio) in %.1f s", num_utterances, info["audio_s"], took)
-        splits = {"train": "train", "dev": "dev", "test": "test"}
-        prepare = PrepareConfig(corpus="folder", corpus_dir=str(root / "corpus"), splits=splits)
-        with one_thread_per_process():  # small corpora: one process (spawning workers costs more)
+        prepare = folder_corpus(root / "corpus")
+        with torch_threads(1):  # small corpora: one process (spawning workers costs more)
             params = {**repo_params(), "features": generated_features()}
             prepare_from_params(root, prepare, params, num_jobs=0 if num_utterances > 500 else 1)
 

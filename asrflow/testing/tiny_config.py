@@ -5,17 +5,16 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+#: The model part of :func:`tiny_train_config`: a one-layer Conformer of width 32.
+TINY_MODEL = {"d_model": 32, "num_heads": 2, "ffn_dim": 64, "num_layers": 1, "conv_kernel_size": 7}
+
 
 def tiny_train_config(**overrides):
     """A ``TrainConfig`` for a one-layer Conformer of width 32, with ``overrides`` applied."""
     from asrflow.training.config import TrainConfig
 
     tiny = TrainConfig(
-        d_model=32,
-        num_heads=2,
-        ffn_dim=64,
-        num_layers=1,
-        conv_kernel_size=7,
+        **TINY_MODEL,
         dropout=0.1,
         max_duration_s=30.0,
         num_buckets=10,

@@ -10,7 +10,7 @@ Usage::
 ``DATA`` holds ``fbank/`` and ``lang/``; ``EXP`` receives the run's outputs and, from rank 0,
 ``summary.json``. The config is :func:`~asrflow.testing.tiny_config.tiny_train_config` with
 ``--overrides``; MLflow goes to ``$MLFLOW_TRACKING_URI`` (default ``sqlite:///EXP/mlflow.db``). The
-exit status is the train stage's (:func:`stages.train.run_trainer`); a user error exits 2 with one line, as the train stage does.
+exit status is the train stage's (:func:`stages.train.run_trainer`); a user error exits 2 with one line.
 
 Hooks that observe the loop without changing what it computes:
 

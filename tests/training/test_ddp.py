@@ -1,7 +1,7 @@
 """torchrun / DDP on the CPU (gloo): same result as one process, exact resume, no hangs.
 
 Every job is ``torchrun --standalone --nproc-per-node 2`` (the command ``launch.py`` builds
-for the train stage) running ``ddp_entry.py``: the real ``Trainer`` on the prepared yesno
+for the train stage) running ``asrflow.testing.train_entry``: the real ``Trainer`` on the prepared yesno
 data, two ranks on 127.0.0.1 (gloo on the loopback interface), tiny model with dropout and
 SpecAugment on. Every subprocess has a timeout, and every process a job started is
 SIGKILLed when a test ends, so no test can hang or leave processes behind.
@@ -220,7 +220,7 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
     assert "injected stall on rank 1 at step 2" in log
     assert re.search(r"rank 1: no training step finished for \d+ s \(train\.stall_timeout_s = 10\)", log), log
     assert "most recent call first" in log  # faulthandler's dump of the stalled process's threads
-    assert re.search(r'^rank 1:   File "\S+ddp_entry\.py", line \d+ in after_step$', log, re.M), log  # where it sleeps
+    assert re.search(r'^rank 1:   File "\S+train_entry\.py", line \d+ in after_step$', log, re.M), log  # its sleep
     assert not (tmp_path / "stall" / "model.pt").exists()
 
 

@@ -1,6 +1,6 @@
 """MLflow through a crash: a training process SIGKILLed mid-run and resumed logs one clean run.
 
-Real training processes (``train_entry.py``) write to a real SQLite MLflow store given by
+Real training processes (``asrflow.testing.train_entry``) write to a real SQLite MLflow store given by
 ``MLFLOW_TRACKING_URI``. After the kill, the points of the steps after the last checkpoint
 were never flushed; the resumed process re-runs those steps and must log each exactly once.
 """

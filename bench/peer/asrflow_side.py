@@ -1,0 +1,59 @@
+"""asrflow's side: the real Trainer (MLflow, data workers, SpecAugment, guards), stopped after the timed steps."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bench.peer.side import report, run_as_child
+
+
+def train(options: dict, launched: float) -> dict:
+    import torch
+
+    from asrflow.data.features import FeatureConfig
+    from asrflow.params import load_params
+    from asrflow.training.config import TrainConfig, TrainPaths
+    from asrflow.training.distributed import DistInfo
+    from asrflow.training.observers import TrainObserver
+    from asrflow.training.step import ctc_loss_sum
+    from asrflow.training.trainer import Trainer
+
+    config = TrainConfig(**options["config"])
+    data, exp = Path(options["data"]), Path(options["exp"])
+    steps: list[dict] = []
+    max_steps = options["max_steps"]
+
+    class Timing(TrainObserver):
+        def after_step(self, run, result):
+            steps.append({"t": time.time(), "audio_s": result.audio_seconds})
+            if max_steps is not None and len(steps) >= max_steps - 1:
+                run.stop.request()
+
+    trainer = Trainer(
+        config,
+        FeatureConfig(**options["features"]),
+        seed=options["seed"],
+        all_params=load_params(options["params_file"]),
+        paths=TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang"),
+        tracking_uri=f"sqlite:///{exp / 'mlflow.db'}",
+        observers=[Timing()],
+    )
+    trainer.run()  # returns when finished or stopped
+    model = trainer.model
+    loss = None
+    if options["dev"]:
+        loss = trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=torch.device("cpu"))
+    batch = torch.load(Path(options["batches"]) / "step-0.pt", weights_only=True)
+    model.train()
+
+    def forward_backward():
+        log_probs, out_lens = model(batch["features"], batch["feature_lens"])
+        ctc_loss_sum(log_probs, out_lens, batch).backward()
+
+    settings = {"num_threads": config.num_threads, "num_workers": config.num_workers}
+    return report(model, forward_backward, batch, steps=steps, launched=launched, dev_loss=loss, settings=settings)
+
+
+if __name__ == "__main__":
+    run_as_child(train)

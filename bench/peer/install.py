@@ -1,0 +1,43 @@
+"""Install the pinned SpeechBrain beside the venv (``pip install --target``), never as asrflow's dependency."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from asrflow.testing.repo import REPO
+
+PEER_VERSION = "1.1.2"
+#: ``ASRFLOW_PEER_REQUIREMENT`` replaces the pinned requirement (the tests name one that cannot install).
+PEER_PACKAGES = (
+    os.environ.get("ASRFLOW_PEER_REQUIREMENT", f"speechbrain=={PEER_VERSION}"),
+    "hyperpyyaml",
+    "ruamel.yaml",
+    "joblib",
+    "huggingface_hub",
+)
+PEER_DIR = REPO / "bench" / ".peer" / PEER_PACKAGES[0].replace("==", "-")
+
+
+def peer_env() -> dict[str, str]:
+    """The environment of the SpeechBrain process: the venv's torch plus PEER_DIR."""
+    return {**os.environ, "PYTHONPATH": str(PEER_DIR)}
+
+
+def install_peer() -> str | None:
+    """Install the pinned SpeechBrain into PEER_DIR (once); None when it imports, else why not."""
+    marker = PEER_DIR / ".installed"
+    if not marker.is_file():
+        shutil.rmtree(PEER_DIR, ignore_errors=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(PEER_DIR), *PEER_PACKAGES]
+        done = subprocess.run(pip, capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"pip install {' '.join(PEER_PACKAGES)} failed: {done.stderr.strip().splitlines()[-1:]}"
+    probe = [sys.executable, "-c", "import speechbrain; print(speechbrain.__version__)"]
+    check = subprocess.run(probe, env=peer_env(), capture_output=True, text=True)
+    if check.returncode != 0 or check.stdout.strip() != PEER_VERSION:
+        return f"speechbrain {PEER_VERSION} does not import: {(check.stderr.strip().splitlines() or ['?'])[-1]}"
+    marker.write_text(PEER_VERSION)
+    return None

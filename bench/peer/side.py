@@ -1,0 +1,56 @@
+"""What both sides' training processes share: FLOPs per model part, the report they write."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+#: Module names (the last part of a module path) of each model part, asrflow's and SpeechBrain's.
+PARTS = {
+    "front_end": ("subsampling", "cnn", "custom_src_module"),
+    "attention": ("self_attn", "mha_layer"),
+    "convolution": ("conv_module", "convolution_module"),
+    "feed_forward": ("ffn1", "ffn2", "ffn_module1", "ffn_module2"),
+    "ctc_head": ("head", "ctc_lin"),
+}
+
+
+def flops_by_part(counts: dict[str, dict]) -> dict[str, float]:
+    """FLOPs per model part from ``FlopCounterMode.get_flop_counts()`` (module path -> op -> FLOPs)."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    for path, ops in counts.items():
+        leaf = path.rsplit(".", 1)[-1]
+        for part, names in PARTS.items():
+            if leaf in names:
+                parts[part] += sum(ops.values())
+    parts["other"] = sum(counts.get("Global", {}).values()) - sum(parts.values())
+    return parts
+
+
+def report(model, forward_backward, first_batch: dict, *, steps: list, launched: float, dev_loss, settings) -> dict:
+    """One side's report: per-step end times, FLOPs of ``forward_backward`` per audio second, parameters."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    audio_s = float(first_batch["durations"].sum())
+    with FlopCounterMode(display=False) as counter:
+        forward_backward()
+    return {
+        "steps": steps,
+        "launched": launched,
+        "dev_loss": dev_loss,
+        "flops_per_audio_s": counter.get_total_flops() / audio_s,
+        "flops_by_part": {k: v / audio_s for k, v in flops_by_part(counter.get_flop_counts()).items()},
+        "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "settings": {**settings, "precision": "fp32"},
+    }
+
+
+def run_as_child(train) -> None:
+    """``--report PATH --launched UNIX_TIME --options JSON``: ``train(options, launched)`` into the report."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--launched", type=float, required=True)
+    parser.add_argument("--options", required=True)
+    args = parser.parse_args()
+    args.report.write_text(json.dumps(train(json.loads(args.options), args.launched)))

@@ -1,0 +1,115 @@
+"""SpeechBrain's side: its Conformer-CTC as its LibriSpeech CTC recipes build it, trained on the dumped batches
+with forward, ``log_softmax``, ``ctc_loss``, backward, clipping and AdamW on asrflow's schedule."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bench.peer.side import report, run_as_child
+
+
+def speechbrain_model(config: dict, input_dim: int, vocab_size: int):
+    """Two stride-2 convolution blocks (64, 32 channels), a Conformer encoder of asrflow's shape, a CTC head."""
+    import torch
+    from speechbrain.lobes.models.convolution import ConvolutionFrontEnd
+    from speechbrain.lobes.models.transformer.TransformerASR import TransformerASR
+
+    cnn = ConvolutionFrontEnd(
+        input_shape=(8, 10, input_dim),
+        num_blocks=2,
+        num_layers_per_block=1,
+        out_channels=(64, 32),
+        kernel_sizes=(3, 3),
+        strides=(2, 2),
+        residuals=(False, False),
+    )
+    freq = cnn(torch.zeros(1, 16, input_dim)).shape[-2:]  # (F', C)
+    transformer = TransformerASR(
+        input_size=freq[0] * freq[1],
+        tgt_vocab=vocab_size,
+        d_model=config["d_model"],
+        nhead=config["num_heads"],
+        num_encoder_layers=config["num_layers"],
+        num_decoder_layers=0,
+        d_ffn=config["ffn_dim"],
+        dropout=config["dropout"],
+        activation=torch.nn.GELU,
+        encoder_module="conformer",
+        attention_type="regularMHA",
+        normalize_before=True,
+        causal=False,
+        kernel_size=config["conv_kernel_size"],
+    )
+
+    class SpeechBrainCtc(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cnn, self.transformer = cnn, transformer
+            self.ctc_lin = torch.nn.Linear(config["d_model"], vocab_size)
+
+        def forward(self, features, feature_lens):
+            """(N, T, F) fbank, (N,) frames -> (N, T', V) log-probabilities, (N,) output frames."""
+            x = self.cnn(features)  # (N, T', F', C), flattened by the transformer
+            relative = feature_lens.float() / features.shape[1]
+            encoded = self.transformer.encode(x, relative)  # (N, T', D)
+            log_probs = self.ctc_lin(encoded).log_softmax(-1)
+            out_lens = torch.clamp((relative * log_probs.shape[1]).round().long(), 1, log_probs.shape[1])
+            return log_probs, out_lens
+
+    return SpeechBrainCtc()
+
+
+def train(options: dict, launched: float) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    config = options["config"]
+    torch.set_num_threads(config["num_threads"])
+    torch.manual_seed(options["seed"])
+    folder = Path(options["batches"])
+    first = torch.load(folder / "step-0.pt", weights_only=True)
+    model = speechbrain_model(config, first["features"].shape[-1], options["vocab_size"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
+    warmup = config["warmup_steps"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min((step + 1) / warmup, (warmup / (step + 1)) ** 0.5) if warmup else 1.0
+    )
+
+    def loss_sum(batch):
+        log_probs, out_lens = model(batch["features"], batch["feature_lens"])
+        targets, target_lens = batch["targets"], batch["target_lens"]
+        return F.ctc_loss(
+            log_probs.transpose(0, 1), targets, out_lens, target_lens, reduction="sum", zero_infinity=True
+        )
+
+    steps: list[dict] = []
+    total = len(list(folder.glob("step-*.pt")))
+    limit = total if options["max_steps"] is None else min(total, options["max_steps"])
+    model.train()
+    for index in range(limit):
+        batch = first if index == 0 else torch.load(folder / f"step-{index}.pt", weights_only=True)
+        optimizer.zero_grad(set_to_none=True)
+        (loss_sum(batch) / max(int(batch["step_tokens"]), 1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config["max_grad_norm"])
+        optimizer.step()
+        scheduler.step()
+        steps.append({"t": time.time(), "audio_s": float(batch["durations"].sum())})
+    loss = None
+    if options["dev"]:
+        model.eval()
+        total_loss, tokens = 0.0, 0.0
+        with torch.no_grad():
+            for path in sorted(folder.glob("dev-*.pt")):
+                batch = torch.load(path, weights_only=True)
+                total_loss += float(loss_sum(batch))
+                tokens += float(batch["target_lens"].sum())
+        loss = total_loss / max(tokens, 1.0)
+        model.train()
+    settings = {"num_threads": config["num_threads"], "num_workers": 0}
+    forward_backward = lambda: loss_sum(first).backward()  # noqa: E731
+    return report(model, forward_backward, first, steps=steps, launched=launched, dev_loss=loss, settings=settings)
+
+
+if __name__ == "__main__":
+    run_as_child(train)
