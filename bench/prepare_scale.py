@@ -6,7 +6,7 @@ wrapper, so the figures are the stage's own high-water mark and its process tree
 
 * ``folder``: a ``corpus: folder`` corpus of N utterances (``--folder-sizes``, default
   2,000 and 20,000): 16 kHz FLAC files, each a copy of one of 8 synthesized utterances of
-  0.8-2 s (tone-burst words in noise, :func:`bench.common.synth_utterance`), 105 speakers
+  0.8-2 s (tone-burst words in noise, :func:`asrflow.testing.corpora.synth_utterance`), 105 speakers
   in the TSV's third column, 2 % dev and 2 % test named in their own TSVs;
 * ``kaldi``: a Kaldi data folder of N segments (``--kaldi-sizes``, default 10^5 and 10^6)
   over 10 recordings of 300 s (FLAC tones), 0.5-2 s segments at random times (they may
@@ -31,16 +31,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import yaml
 
-from bench.common import REPO, SAMPLING_RATE, emit, load_average, repo_params, rounded, synth_utterance, workdir
-from bench.memory import CHILD_FLAG, _tree_memory
+from asrflow.testing.corpora import SAMPLING_RATE, synth_utterance
+from asrflow.testing.processes import ChildProcess
+from asrflow.testing.repo import REPO, repo_params
+from bench.common import emit, load_average, rounded, workdir
+from bench.memory import CHILD_FLAG
 
 SIZES = {"full": ((2000, 20000), (100_000, 1_000_000)), "quick": ((200, 800), (2000, 8000))}
 TEMPLATES = 8
@@ -133,27 +134,12 @@ def measure(repo: Path, argv: list[str], log_path: Path) -> dict:
     report.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "bench.memory", CHILD_FLAG, str(report), "stages.prepare", *argv]
-    peak_pss = 0
-    done = threading.Event()
     start = time.perf_counter()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-        def poll() -> None:
-            nonlocal peak_pss
-            while not done.is_set():
-                peak_pss = max(peak_pss, _tree_memory(process.pid, with_pss=True)[1])
-                done.wait(0.25)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        code = process.wait()
-        elapsed = time.perf_counter() - start
-        done.set()
-        poller.join()
+    process = ChildProcess(command, log_path=log_path, env=env, cwd=repo, memory_poll_s=0.25)
+    code = process.wait()
+    elapsed, peak_pss = time.perf_counter() - start, process.peak_pss
     if code != 0 or not report.is_file():
-        tail = "\n".join(log_path.read_text().splitlines()[-10:])
-        raise RuntimeError(f"prepare exited {code}; log {log_path}:\n{tail}")
+        raise RuntimeError(f"prepare exited {code}; log {log_path}:\n{process.tail(10)}")
     return {
         "elapsed_s": rounded(elapsed),
         "peak_rss_mb": rounded(json.loads(report.read_text())["vm_hwm_kb"] / 1024),

@@ -3,7 +3,7 @@ SIGKILLed at N seeded random moments spread over every stage, re-run right after
 
 The run must end as one uninterrupted run does: every tensor of ``exp/model.pt`` equal
 (``torch.equal``) and the same ``exp/eval/metrics.json`` (timings aside). Both runs start from one copy of the
-repository (``bench.common.copy_repo``, as the pipeline tests copy it), default params.
+repository (``asrflow.testing.repo.copy_repo``, as the pipeline tests copy it), default params.
 
 The plan: kill ``k`` aims at stage ``STAGES[k % 5]`` (so five kills or more reach every
 stage), in pipeline order, at a moment drawn uniformly from 5-95 % of that stage's duration in
@@ -31,7 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.common import copy_repo, emit, load_average, machine, parse_args, ratio, rounded, tool_env, workdir
+from asrflow.testing.repo import copy_repo, tool_env
+from bench.common import emit, load_average, machine, parse_args, ratio, rounded, workdir
 
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
 RULE_STARTED = re.compile(r"^(?:local)?rule (\w+):$", re.MULTILINE)

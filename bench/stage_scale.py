@@ -48,7 +48,9 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import copy_repo, emit, generated_features, load_average, machine, parse_args, repo_params
+from asrflow.testing.corpora import data_features, generated_features
+from asrflow.testing.repo import copy_repo, repo_params
+from bench.common import emit, load_average, machine, parse_args
 from bench.common import rounded as _rounded
 from bench.memory import measure
 from bench.startup import _STEP_LINE, launch
@@ -108,7 +110,6 @@ def bundle_from_checkpoint(root: Path) -> Path:
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
     from asrflow.training import checkpoint as ckpt
     from asrflow.training.config import load_train_config
-    from bench.common import data_features
 
     state, _ = ckpt.load_latest(root / "exp" / "checkpoints")
     tokenizer = Tokenizer(root / "lang" / MODEL_FILE)

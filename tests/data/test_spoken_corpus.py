@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import soundfile as sf
-from conftest import write_shipped_params
 
 from asrflow.errors import AsrflowError
 from asrflow.testing import spoken_corpus
+from asrflow.testing.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[2]
 MISSING = spoken_corpus.espeak_missing()

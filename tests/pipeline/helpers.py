@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import tool_env
+from asrflow.testing.repo import tool_env
 
 VENV_BIN = Path(sys.executable).parent
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
