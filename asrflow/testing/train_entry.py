@@ -132,13 +132,15 @@ def build_trainer(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, 
     """The Trainer of ``tiny_train_config(**overrides)`` on ``data``, writing under ``exp``; ``nonfinite_steps``
     and ``nonfinite_ranks`` in ``overrides`` go to :class:`~asrflow.testing.faults.NonFiniteSteps`."""
     from asrflow.data.features import FeatureConfig
+    from asrflow.training.config import KEY_SECTION, set_train_keys
     from asrflow.training.trainer import Trainer
 
     overrides = dict(overrides)
     nonfinite = NonFiniteSteps(overrides.pop("nonfinite_steps", ()), overrides.pop("nonfinite_ranks", ()))
     config = tiny_train_config(**overrides)
     features = FeatureConfig(num_jobs=1)
-    all_params = {"seed": seed, "features": asdict(features), "train": asdict(config)}
+    all_params = {"seed": seed, "features": asdict(features)}  # the train keys in their params.yaml sections
+    set_train_keys(all_params, {key: value for key, value in asdict(config).items() if key in KEY_SECTION})
     paths = train_paths(data, exp)
     return Trainer(
         config,
