@@ -57,8 +57,9 @@ def gpu_bf16() -> list[dict]:
     """The GPU bf16 item: only measurable where a GPU is present, and not written yet."""
     import torch
 
-    found = f"{torch.cuda.get_device_name(0)} present, but the bf16 benchmark is not written yet"
-    status = f"not measured: {found}" if torch.cuda.is_available() else "not measured: no GPU lent to this task"
+    status = "not measured: no GPU lent to this task"
+    if torch.cuda.is_available():
+        status = f"not measured: {torch.cuda.get_device_name(0)} present, but the bf16 benchmark is not written yet"
     return [emit({"benchmark": "gpu_bf16", "status": status})]
 
 
