@@ -28,7 +28,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import REPO, emit, generated_data, load_average, parse_args, rounded, workdir
+from asrflow.testing.corpora import generated_data
+from asrflow.testing.repo import REPO
+from bench.common import emit, load_average, parse_args, rounded, workdir
 from bench.startup import write_params
 
 #: The step-log line (every 10 optimizer steps; ``step_log`` in checkouts before the training/ layout).

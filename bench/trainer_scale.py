@@ -29,7 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import emit, generated_data, load_average, parse_args, rounded, workdir
+from asrflow.testing.corpora import generated_data
+from bench.common import emit, load_average, parse_args, rounded, workdir
 from bench.startup import launch, write_params
 
 CUTS = {"full": [100_000, 1_000_000], "quick": [2_000]}
