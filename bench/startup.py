@@ -32,7 +32,7 @@ from pathlib import Path
 from asrflow.testing.corpora import generated_data, params_for, yesno_data
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO, repo_params
-from asrflow.training.outcome import Outcome
+from asrflow.training.outcome import Outcome, exit_code
 from bench.common import emit, load_average, parse_args, rounded, workdir
 
 #: Log markers of the breakdown: name -> (logger, text the message starts with or holds).
@@ -107,11 +107,11 @@ def launch(
     with contextlib.suppress(RuntimeError):  # it ended first: its exit code tells
         process.wait_for(stop_when, timeout_s)
         process.process.send_signal(signal.SIGTERM)
-    exit_code = process.wait(timeout_s)
-    if exit_code not in (0, exit_code(Outcome.STOPPED)):
-        raise RuntimeError(f"train stage exited {exit_code} in {run_dir}; log {log}:\n{process.tail(15)}")
+    status = process.wait(timeout_s)
+    if status not in (0, exit_code(Outcome.STOPPED)):
+        raise RuntimeError(f"train stage exited {status} in {run_dir}; log {log}:\n{process.tail(15)}")
     marks = {name: round(at - process.started, 3) for name, at in log_marks(process.log()).items()}
-    return {"marks": marks, "exit_code": exit_code, "peak_tree_pss_mb": rounded(process.peak_pss / 2**20)}
+    return {"marks": marks, "exit_code": status, "peak_tree_pss_mb": rounded(process.peak_pss / 2**20)}
 
 
 def throughput(run_dir: Path) -> dict:
