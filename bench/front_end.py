@@ -1,6 +1,6 @@
 """The model's step alone, front end by front end, against SpeechBrain's model of the same shape.
 
-What decided ``train.subsampling_channels`` / ``train.subsampling_norm``: one process builds
+What decided ``train.model.subsampling_channels`` / ``train.model.subsampling_norm``: one process builds
 asrflow's Conformer-CTC at params.yaml's shape with each candidate front end, and SpeechBrain's
 (:mod:`bench.peer.speechbrain_side`), then times a bare forward + CTC + backward + AdamW step of
 each on the same random batch, the models in turn, so every model sees the same load.

@@ -102,7 +102,7 @@ def stage_argv(stage: str, root: Path, params: Path) -> tuple[str, list[str]]:
     return "stages.features", ["--params", str(params), "--manifests", str(manifests), "--out", str(fbank)]
 
 
-def scaling(base: dict, lo: dict, hi: dict, small: int, large: int) -> dict:
+def scaling(base: dict, lo: dict, hi: dict, *, small: int, large: int) -> dict:
     """How a stage's peaks and time grow from ``small`` to ``large`` utterances."""
     peaks, pss = [lo["peak_rss_mb"], hi["peak_rss_mb"]], [lo["peak_tree_pss_mb"], hi["peak_tree_pss_mb"]]
     return {
@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
             "features_on_the_fly": features.get("on_the_fly"),
         }
         for stage in STAGES:
-            record[stage] = scaling(base[stage], figures[stage, sizes[0]], figures[stage, sizes[1]], *sizes)
+            record[stage] = scaling(
+                base[stage], figures[stage, sizes[0]], figures[stage, sizes[1]], small=sizes[0], large=sizes[1]
+            )
         emit(record)
 
 

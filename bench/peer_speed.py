@@ -89,9 +89,9 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
     features = data_features(data)
     seed = int(params.get("seed", 0))
     dump = lambda out: dump_batches(data, out, config, features, seed=seed, max_steps=max_steps)  # noqa: E731
-    batches, info = cached_batches(work, f"{corpus}-{epochs}-{max_steps}", params_file, data, dump)
+    batches, info = cached_batches(work, f"{corpus}-{epochs}-{max_steps}", params_file, data=data, dump=dump)
 
-    def train(side: str, threads: int, workers: int, name: str, steps: int | None, dev: bool) -> dict:
+    def train(side: str, threads: int, workers: int, *, name: str, steps: int | None, dev: bool) -> dict:
         side_config = asdict(replace(config, num_threads=threads, num_workers=workers))
         options = {"data": str(data), "batches": str(batches), "exp": str(work / name), "seed": seed, "dev": dev}
         options |= {"vocab_size": info["vocab_size"], "config": side_config, "max_steps": steps}
@@ -100,7 +100,10 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
 
     sweep_figures = None
     if settings is None and not quick:
-        rate = lambda side, t, w, name: train(side, t, w, name, SWEEP_STEPS, False)["median_step_audio_s_per_s"]  # noqa: E731
+
+        def rate(side: str, t: int, w: int, name: str) -> float:
+            return train(side, t, w, name=name, steps=SWEEP_STEPS, dev=False)["median_step_audio_s_per_s"]
+
         settings, sweep_figures = sweep(rate, peer=peer_problem is None)
     if settings is None:  # --quick: the shipped settings, and the peer at 2 threads
         settings = {
@@ -113,7 +116,9 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
     for repeat in range(REPEATS["quick" if quick else "full"]):
         for side in SIDES if peer_problem is None else SIDES[:1]:
             chosen, name = settings[side], f"peer-{side}-{corpus}-{repeat}"
-            runs[side].append(train(side, chosen["num_threads"], chosen["num_workers"], name, max_steps, True))
+            runs[side].append(
+                train(side, chosen["num_threads"], chosen["num_workers"], name=name, steps=max_steps, dev=True)
+            )
     for side, found in runs.items():
         if found:
             record[side] = max(found, key=lambda r: r["audio_s_per_s"] or 0)

@@ -46,7 +46,7 @@ class PipelineFailed(RuntimeError):
     """A Snakemake run (clean, or a re-run after a kill) exited non-zero; the message holds its output's tail."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Kill:
     """One planned kill: the stage aimed at and the delay after its start (s); what happened."""
 
@@ -143,7 +143,7 @@ def clean_run(copy: Path) -> tuple[float, dict[str, float]]:
 def plan_kills(count: int, durations: dict[str, float], seed: int) -> list[Kill]:
     """``count`` kills in pipeline order, each stage in turn, at seeded moments within the stage."""
     rng = random.Random(seed)
-    kills = [Kill(STAGES[k % len(STAGES)], 0.0) for k in range(count)]
+    kills = [Kill(stage=STAGES[k % len(STAGES)], delay_s=0.0) for k in range(count)]
     kills.sort(key=lambda kill: STAGES.index(kill.stage))
     for kill in kills:
         aimed = sum(other.stage == kill.stage for other in kills)

@@ -5,7 +5,7 @@
 
 Launches ``python -m stages.train`` (as ``bench.startup`` does) on a generated corpus of
 ``N`` utterances of 1-15 s (so batch shapes vary from step to step), with 40 dev
-utterances (dev evaluation every ``train.validate_every_steps``), precision ``auto`` and
+utterances (dev evaluation every ``train.checkpoint.validate_every_steps``), precision ``auto`` and
 enough epochs to outlast ``M`` minutes, then stops it with SIGTERM. Every second it records
 the training process's RSS (``/proc/<pid>/status`` ``VmRSS``) and the last optimizer step
 its log names. With ``--code`` given several times (e.g. a checkout of the main branch and
@@ -83,7 +83,7 @@ def _environment(text: str) -> dict[str, str]:
     return {} if text == "-" else dict(pair.split("=", 1) for pair in text.split(","))
 
 
-def run(label: str, code: Path, data: Path, work: Path, minutes: float, train: dict, extra: dict[str, str]) -> dict:
+def run(label: str, code: Path, data: Path, *, work: Path, minutes: float, train: dict, extra: dict[str, str]) -> dict:
     """One stage run of ``minutes``: samples RSS each second, writes the CSV, returns the summary."""
     run_dir = work / f"run-{label}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--minutes", type=float, default=20.0)
         parser.add_argument("--utterances", type=int, default=2000)
-        parser.add_argument("--max-duration", type=float, default=60.0, help="train.max_duration_s")
+        parser.add_argument("--max-duration", type=float, default=60.0, help="train.data.max_duration_s")
         parser.add_argument("--code", type=Path, action="append", help="checkouts to run side by side")
         parser.add_argument("--label", action="append", help="a name per --code")
         parser.add_argument("--env", action="append", help="per --code: extra environment, K=V[,K=V] ('-': none)")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results: dict[str, dict] = {}
 
         def one(label: str, code: Path, extra: dict[str, str]) -> None:
-            results[label] = run(label, code, data, work, minutes, train, extra)
+            results[label] = run(label, code, data, work=work, minutes=minutes, train=train, extra=extra)
 
         threads = [threading.Thread(target=one, args=case) for case in zip(labels, codes, envs, strict=True)]
         for thread in threads:

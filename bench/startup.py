@@ -9,7 +9,7 @@ folder to the end of its first optimizer step, median of ``--repeat`` launches, 
 after its first step. ``breakdown_median_s`` times the stage's own log lines (:data:`MARKERS`).
 ``--code DIR`` also times another checkout in the same run.
 
-**workers** (record ``startup_workers``): ``train.num_workers`` x ``train.num_threads`` side by side,
+**workers** (record ``startup_workers``): ``run.num_workers`` x ``train.optim.num_threads`` side by side,
 one launch each stopped after ``STEPS`` steps: launch to the first step, audio seconds per second
 over steps 2..N from the run's MLflow points (also over their second half, after MLflow's background
 start), the median ``train/data_wait_fraction``, and the peak PSS of the process tree.
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         add("--repeat", type=int, help="launches per start-up case (default 3; quick 1)")
         add("--parts", default="startup,workers", help="startup, workers or both (default: both)")
         add("--settings", help="workers part: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2)")
-        add("--max-duration-s", type=float, help="workers part: train.max_duration_s (default: params.yaml)")
+        add("--max-duration-s", type=float, help="workers part: train.data.max_duration_s (default: params.yaml)")
         add("--code", type=Path, action="append", default=[], help="also time another checkout's start-up cases")
         add("--corpora", help="corpora of the workers part (default: generated,yesno; quick: yesno)")
 

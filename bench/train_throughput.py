@@ -193,7 +193,7 @@ def measure(corpus: str, data: Path, *, work: Path, quick: bool, max_steps, budg
 
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser) -> None:
-        parser.add_argument("--num-threads", type=int, help="train.num_threads of the loop and the bare step")
+        parser.add_argument("--num-threads", type=int, help="train.optim.num_threads of the loop and the bare step")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"

@@ -87,7 +87,7 @@ def step_times(db: Path) -> dict:
     }
 
 
-def launch_until(run_dir: Path, data: Path, steps: int, tmp: Path, name: str) -> dict:
+def launch_until(run_dir: Path, data: Path, steps: int, *, tmp: Path, name: str) -> dict:
     """The train stage on ``data`` until step ``steps`` is logged (``bench.startup.launch``, with
     ``TMPDIR`` = ``tmp``): marks, peak PSS of the process tree, step and checkpoint costs."""
     shutil.rmtree(run_dir / "exp", ignore_errors=True)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_dir.mkdir(exist_ok=True)
             write_params(run_dir, train, data=data)
             load_before = load_average()
-            launches = {name: launch_until(run_dir, data, steps, tmp, name) for name in ("first", "again")}
+            launches = {name: launch_until(run_dir, data, steps, tmp=tmp, name=name) for name in ("first", "again")}
             store_mb = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) / 2**20
             records.append(
                 emit(

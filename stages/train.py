@@ -4,7 +4,7 @@ Reads the features stage's output (--fbank, data/fbank/), the tokenizer stage's 
 data/lang/) and params.yaml (`seed`, `features:`, `train:`); writes into --exp (exp/):
 model.pt (a self-contained bundle) and plots/train_loss.csv; keeps checkpoints in
 checkpoints/ across runs, so running again after an interruption resumes. With
-train.nproc_per_node > 1 or train.nnodes > 1 it re-launches itself under torchrun; on the
+run.nproc_per_node > 1 or run.nnodes > 1 it re-launches itself under torchrun; on the
 machines other than the first of a multi-node run, start it with --node-rank; a cluster job
 sets the run's node count and rendezvous with $ASRFLOW_NNODES and $ASRFLOW_RDZV_ENDPOINT.
 Exit codes (asrflow.training.outcome.EXIT_CODES): 0 finished, 2 a mistake to fix, 70 another rank
@@ -12,7 +12,7 @@ failed, 71 a data worker died, 75 stopped by SIGTERM/SIGINT after saving a check
 after 70, 71 and 75, run again to resume.
 
 Start-up: MLflow is imported and its run opened in a background thread once the first step
-is done (its points are kept, with their times, until then). train.num_workers: auto builds the batches in this
+is done (its points are kept, with their times, until then). run.num_workers: auto builds the batches in this
 process when features are precomputed (a batch loads in milliseconds; each spawned worker
 would import torch again) and starts 2 spawned workers with features.on_the_fly: true; an
 integer sets the number of workers.
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
         "--node-rank",
         type=int,
         default=None,
-        help="this machine's rank in a multi-node run (overrides train.node_rank; 0 .. train.nnodes-1)",
+        help="this machine's rank in a multi-node run (overrides run.node_rank; 0 .. run.nnodes-1)",
     )
     args = parser.parse_args(argv)
     setup_logging()

@@ -55,11 +55,11 @@ def _train_stage(tmp_path, **environ: str) -> subprocess.CompletedProcess:
 
 def test_the_train_stage_takes_the_jobs_rendezvous_and_leaves_params_alone(tmp_path):
     """Node 1 of a two-node job whose params.yaml says one node: it waits for the job's rendezvous
-    (nobody listens there: it gives up after train.dist_timeout_s), and params.yaml is untouched."""
+    (nobody listens there: it gives up after run.dist_timeout_s), and params.yaml is untouched."""
     endpoint = f"127.0.0.1:{free_port()}"
     result = _train_stage(tmp_path, ASRFLOW_NNODES="2", ASRFLOW_RDZV_ENDPOINT=endpoint)
     assert result.returncode == 2, result.stderr
-    assert f"error: nobody listens at {endpoint} (train.rdzv_endpoint) after 2 s" in result.stderr, result.stderr
+    assert f"error: nobody listens at {endpoint} (run.rdzv_endpoint) after 2 s" in result.stderr, result.stderr
     assert (tmp_path / "params.yaml").read_text() == PARAMS
 
 

@@ -1,6 +1,6 @@
-"""Noise for augmentation (``train.noise_dir``): a folder of audio, or a Lhotse manifest.
+"""Noise for augmentation (``train.data.noise_dir``): a folder of audio, or a Lhotse manifest.
 
-``train.noise_dir`` names either
+``train.data.noise_dir`` names either
 
 * a **folder**: every file under it (sub-folders included) whose extension is one of
   :data:`AUDIO_SUFFIXES` is one noise recording, with its path relative to the folder as

@@ -41,7 +41,7 @@ def torchrun_command(config: TrainConfig, module_args: list[str]) -> list[str]:
 def check_launch(config: TrainConfig) -> None:
     """Refuse a launch that could only fail or wait forever: more processes than devices (GPUs, or CPU
     cores without one), or, on a node other than the first, a rendezvous endpoint nobody listens on
-    within ``train.dist_timeout_s``."""
+    within ``run.dist_timeout_s``."""
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -49,8 +49,8 @@ def check_launch(config: TrainConfig) -> None:
     if config.nproc_per_node > devices:
         kind = "GPUs" if on_gpu else "CPU cores (no GPU)"
         raise AsrflowError(
-            f"params.yaml: train.nproc_per_node is {config.nproc_per_node} but this machine has {devices} {kind}: "
-            f"set train.nproc_per_node to at most {devices}"
+            f"params.yaml: run.nproc_per_node is {config.nproc_per_node} but this machine has {devices} {kind}: "
+            f"set run.nproc_per_node to at most {devices}"
         )
     if config.nnodes > 1 and config.node_rank > 0:
         wait_for_endpoint(config.rdzv_endpoint, config.dist_timeout_s)
@@ -67,7 +67,7 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
         except OSError as error:
             if time.monotonic() >= deadline:
                 raise AsrflowError(
-                    f"nobody listens at {endpoint} (train.rdzv_endpoint) after {timeout_s:.0f} s ({error}): start "
+                    f"nobody listens at {endpoint} (run.rdzv_endpoint) after {timeout_s:.0f} s ({error}): start "
                     "node 0 first, and check its address and port, and that the firewall lets them through"
                 ) from None
             time.sleep(1.0)

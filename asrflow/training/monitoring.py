@@ -101,7 +101,7 @@ class StallWatchdog:
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
                 logger.error(
-                    "%sno training step finished for %.0f s (train.stall_timeout_s = %.0f); "
+                    "%sno training step finished for %.0f s (run.stall_timeout_s = %.0f); "
                     "stacks of every thread follow, then exit %d",
                     self.label,
                     idle,

@@ -71,9 +71,10 @@ class NonFiniteGuard:
                 batches = "; ".join(",".join(ids[:5]) for ids in self.recent_bad[-3:])
                 raise AsrflowError(
                     f"training stopped: {self.consecutive} non-finite steps in a row after "
-                    f"{self.rollbacks} rollbacks (train.max_rollbacks). Last bad batches (cut ids): {batches}. "
-                    f"All are listed in {self.bad_batches_path}; inspect that audio, lower train.lr "
-                    "or use train.precision: fp32"
+                    f"{self.rollbacks} rollbacks (train.nonfinite.max_rollbacks). "
+                    f"Last bad batches (cut ids): {batches}. "
+                    f"All are listed in {self.bad_batches_path}; inspect that audio, lower train.optim.lr "
+                    "or use train.optim.precision: fp32"
                 )
             raise RollbackNeeded()
         return False

@@ -39,7 +39,7 @@ class DataWorkerDied(TrainingFailure):
 
 
 class Stalled(TrainingFailure):
-    """No step finished within ``train.stall_timeout_s``. Never raised: the stall watchdog ends the process
+    """No step finished within ``run.stall_timeout_s``. Never raised: the stall watchdog ends the process
     itself, since the main thread may be stuck inside a collective."""
 
 

@@ -65,16 +65,16 @@ def resolve_precision(
     """Apply the policy.
 
     Args:
-        requested: ``train.precision`` (auto, fp32, bf16 or fp16).
+        requested: ``train.optim.precision`` (auto, fp32, bf16 or fp16).
         device_type: ``"cuda"`` or ``"cpu"``.
         capability: the CUDA compute capability (major, minor), or None off CUDA.
         cpu_bf16_flags: the CPU's native bf16 instruction sets (:func:`native_bf16_cpu_flags`);
             only read for ``auto`` on the CPU.
     """
     if requested not in CHOICES:
-        raise AsrflowError(f"params.yaml: train.precision = {requested!r}; use one of {', '.join(CHOICES)}")
+        raise AsrflowError(f"params.yaml: train.optim.precision = {requested!r}; use one of {', '.join(CHOICES)}")
     if requested != "auto":
-        return PrecisionPolicy(requested, device_type, f"train.precision = {requested}")
+        return PrecisionPolicy(requested, device_type, f"train.optim.precision = {requested}")
     if device_type == "cuda" and capability is not None and capability >= (8, 0):
         return PrecisionPolicy(
             "bf16", device_type, f"auto: GPU compute capability {capability[0]}.{capability[1]} >= 8.0 has bf16"

@@ -202,12 +202,12 @@ def _check_options(config: TrainConfig, features: FeatureConfig) -> None:
     """Refuse option combinations that would be silently ignored; warn about weak ones."""
     if config.speed_perturb and not features.on_the_fly:
         raise AsrflowError(
-            "train.speed_perturb needs features.on_the_fly: true (speed perturbation changes the audio, "
-            "and precomputed features have none): set features.on_the_fly: true or train.speed_perturb: false"
+            "train.data.speed_perturb needs features.on_the_fly: true (speed perturbation changes the audio, "
+            "and precomputed features have none): set features.on_the_fly: true or train.data.speed_perturb: false"
         )
     if config.keep_last < config.average_last:
         logger.warning(
-            "train.keep_last (%d) < train.average_last (%d): at most %d checkpoints can be averaged",
+            "train.checkpoint.keep_last (%d) < train.optim.average_last (%d): at most %d checkpoints can be averaged",
             config.keep_last,
             config.average_last,
             config.keep_last,
@@ -215,11 +215,11 @@ def _check_options(config: TrainConfig, features: FeatureConfig) -> None:
 
 
 def _noise_cuts(config: TrainConfig, features: FeatureConfig):
-    """Noise cuts for augmentation from ``train.noise_dir`` (see :mod:`asrflow.data.noise`), or None."""
+    """Noise cuts for augmentation from ``train.data.noise_dir`` (see :mod:`asrflow.data.noise`), or None."""
     if not config.noise_dir:
         return None
     if not features.on_the_fly:
-        raise AsrflowError("train.noise_dir needs features.on_the_fly: true (noise is mixed into audio)")
+        raise AsrflowError("train.data.noise_dir needs features.on_the_fly: true (noise is mixed into audio)")
     from asrflow.data.noise import load_noise_cuts
 
     return load_noise_cuts(config.noise_dir, features.sampling_rate)

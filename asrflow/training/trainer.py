@@ -226,7 +226,7 @@ class Trainer:
         apply_lr_scale(self.scheduler, self.config.lr * lr_scale)
         logger.warning(
             f"rollback {self.guard.rollbacks} of at most {self.config.max_rollbacks}: back to {path} (step "
-            f"{self.counters.global_step}), learning rate scaled to {lr_scale:.3g} x train.lr"
+            f"{self.counters.global_step}), learning rate scaled to {lr_scale:.3g} x train.optim.lr"
         )
 
     def _start_or_resume(self) -> Iterator[dict]:

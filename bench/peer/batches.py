@@ -36,7 +36,7 @@ def dump_batches(data: Path, out: Path, config, features, *, seed: int, max_step
     return {"steps": steps, "vocab_size": train_data.tokenizer.vocab_size}
 
 
-def cached_batches(work: Path, name: str, params_file: Path, data: Path, dump) -> tuple[Path, dict]:
+def cached_batches(work: Path, name: str, params_file: Path, *, data: Path, dump) -> tuple[Path, dict]:
     """The folder of :func:`dump_batches` (``dump(folder)``), cached per params content and data folder."""
     key = hashlib.sha256(params_file.read_bytes() + str(data).encode()).hexdigest()[:10]
     folder = work / f"peer-batches-{name}-{key}"

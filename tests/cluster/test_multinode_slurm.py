@@ -1,7 +1,7 @@
 """Multi-node training under Slurm: the README's recipe, ``sbatch workflow/slurm/multinode.sbatch``,
 on a local cluster of two Slurm nodes (two ``slurmd`` with their own names and ports on this
 host, see slurm_cluster.py), one gloo process per node on the CPU. The model is, weight for
-weight, the one ``train.nproc_per_node: 2`` trains on one machine.
+weight, the one ``run.nproc_per_node: 2`` trains on one machine.
 
 Select with ``pytest -m slurm``; skipped like tests/cluster/test_slurm.py where Slurm cannot run.
 """

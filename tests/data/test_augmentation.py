@@ -52,7 +52,7 @@ def write_noise(folder, seed: int = 0) -> None:
 
 
 def noise_cuts(folder) -> CutSet:
-    """The noise as training loads it (``train.noise_dir``)."""
+    """The noise as training loads it (``train.data.noise_dir``)."""
     return load_noise_cuts(folder, 16000)
 
 

@@ -66,12 +66,12 @@ def test_lhotse_cuts_manifest(noise_folder: Path, tmp_path: Path) -> None:
 
 
 def test_missing_or_empty_noise_is_a_user_error(tmp_path: Path) -> None:
-    with pytest.raises(AsrflowError, match=r"train.noise_dir .*nowhere not found"):
+    with pytest.raises(AsrflowError, match=r"train.data.noise_dir .*nowhere not found"):
         load_noise_cuts(tmp_path / "nowhere", 16000)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "README").write_text("no audio here\n")
-    with pytest.raises(AsrflowError, match=r"train.noise_dir .*empty holds no noise"):
+    with pytest.raises(AsrflowError, match=r"train.data.noise_dir .*empty holds no noise"):
         load_noise_cuts(empty, 16000)
 
 

@@ -37,7 +37,7 @@ def test_random_kills_over_every_stage_end_with_the_uninterrupted_model_and_eval
     assert record["evaluation_equal"]
 
     # a kill the pipeline's end comes before is reported, not made: the clean copy has nothing left to do
-    late = killed_run(tmp_path / "clean" / "repo", [Kill("evaluate", 0.0)])
+    late = killed_run(tmp_path / "clean" / "repo", [Kill(stage="evaluate", delay_s=0.0)])
     assert late.made == [] and len(late.run_seconds) == 1
     assert kill_status(late) == "made 0 of 1 kills: the pipeline finished before the kills aimed at evaluate"
 

@@ -28,8 +28,8 @@ def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch
         train_stage.main(["--params", "params.yaml"])
     assert stop.value.code == 2
     error = capsys.readouterr().err
-    assert f"train.nproc_per_node is {cores + 1} but this machine has {cores} CPU cores" in error
-    assert f"set train.nproc_per_node to at most {cores}" in error
+    assert f"run.nproc_per_node is {cores + 1} but this machine has {cores} CPU cores" in error
+    assert f"set run.nproc_per_node to at most {cores}" in error
 
 
 def test_a_rendezvous_endpoint_nobody_listens_on_ends_within_the_timeout():

@@ -210,7 +210,7 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
     assert skipped[5] == 7.0 and skipped[6] == 8.0  # the run's totals go on across rollbacks
 
     message = str(raised.value)
-    assert "non-finite" in message and "train.max_rollbacks" in message
+    assert "non-finite" in message and "train.nonfinite.max_rollbacks" in message
     assert str(tmp_path / "bad_batches.jsonl") in message
     last_batch = records[-1]["cut_ids"]
     assert last_batch == _planned_batch(yesno_data, epoch=0, index=6, max_duration_s=30.0)  # step 7

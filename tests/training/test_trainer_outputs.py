@@ -86,7 +86,7 @@ def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesn
     step_3 = ckpt.load_checkpoint(ckpt.checkpoint_path(tmp_path / "checkpoints", 3))
     assert step_3["checkpointing"]["best_dev_loss"] == dev[3]
     # keep_last (20) < average_last (25): said at the start.
-    assert "train.keep_last (20) < train.average_last (25)" in caplog.text
+    assert "train.checkpoint.keep_last (20) < train.optim.average_last (25)" in caplog.text
 
     # The final model: average or last weights, whichever has the lower dev loss; both logged.
     info = _bundle_info(tmp_path)
@@ -190,7 +190,7 @@ def test_a_resume_in_another_precision_warns_and_retags_the_run(yesno_data, fini
     assert "the checkpoint was trained in fp32, this run trains in bf16" in caplog.text
     _, run = _run(tmp_path / "exp")
     assert run.data.tags["precision"] == "bf16"
-    assert run.data.tags["precision_reason"] == "train.precision = bf16"
+    assert run.data.tags["precision_reason"] == "train.optim.precision = bf16"
     assert run.data.tags["precision_changed"] == "fp32 -> bf16 at step 4"
     assert ckpt.load_checkpoint(ckpt.list_checkpoints(tmp_path / "exp" / "checkpoints")[0])["precision"] == "bf16"
 
@@ -201,5 +201,5 @@ def test_a_resume_in_another_precision_warns_and_retags_the_run(yesno_data, fini
 def test_speed_perturb_without_on_the_fly_features_is_refused(yesno_data, tmp_path):
     with pytest.raises(AsrflowError) as error:
         _trainer(yesno_data, tmp_path, speed_perturb=True, features=FeatureConfig(on_the_fly=False)).run()
-    assert "train.speed_perturb needs features.on_the_fly: true" in str(error.value)
+    assert "train.data.speed_perturb needs features.on_the_fly: true" in str(error.value)
     assert not os.path.exists(tmp_path / "checkpoints")
