@@ -35,7 +35,7 @@ def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch
 def test_a_rendezvous_endpoint_nobody_listens_on_ends_within_the_timeout():
     config = TrainConfig(nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{free_port()}", dist_timeout_s=2.0)
     began = time.monotonic()
-    with pytest.raises(AsrflowError, match=r"nobody listens at 127\.0\.0\.1:\d+ \(train\.rdzv_endpoint\) after 2 s"):
+    with pytest.raises(AsrflowError, match=r"nobody listens at 127\.0\.0\.1:\d+ \(run\.rdzv_endpoint\) after 2 s"):
         check_launch(config)
     assert time.monotonic() - began < 30  # bounded by dist_timeout_s, not torchrun's own 15 minutes
 
