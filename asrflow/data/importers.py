@@ -70,6 +70,7 @@ from asrflow.data.validation import (
     MISSING_TRANSCRIPT,
     NON_UTF8,
     PIPED_COMMAND,
+    Candidate,
     ItemRejected,
     Rejection,
     map_in_threads,
@@ -101,28 +102,6 @@ class ImportedSplit:
     recordings: RecordingSet
     supervisions: SupervisionSet
     rejected: list[Rejection] = field(default_factory=list)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """One utterance as read from the corpus, streamed to validation.
-
-    Attributes:
-        supervision: raw transcript in ``text``, times in seconds.
-        recording: its recording (header read), or why it cannot be used, or ``None``
-            when the corpus has no such recording.
-        path: the audio path as the corpus gives it, for the report.
-        per_channel: the corpus names the channel of each supervision of this recording
-            (two-sided calls): keep the supervision's channel as it is.
-        checked: the recording was read by :func:`~asrflow.data.validation.open_recording`,
-            which also checked that it decodes to its end.
-    """
-
-    supervision: SupervisionSegment
-    recording: Recording | ItemRejected | None
-    path: str | None = None
-    per_channel: bool = False
-    checked: bool = False
 
 
 #: What an importer streams: utterances to validate, and items refused while reading.

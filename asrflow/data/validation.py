@@ -258,6 +258,28 @@ def _resolved_folder(folder: str) -> Path:
     return Path(folder).resolve()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One utterance as read from the corpus, streamed to validation.
+
+    Attributes:
+        supervision: raw transcript in ``text``, times in seconds.
+        recording: its recording (header read), or why it cannot be used, or ``None``
+            when the corpus has no such recording.
+        path: the audio path as the corpus gives it, for the report.
+        per_channel: the corpus names the channel of each supervision of this recording
+            (two-sided calls): keep the supervision's channel as it is.
+        checked: the recording was read by :func:`open_recording`,
+            which also checked that it decodes to its end.
+    """
+
+    supervision: SupervisionSegment
+    recording: Recording | ItemRejected | None
+    path: str | None = None
+    per_channel: bool = False
+    checked: bool = False
+
+
 def open_recording(path: Path, recording_id: str) -> Recording:
     """Read an audio file's header into a Lhotse :class:`Recording`, and check that it decodes to its end.
 
@@ -585,7 +607,7 @@ class SplitValidator:
         )
 
     def check(self, candidates: list) -> Iterator[Kept | Rejection]:
-        """Check a chunk of :class:`~asrflow.data.importers.Candidate`; yields, in order, what is kept or rejected."""
+        """Check a chunk of :class:`Candidate`; yields, in order, what is kept or rejected."""
         self._check_recordings(
             [c.recording for c in candidates if isinstance(c.recording, Recording) and not c.checked]
         )
@@ -650,8 +672,6 @@ def validate_split(
     Returns:
         The kept recordings and supervisions (sorted by id) and the rejections.
     """
-    from asrflow.data.importers import Candidate
-
     by_id: dict[str, Recording] = {}
     for recording in recordings:
         if recording.id in by_id:
