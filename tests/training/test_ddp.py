@@ -218,7 +218,7 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
     )
     code, log = _ends_cleanly(job, {0: (STALLED, PEER_FAILED), 1: (STALLED,)}, timeout_s=stall_timeout_s)
     assert "injected stall on rank 1 at step 2" in log
-    assert re.search(r"rank 1: no training step finished for \d+ s \(train\.stall_timeout_s = 10\)", log), log
+    assert re.search(r"rank 1: no training step finished for \d+ s \(run\.stall_timeout_s = 10\)", log), log
     assert "most recent call first" in log  # faulthandler's dump of the stalled process's threads
     assert re.search(r'^rank 1:   File "\S+train_entry\.py", line \d+ in after_step$', log, re.M), log  # its sleep
     assert not (tmp_path / "stall" / "model.pt").exists()

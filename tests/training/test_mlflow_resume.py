@@ -11,8 +11,10 @@ import collections
 import signal
 from pathlib import Path
 
+import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
+from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.train_entry import TrainingProcess, run_training
@@ -87,7 +89,12 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_dat
     assert (
         logged["seed"] == 42 and logged["train"]["model"]["d_model"] == 32 and logged["train"]["optim"]["epochs"] == 2
     )
-    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
-    assert "model/model.pt" in artifacts
+    # the model: a logged model of the run, in its experiment, carrying the bundle
+    [output] = run.outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    assert model.source_run_id == run.info.run_id and model.experiment_id == run.info.experiment_id
+    with _use_tracking_uri(uri):
+        local = Path(mlflow.artifacts.download_artifacts(f"models:/{output.model_id}", dst_path=str(tmp_path / "m")))
+    assert list(local.rglob("model.pt")), sorted(p.name for p in local.rglob("*"))
     assert {a.path for a in client.list_artifacts(run.info.run_id, "tokenizer")} == {"tokenizer/tokenizer.model"}
     assert {a.path for a in client.list_artifacts(run.info.run_id, "plots")} == {"plots/train_loss.csv"}

@@ -97,7 +97,7 @@ def test_the_trainer_resolves_auto_from_this_cpu(yesno_data, tmp_path):
 
 @pytest.mark.parametrize("bad", ["fp64", "AUTO", "", "float16"])
 def test_resolve_precision_rejects_unknown_values(bad):
-    with pytest.raises(AsrflowError, match=r"train\.precision.*auto, fp32, bf16, fp16"):
+    with pytest.raises(AsrflowError, match=r"train\.optim\.precision.*auto, fp32, bf16, fp16"):
         resolve_precision(bad, "cpu", None)
 
 
