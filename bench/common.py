@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,3 +143,20 @@ def train_config(params: dict, *, quick: bool, **changes):
 
     train = load_train_config(params)
     return replace(train, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}), **changes)
+
+
+def tool(name: str) -> str:
+    """The tool from this interpreter's environment (falls back to PATH)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def timed_run(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
+    """Run ``command`` in ``cwd``; wall seconds and its output. Raises on a non-zero exit."""
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode} in {cwd}: {output[-2000:]}")
+    return elapsed, output

@@ -13,9 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -23,29 +21,12 @@ import yaml
 from asrflow.testing.repo import copy_repo
 from asrflow.testing.tiny_config import TINY_MODEL
 from asrflow.training.config import set_train_keys
-from bench.common import emit, parse_args, ratio, rounded, workdir
+from bench.common import emit, parse_args, ratio, rounded, timed_run, tool, workdir
 
 REPEATS = {"full": 3, "quick": 2}
 #: params.yaml changes that make the copy's pipeline quick to build.
 TRAIN = {"epochs": 1, "num_workers": 0, "max_duration_s": 60.0, "warmup_steps": 2, "average_last": 1, "num_threads": 1}
 TINY = {"features": {"num_jobs": 1}, "train": {**TINY_MODEL, **TRAIN}}
-
-
-def tool(name: str) -> str:
-    """The tool from this interpreter's environment (falls back to PATH)."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
-
-
-def run(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
-    """Run ``command``; wall seconds and its output. Raises on a non-zero exit."""
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    output = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {output[-2000:]}")
-    return elapsed, output
 
 
 def tiny_copy(destination: Path) -> Path:
@@ -71,9 +52,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         repo = work / "pipeline-copy"
         shutil.rmtree(repo, ignore_errors=True)
         tiny_copy(repo)
-        build_s, _ = run([snakemake, "--cores", "all"], repo, env)
-        run([dvc, "init", "--no-scm", "-q"], repo, env)
-        commit_s, _ = run([dvc, "commit", "-f", "-q"], repo, env)
+        build_s, _ = timed_run([snakemake, "--cores", "all"], repo, env)
+        timed_run([dvc, "init", "--no-scm", "-q"], repo, env)
+        commit_s, _ = timed_run([dvc, "commit", "-f", "-q"], repo, env)
         commands = {
             "snakemake": (
                 [snakemake, "--cores", "all"],
@@ -86,10 +67,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, (noop, version, nothing_done) in commands.items():
             noop_times, startup_times, idle = [], [], True
             for _ in range(repeats):  # interleaved, so both see the same load
-                elapsed, output = run(noop, repo, env)
+                elapsed, output = timed_run(noop, repo, env)
                 noop_times.append(elapsed)
                 idle = idle and nothing_done(output)
-                startup_times.append(run(version, repo, env)[0])
+                startup_times.append(timed_run(version, repo, env)[0])
             noop_s, startup_s = statistics.median(noop_times), statistics.median(startup_times)
             status = "ok" if idle else "failed: the no-op run did work"
             record = {"benchmark": "pipeline_overhead", "status": status, "mode": mode, "tool": name}

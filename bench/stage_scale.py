@@ -41,7 +41,6 @@ import argparse
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ import yaml
 
 from asrflow.testing.corpora import data_features, generated_features
 from asrflow.testing.repo import copy_repo, repo_params
-from bench.common import emit, load_average, machine, parse_args
+from bench.common import emit, load_average, machine, parse_args, timed_run, tool
 from bench.common import rounded as _rounded
 from bench.memory import measure
 from bench.startup import _STEP_LINE, launch
@@ -178,21 +177,6 @@ def run_stages(root: Path, corpus_dir: Path, hours: float, steps: int) -> list[d
     return records
 
 
-def _tool(name: str) -> str:
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
-
-
-def _timed(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if done.returncode != 0:
-        output = (done.stdout + done.stderr)[-2000:]
-        raise RuntimeError(f"{' '.join(command)} exited {done.returncode} in {cwd}: {output}")
-    return elapsed, done.stdout + done.stderr
-
-
 def noop_tools(work: Path, root: Path, hours: float, repeats: int = 3) -> list[dict]:
     """No-op ``snakemake`` and ``dvc repro`` over the data stages, in a repository copy whose data folders link to
     the outputs in ``root``."""
@@ -205,17 +189,17 @@ def noop_tools(work: Path, root: Path, hours: float, repeats: int = 3) -> list[d
     for name in ("manifests", "fbank", "lang"):
         shutil.copytree(root / name, repo / "data" / name, copy_function=os.link)
     targets = ["data/manifests", "data/fbank", "data/lang"]
-    snakemake, dvc = _tool("snakemake"), _tool("dvc")
-    _timed([snakemake, "--cores", "all", "--touch", *targets], repo, env)
-    _timed([dvc, "init", "--no-scm", "-q"], repo, env)
-    commit_s, _ = _timed([dvc, "commit", "-f", "-q", "prepare", "features", "tokenizer"], repo, env)
+    snakemake, dvc = tool("snakemake"), tool("dvc")
+    timed_run([snakemake, "--cores", "all", "--touch", *targets], repo, env)
+    timed_run([dvc, "init", "--no-scm", "-q"], repo, env)
+    commit_s, _ = timed_run([dvc, "commit", "-f", "-q", "prepare", "features", "tokenizer"], repo, env)
     tools = {
         "snakemake": ([snakemake, "--cores", "all", *targets], lambda out: "Nothing to be done" in out),
         "dvc": ([dvc, "repro", "tokenizer"], lambda out: "Running stage" not in out),
     }
     records = []
     for name, (command, idle) in tools.items():
-        runs = [_timed(command, repo, env) for _ in range(repeats)]
+        runs = [timed_run(command, repo, env) for _ in range(repeats)]
         nothing = all(idle(out) for _, out in runs)
         times = sorted(elapsed for elapsed, _ in runs)
         records.append(
