@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -145,12 +146,6 @@ def train_config(params: dict, *, quick: bool, **changes):
     return replace(train, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}), **changes)
 
 
-def tool(name: str) -> str:
-    """The tool from this interpreter's environment (falls back to PATH)."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
-
-
 def timed_run(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     """Run ``command`` in ``cwd``; wall seconds and its output. Raises on a non-zero exit."""
     start = time.perf_counter()
@@ -160,3 +155,80 @@ def timed_run(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode} in {cwd}: {output[-2000:]}")
     return elapsed, output
+
+
+#: A no-op run of each tool prints this (Snakemake) or runs no stage (DVC).
+IDLE = {"snakemake": lambda out: "Nothing to be done" in out, "dvc": lambda out: "Running stage" not in out}
+
+
+def noop_runs(repo: Path, commands: dict[str, list[str]], repeats: int, *, version: bool = False) -> list[dict]:
+    """Each tool's ``command`` run ``repeats`` times in ``repo`` (a built pipeline, so nothing to do), with
+    its ``--version`` interleaved when ``version``: median and every ``noop_s``, ``startup_s`` and their ratio."""
+    from asrflow.testing.repo import tool_env
+
+    env, records = tool_env(repo), []
+    for name, command in commands.items():
+        runs, startup = [], []
+        for _ in range(repeats):  # interleaved, so both see the same load
+            runs.append(timed_run(command, repo, env))
+            startup += [timed_run([name, "--version"], repo, env)[0]] if version else []
+        times = [elapsed for elapsed, _ in runs]
+        idle = all(IDLE[name](out) for _, out in runs)
+        record = {"tool": name, "status": "ok" if idle else "failed: the no-op run did work", "nothing_to_do": idle}
+        record |= {"command": " ".join(command), "noop_s": rounded(statistics.median(times))}
+        record |= {"noop_s_all": [rounded(t) for t in times], "repeats": repeats, "load_average": load_average()}
+        if version:
+            record |= {"startup_s": rounded(statistics.median(startup))}
+            record["ratio"] = rounded(ratio(statistics.median(times), statistics.median(startup)))
+        records.append(record)
+    return records
+
+
+# --------------------------------------------------------------------------- a stage's peak memory
+CHILD_FLAG = "--child"
+
+
+def stage_peaks(module: str, argv: list[str], log_path: Path, *, repo: Path | None = None) -> dict:
+    """``python -m module argv`` run from ``repo`` (default: this checkout) as the pipeline runs a stage, wrapped:
+    ``peak_rss_mb`` (its ``VmHWM`` before interpreter shutdown, which would raise it), ``peak_tree_pss_mb`` and
+    ``peak_tree_rss_mb`` (it and its workers, polled every 0.25 s) and ``elapsed_s``."""
+    from asrflow.testing.processes import ChildProcess
+
+    repo = repo or Path(__file__).resolve().parents[1]
+    report = log_path.with_suffix(".memory.json")
+    report.unlink(missing_ok=True)
+    command = [sys.executable, __file__, CHILD_FLAG, str(report), module, *argv]  # by path: any checkout's stage
+    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    process = ChildProcess(command, log_path=log_path, env=env, cwd=repo, memory_poll_s=0.25)
+    code, elapsed = process.wait(), time.perf_counter() - start
+    if code != 0 or not report.is_file():
+        raise RuntimeError(f"python -m {module} exited {code}; log {log_path}:\n{process.tail(15)}")
+    return {
+        "elapsed_s": rounded(elapsed),
+        "peak_rss_mb": rounded(json.loads(report.read_text())["vm_hwm_kb"] / 1024),
+        "peak_tree_pss_mb": rounded(process.peak_pss / 2**20) if process.peak_pss else None,
+        "peak_tree_rss_mb": rounded(process.peak_rss / 2**20) if process.peak_rss else None,
+    }
+
+
+def _stage_child(report: Path, module: str, argv: list[str]) -> None:
+    """Run ``module`` as ``python -m`` would, write its ``VmHWM`` to ``report``, leave with ``os._exit``."""
+    import runpy
+
+    sys.path[0], sys.argv, code = os.getcwd(), [module, *argv], 0  # the repository first, as with -m
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # spawned workers import it as -m does
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+    status = Path("/proc/self/status").read_text().splitlines()
+    vm_hwm_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    report.write_text(json.dumps({"vm_hwm_kb": vm_hwm_kb, "exit_code": code}))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == [CHILD_FLAG]:
+    _stage_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:])

@@ -1,14 +1,8 @@
 """Training steps on the CPU in fp32, bf16 and fp16 autocast, side by side: what ``precision: auto`` picks there.
 
-For each case (yesno and a generated corpus with params.yaml's model, and the generated corpus with
-the real-corpus preset's model) one process builds one copy of the model per precision (same seed)
-and times the bare training step of each (:func:`bench.train_throughput.bare_step`) on the same
-planned batches, the precisions in turn, batch after batch; the first batch is a warm-up.
-
-Record ``cpu_precision`` per case and precision: ``audio_s_per_s`` and ``ratio_to_fp32``; the
-``machine`` record says whether the CPU has native bf16 (``cpu_bf16``) and what ``auto`` picks.
-
-Usage: ``python -m bench.cpu_precision [--quick] [--workdir DIR] [--steps N]``.
+``python -m bench.cpu_precision [--quick] [--workdir DIR] [--steps N] [--threads N]``: one model copy per
+precision, bare steps on the same planned batches in turn. Record ``cpu_precision`` per case and precision:
+``audio_s_per_s``, ``ratio_to_fp32``; ``machine`` says whether the CPU has native bf16 and what auto picks.
 """
 
 from __future__ import annotations

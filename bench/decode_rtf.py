@@ -1,13 +1,8 @@
 """Decoding real-time factor of greedy and beam search on the yesno test split.
 
-Runs the evaluate stage's decoding (:func:`asrflow.evaluation.evaluate.decode_split`) once with
-``decoder: greedy`` and once with ``decoder: beam`` (params.yaml's beam and KenLM settings). Each
-RTF is (encoder seconds + that decoder's seconds) / audio seconds: ``rtf_greedy``, ``rtf_beam``
-(medians over repeats), against ``rtf_encoder`` (features + encoder alone, same run) and their
-ratios; ``wer`` checks that the model is a trained one. The model: ``exp/model.pt`` when it loads,
-else one trained here for a few epochs (``--quick``: an untrained one).
-
-Usage: ``python -m bench.decode_rtf [--quick] [--workdir DIR]``.
+``python -m bench.decode_rtf [--quick] [--workdir DIR]``: the evaluate stage's decoding with each decoder, with
+``exp/model.pt`` (else a model trained here, or with ``--quick`` an untrained one). Record ``decode_rtf``:
+``rtf_greedy``, ``rtf_beam`` and ``rtf_encoder`` (features + encoder alone), their ratios, ``wer``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Feature extraction speed: audio seconds per wall second, one worker vs all cores.
+"""Feature extraction speed: audio seconds per wall second, one worker against all cores.
 
-Runs :func:`asrflow.data.features.compute_features` on the same generated manifests (the train cuts
-listed several times under new ids) with params.yaml's ``features:``, every process at one thread:
-``one_worker`` (the baseline, ``num_jobs: 1``), ``all_cores`` (one spawned process per usable core),
-``default`` (``num_jobs: 0``) and ``one_worker_default_threads``; ``speedup`` = all_cores /
-one_worker (worker start-up included). ``input_rates``: the same audio written at 8, 16 and 44.1
-kHz and extracted into 16 kHz features, each rate's best of two runs; ``seconds_vs_16k`` per rate
-(goal <= 1.5).
-
-Usage: ``python -m bench.features_speed [--quick] [--workdir DIR]``.
+``python -m bench.features_speed [--quick] [--workdir DIR] [--profile N]``: ``compute_features`` on generated
+manifests at one thread per process with ``num_jobs`` 1, one per core and 0 (``speedup`` = all cores / one), and
+the same audio at 8, 16 and 44.1 kHz (``input_rates``, ``seconds_vs_16k``). ``--profile N``: only where one
+cut's time goes (the former and the current per-cut path, and the parts of the current) on N 2-7 s cuts.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.testing.corpora import folder_corpus, generate_corpus, torch_threads
+from asrflow.testing.corpora import folder_corpus, generate_corpus, torch_threads, write_segment_manifests
 from asrflow.testing.repo import repo_params
 from bench.common import emit, parse_args, ratio, rounded, workdir
 
@@ -100,8 +95,65 @@ def manifests(work: Path, utterances: int, train_repeats: int) -> tuple[Path, fl
     return root, audio
 
 
+def profile(work: Path, cuts: int) -> dict:
+    """Audio seconds per second of one core of the former per-cut path (``to_mono_at_rate`` and Lhotse's
+    ``compute_and_store_features``), the current one (``_cut_with_features``) and its parts, twice interleaved."""
+    import itertools
+    import tempfile
+
+    from lhotse import LilcomChunkyWriter
+    from lhotse.features.base import compute_global_stats, store_feature_array
+
+    from asrflow.data.audio import mono_samples, to_mono_at_rate
+    from asrflow.data.features import FeatureConfig, _cut_with_features
+    from asrflow.data.manifests import load_cuts
+
+    split = {"train": cuts, "dev": 1, "test": 1}
+    write_segment_manifests(
+        work / "profile", work / "audio", split, min_s=2.0, max_s=7.0, recordings=16, recording_s=120
+    )
+    chosen = list(itertools.islice(load_cuts(work / "profile", "train"), cuts))
+    extractor, seconds = (
+        FeatureConfig().extractor(),
+        dict.fromkeys(("before", "after", "load_audio", "fbank", "lilcom_write", "read_back"), 0.0),
+    )
+    with torch_threads(1), tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(2):
+            for variant in ("before", "after"):
+                start = time.perf_counter()
+                with LilcomChunkyWriter(f"{tmp}/{variant}-{round_}") as storage:
+                    if variant == "before":
+                        done = [
+                            to_mono_at_rate(c, 16000).compute_and_store_features(extractor, storage) for c in chosen
+                        ]
+                    else:
+                        done = [_cut_with_features(cut, extractor, storage) for cut in chosen]
+                seconds[variant] += time.perf_counter() - start
+            with LilcomChunkyWriter(f"{tmp}/parts-{round_}") as storage:
+                for cut in chosen:
+                    marks = [time.perf_counter()]
+                    samples = mono_samples(cut, 16000)
+                    marks.append(time.perf_counter())
+                    features = extractor.extract(samples, 16000)
+                    marks.append(time.perf_counter())
+                    store_feature_array(features, storage)
+                    marks.append(time.perf_counter())
+                    for name, a, b in zip(("load_audio", "fbank", "lilcom_write"), marks, marks[1:], strict=False):
+                        seconds[name] += b - a
+            start = time.perf_counter()
+            compute_global_stats([cut.features for cut in done])
+            seconds["read_back"] += time.perf_counter() - start
+    audio_s = sum(cut.duration for cut in chosen)
+    rates = {name: rounded(2 * audio_s / value) for name, value in seconds.items()}
+    record = {"benchmark": "features_profile", "cuts": len(chosen), "audio_s": rounded(audio_s)}
+    return record | {"audio_s_per_s_one_core": rates, "after_vs_before": rounded(seconds["before"] / seconds["after"])}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(__doc__.splitlines()[0], argv)
+    def configure(parser) -> None:
+        parser.add_argument("--profile", type=int, metavar="N", help="only where one cut's time goes, on N cuts")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
     import torch
 
     from asrflow.data.features import FeatureConfig, compute_features
@@ -110,6 +162,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     mode = "quick" if args.quick else "full"
     config = build_config(FeatureConfig, repo_params().get("features"), "features")
     with workdir(args.workdir) as work:
+        if args.profile:
+            return [emit(profile(work, args.profile))]
         root, audio = manifests(work, UTTERANCES[mode], TRAIN_REPEATS[mode])
         cores = len(os.sched_getaffinity(0))
         variants = [

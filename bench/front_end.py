@@ -1,14 +1,8 @@
-"""The model's step alone, front end by front end, against SpeechBrain's model of the same shape.
+"""The model's bare step, front end by front end, against SpeechBrain's model of the same shape.
 
-What decided ``train.model.subsampling_channels`` / ``train.model.subsampling_norm``: one process builds
-asrflow's Conformer-CTC at params.yaml's shape with each candidate front end, and SpeechBrain's
-(:mod:`bench.peer.speechbrain_side`), then times a bare forward + CTC + backward + AdamW step of
-each on the same random batch, the models in turn, so every model sees the same load.
-
-Record ``front_end`` per model: ``params``, ``front_end_mflop_per_audio_s``, ``audio_s_per_s``
-(batch audio / median step seconds) and ``ratio_to_speechbrain``.
-
-Usage: ``python -m bench.front_end [--quick] [--threads N] [--repeats N]``.
+``python -m bench.front_end [--quick] [--threads N] [--repeats N]``: each candidate front end and SpeechBrain's
+model step in turn on one random batch. Record ``front_end`` per model: ``params``,
+``front_end_mflop_per_audio_s``, ``audio_s_per_s`` and ``ratio_to_speechbrain``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Padding of training batches: asrflow's bucketed plan vs random batching of the same corpus.
+"""Padding of training batches: asrflow's bucketed plan against random batching of the same corpus.
 
-The padding ratio of an epoch is ``1 - real frames / padded frames`` over its batches (what the
-loop logs as ``train/padding_ratio``). Figure: the epochs :func:`asrflow.data.batches.plan_epoch`
-plans (params.yaml's ``max_duration_s`` and ``num_buckets``); baseline: Lhotse's
-``SimpleCutSampler`` with ``shuffle=True``, same cuts, seed and epochs; ``ratio`` = figure /
-baseline (goal: figure <= 0.05). Also ``by_num_buckets`` and ``mean_batch_audio_s_*``. Corpora:
-the generated one (1-15 s) and yesno; only manifest metadata is read.
-
-Usage: ``python -m bench.padding [--quick] [--workdir DIR]``.
+``python -m bench.padding [--quick] [--workdir DIR]``: ``1 - real / padded frames`` over three epochs of
+:func:`asrflow.data.batches.plan_epoch`, against Lhotse's shuffled ``SimpleCutSampler``; ``by_num_buckets``.
 """
 
 from __future__ import annotations

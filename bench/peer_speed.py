@@ -1,18 +1,10 @@
 """Training speed against a real peer: asrflow and SpeechBrain side by side, same batches, same model size.
 
-For each corpus (a generated one of 1-15 s utterances, and yesno; features precomputed) the parent
-dumps asrflow's planned, augmented batches (:mod:`bench.peer.batches`), then trains in processes of
-their own, alternating: **asrflow** (the real Trainer as the train stage runs it,
-:mod:`bench.peer.asrflow_side`) and **SpeechBrain** 1.1.2 (installed into ``bench/.peer/`` by
-:mod:`bench.peer.install`; its Conformer-CTC with the same ``train:`` shape reading the dumped batches,
-:mod:`bench.peer.speechbrain_side`). Both run in fp32. Without ``--quick`` each side trains twice and
-its faster run counts, at the settings a sweep picked (:mod:`bench.peer.sweep`) unless ``--settings``.
-
-Record ``peer_speed`` per corpus, per side: ``audio_s_per_s`` (audio of steps 2..N / wall seconds
-from the end of step 1 to the end of step N), ``start_to_first_step_s`` (launch to the end of step
-1), ``peak_tree_pss_mb`` (the process tree, polled every second), ``flops_per_audio_s`` and
-``flops_by_part``, ``dev_loss`` (nats per token), ``params``; then ``ratio`` = asrflow / SpeechBrain
-and ``meets_goal``. A peer that cannot be installed gives ``"status": "peer unavailable"`` and no ratio.
+``python -m bench.peer_speed [--quick] [--workdir DIR] [--epochs N] [--corpora ...] [--settings A S]``: asrflow's
+planned batches dumped (:mod:`bench.peer.batches`), then each side trains in a process of its own, alternating
+(:mod:`bench.peer.asrflow_side`, :mod:`bench.peer.speechbrain_side`, SpeechBrain installed by
+:mod:`bench.peer.install`), fp32, at swept settings (:mod:`bench.peer.sweep`). Record ``peer_speed`` per corpus:
+per side audio s/s, start to first step, peak tree PSS, FLOPs, dev loss, params; ``ratio`` asrflow / SpeechBrain.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
-"""Random kills: the yesno pipeline under ``snakemake --cores all``, its whole process group
-SIGKILLed at N seeded random moments spread over every stage, re-run right after each kill.
+"""Random kills: the yesno pipeline under ``snakemake --cores all``, its whole process group SIGKILLed at N
+seeded moments spread over every stage, re-run right after each kill; it must end as one uninterrupted run
+does (every tensor of ``exp/model.pt`` equal, the same ``exp/eval/metrics.json`` timings aside).
 
-The run must end as one uninterrupted run does: every tensor of ``exp/model.pt`` equal
-(``torch.equal``) and the same ``exp/eval/metrics.json`` (timings aside). Both runs start from one copy of the
-repository (``asrflow.testing.repo.copy_repo``, as the pipeline tests copy it), default params.
+``python -m bench.random_kill --kills 20 [--seed 0] [--workdir DIR]``
 
-The plan: kill ``k`` aims at stage ``STAGES[k % 5]`` (so five kills or more reach every
-stage), in pipeline order, at a moment drawn uniformly from 5-95 % of that stage's duration in
-the uninterrupted run divided by the number of kills aimed at it (a stage resumed from its
-checkpoint, as train is, then still runs long enough for the next), counted from the stage's
-start in the run being killed (a stage that already finished in an earlier run counts as
-started). A moment past the stage's end lands in the stage that runs then. When the pipeline
-finishes before a kill, the kills not made are reported, not invented.
-
-Figures: ``clean_s`` (the uninterrupted run), ``killed_total_s`` (every run of the killed
-pipeline, the last one that finishes included), their ratio, and the work lost per kill::
-
-    python -m bench.random_kill --kills 20 [--seed 0] [--workdir DIR]   # about 5 minutes on 2 cores
+Kill ``k`` aims at ``STAGES[k % 5]``, at a moment drawn from 5-95 % of that stage's clean duration divided by
+the kills aimed at it, from its start in the run being killed. Record ``random_kill``: ``clean_s``,
+``killed_total_s`` (every run of the killed pipeline), their ratio, the work lost per kill, the checks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import re
 import signal
@@ -31,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import copy_repo, tool_env
 from bench.common import emit, load_average, machine, parse_args, ratio, rounded, workdir
 
@@ -76,46 +65,32 @@ def fresh_copy(destination: Path) -> Path:
     return destination
 
 
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-class SnakemakeRun:
+class SnakemakeRun(ChildProcess):
     """``snakemake --cores all`` in ``copy``, its own process group, its output in ``console``."""
 
     def __init__(self, copy: Path, console: Path):
-        self.console = console
-        self.started = time.monotonic()
-        with open(console, "wb") as out:
-            self.process = subprocess.Popen(
-                ["snakemake", "--cores", "all"],
-                cwd=copy,
-                env=tool_env(copy),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        super().__init__(["snakemake", "--cores", "all"], log_path=console, env=tool_env(copy), cwd=copy)
+        self.began = time.monotonic()
 
     def stages(self) -> tuple[list[str], list[str]]:
         """The stages this run started and those it finished so far, in the order Snakemake said so."""
-        text = self.console.read_text(errors="replace") if self.console.exists() else ""
+        text = self.log()
         started = [rule for rule in RULE_STARTED.findall(text) if rule in STAGES]
         return started, [rule for rule in RULE_FINISHED.findall(text) if rule in STAGES]
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return time.monotonic() - self.began
 
     def finished(self) -> bool:
         return self.process.poll() is not None
 
     def check(self) -> None:
         if self.process.returncode:
-            raise PipelineFailed(f"snakemake exited {self.process.returncode}:\n{_tail(self.console)}")
+            raise PipelineFailed(f"snakemake exited {self.process.returncode}:\n{self.tail(40)}")
 
     def kill(self) -> None:
         """SIGKILL the whole group and reap Snakemake itself; its children may still be exiting."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        self.signal(signal.SIGKILL)
         self.process.wait(timeout=60)
 
 
@@ -136,7 +111,7 @@ def clean_run(copy: Path) -> tuple[float, dict[str, float]]:
     total = run.elapsed()
     missing = [stage for stage in STAGES if stage not in starts]
     if missing:  # a stage that started and ended between two polls
-        raise PipelineFailed(f"no rule line seen for {missing}:\n{_tail(run.console)}")
+        raise PipelineFailed(f"no rule line seen for {missing}:\n{run.tail(40)}")
     return total, {stage: ends.get(stage, total) - starts[stage] for stage in STAGES}
 
 

@@ -1,14 +1,9 @@
-"""Resume cost: seconds from process start to the first resumed training step, by position in the epoch.
+"""Resume cost: seconds from launch to the first resumed step, by position in the epoch.
 
-A resume jumps to batch ``k`` of the epoch's plan instead of replaying the data pipeline, so its
-cost should not grow with ``k``. This resumes one run from checkpoints at 10 %, 50 % and 90 % of an
-epoch, each as a real training process (:mod:`asrflow.testing.train_entry`: the tiny model, two
-data workers), timed from launch to the end of its first step in wall and trainer-CPU seconds,
-against a fresh start on the same data. The corpus is yesno with its train cuts replicated until an
-epoch holds about 650 batches (``--quick``: ~40, no workers). ``replay_estimate_s`` is the CPU time
-that replaying the skipped batches would add.
-
-Usage: ``python -m bench.resume_cost [--quick] [--workdir DIR] [--rounds N]``.
+``python -m bench.resume_cost [--quick] [--workdir DIR] [--rounds N]``: yesno's train cuts replicated to ~650
+batches an epoch, one run resumed from checkpoints at 10/50/90 % (each a training process of
+:mod:`asrflow.testing.train_entry`), against a fresh start. Record ``resume_cost``: wall and trainer-CPU seconds
+to the first step per position, their spread, and ``replay_estimate_s`` (what replaying the batches would add).
 """
 
 from __future__ import annotations

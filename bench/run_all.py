@@ -1,9 +1,7 @@
 """Run every benchmark once: ``python -m bench.run_all [--quick] [--output FILE]``.
 
-Prints each benchmark's JSON records as it runs, then a ``summary`` record with every goal and
-whether it was met, and writes them all to ``bench/results.json`` (with ``--quick``, only to
-``--output``). The benchmarks run one after the other in this process and share one work folder
-(data is generated once); ``--quick`` checks that everything runs, its figures mean little.
+Prints each benchmark's records as it runs and a ``summary`` (every goal, whether it was met), and writes them to
+``bench/results.json`` (with ``--quick`` only to ``--output``). The benchmarks share one work folder.
 """
 
 from __future__ import annotations

@@ -1,108 +1,127 @@
-"""The five stages on spoken corpora of 5, 15 and 50 hours: wall time and peak memory of each.
+"""The stages as the pipeline runs them, on corpora of growing size: wall time and peak memory of each.
 
-``python -m bench.stage_scale --hours 5 15 50 --workdir DIR [--steps 30] [--seed 0] [--voices 100]``
+``python -m bench.stage_scale [--corpus KIND] [--sizes N ...] [--workdir W] [--quick] [--repo R] [--in-process]``
 
-For each size, a spoken corpus (:mod:`asrflow.testing.spoken_corpus`: espeak-ng voices, 16 kHz
-FLAC, split by voice; synthetic speech, for scale figures only) is synthesized once into
-``DIR`` (cached by size, seed, voices and word list), then the stages run as the pipeline runs
-them, each a new process from the repository root, with a params file that is params.yaml
-pointed at the corpus (``corpus: folder``) with presets/real-corpus.yaml's features (16 kHz,
-80 bins, every core), a BPE tokenizer of :data:`VOCAB_SIZE` pieces, and ``train``
-:data:`TRAIN` (a real corpus's batch)::
+KIND, its sizes, and its stages (corpora cached in ``W``): ``spoken`` (hours of espeak-ng speech: all five
+stages, train stopped by SIGTERM after ``--steps`` and resumed, evaluate with its last checkpoint; then the
+no-op ``snakemake`` and ``dvc repro`` of the data stages at the largest size), ``short`` (utterances of
+0.5-1.5 s: prepare, features), ``folder`` (utterances copied from 8) and ``kaldi`` (segments of 10 long
+recordings): prepare; ``segments`` (hours of 2-7 s cuts of 16 recordings): features. ``--repo`` runs another
+checkout's stages; ``--in-process`` runs prepare here for its CPU seconds.
 
-    python -m stages.prepare   --params P --out M
-    python -m stages.features  --params P --manifests M --out F
-    python -m stages.tokenizer --params P --manifests M --out L
-    python -m stages.train     --params P --fbank F --lang L --exp E    (stopped after --steps steps)
-    python -m stages.evaluate  --params P --model E/model.pt --fbank F --out E/eval
-
-Figures per stage and size: ``elapsed_s`` (wall) and ``peak_tree_pss_mb`` (the largest summed
-proportional set size of the stage and all its workers, polled; prepare, features, tokenizer
-and evaluate under :func:`bench.memory.measure`, which also gives the stage process' own
-``peak_rss_mb``). Train runs as :func:`bench.startup.launch` runs it (cwd = the run folder,
-its own ``mlflow.db``) and is stopped with SIGTERM once step ``--steps`` is logged (it saves a
-checkpoint and exits 75): ``launch_to_first_step_s`` (start to the end of the first step),
-then again resumed from that checkpoint to its first step (``resumed_launch_to_first_step_s``).
-Nothing bounds training by steps in params, so evaluate decodes the test split with a bundle
-made here from the interrupted run's last checkpoint (its WER means nothing: a few steps).
-
-At the largest size, the no-op time of ``snakemake --cores all`` and ``dvc repro`` over the
-data stages (prepare, features, tokenizer: the ones whose inputs grow with the corpus) in a
-copy of the repository pointed at the corpus, its data folders linked to this run's outputs
-(``snakemake --touch`` and ``dvc commit`` first record them as up to date).
-
-One JSON record per stage and size (``benchmark: stage_scale``), one per tool (``stage_scale_noop``),
-each with the load average: throughput figures are only as good as the machine is quiet.
+Records: ``stage_scale`` per stage and size (``elapsed_s``; ``peak_rss_mb``, the stage's ``VmHWM``;
+``peak_tree_pss_mb``, it and its workers), ``stage_scale_baseline`` (the stage's ``--help``),
+``stage_scale_growth`` (largest size against smallest), ``stage_scale_noop``. Method: bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from asrflow.testing.corpora import data_features, generated_features
-from asrflow.testing.repo import copy_repo, repo_params
-from bench.common import emit, load_average, machine, parse_args, timed_run, tool
-from bench.common import rounded as _rounded
-from bench.memory import measure
-from bench.startup import _STEP_LINE, launch
+from asrflow.testing import corpora
+from asrflow.testing.repo import REPO, copy_repo, repo_params
+from bench.common import (
+    emit,
+    load_average,
+    machine,
+    noop_runs,
+    parse_args,
+    ratio,
+    rounded,
+    stage_peaks,
+    timed_run,
+    workdir,
+)
+from bench.startup import STEP_LINE, launch
 
+#: Per corpus: (sizes, quick sizes, the stages run).
+KINDS = {
+    "spoken": ((5.0, 15.0, 50.0), (0.02,), ("prepare", "features", "tokenizer", "train", "evaluate")),
+    "short": ((2500, 10000), (100, 400), ("prepare", "features")),
+    "folder": ((2000, 20000), (200, 800), ("prepare",)),
+    "kaldi": ((100_000, 1_000_000), (2000, 8000), ("prepare",)),
+    "segments": ((5.0, 50.0), (0.1, 0.4), ("features",)),
+}
 VOCAB_SIZE = 300
-#: ``train`` overrides: SIGTERM ends training, so epochs only has to outlast ``--steps``.
+#: ``train`` overrides of the spoken corpus: SIGTERM ends training, so epochs only has to outlast ``--steps``.
 TRAIN = {"epochs": 1000, "max_duration_s": 120.0, "num_workers": 0, "validate_every_steps": 0}
-FIRST_STEP = "[asrflow.progress] step "
 
 
-def corpus(work: Path, hours: float, seed: int, voices: int) -> Path:
-    """The spoken corpus of ``hours`` hours (synthesized on first use, then reused from ``work``)."""
-    from asrflow.testing import spoken_corpus
+def corpus(kind: str, size: float, work: Path, args) -> tuple[Path, dict]:
+    """The corpus (``segments``: its manifests) of ``size``, built once into ``work``; its utterances and audio."""
+    if kind == "spoken":
+        from asrflow.testing import spoken_corpus
 
-    words = hashlib.sha256(spoken_corpus.WORDS.read_bytes()).hexdigest()[:8]
-    folder = work / f"spoken-{hours:g}h-seed{seed}-voices{voices}-{words}"
-    if (folder / spoken_corpus.INFO_FILE).is_file():
-        return folder
-    start = time.perf_counter()
-    info = spoken_corpus.generate(folder, hours=hours, seed=seed, voices=voices, progress=True)
-    emit(
-        {
-            "benchmark": "stage_scale_corpus",
-            "hours": hours,
-            "utterances": info.utterances,
-            "audio_s": info.audio_s,
-            "synthesis_s": _rounded(time.perf_counter() - start),
-            "jobs": len(os.sched_getaffinity(0)),
-            "load_average": load_average(),
-        }
-    )
-    return folder
+        words = hashlib.sha256(spoken_corpus.WORDS.read_bytes()).hexdigest()[:8]
+        folder = work / f"spoken-{size:g}h-seed{args.seed}-voices{args.voices}-{words}"
+        if not (folder / spoken_corpus.INFO_FILE).is_file():
+            start = time.perf_counter()
+            spoken_corpus.generate(folder, hours=size, seed=args.seed, voices=args.voices, progress=True)
+            emit(
+                {"benchmark": "stage_scale_corpus", "hours": size, "synthesis_s": rounded(time.perf_counter() - start)}
+            )
+        info = spoken_corpus.read_info(folder)
+        return folder, {"utterances": info.utterances, "audio_s": info.audio_s}
+    if kind == "segments":
+        cuts = int(size * 3600 / 4.5)
+        split = {"train": cuts - 2 * max(1, cuts // 100), "dev": max(1, cuts // 100), "test": max(1, cuts // 100)}
+        folder = work / f"manifests-{size:g}h"
+        audio_s = corpora.write_segment_manifests(
+            folder, work / "audio", split, min_s=2.0, max_s=7.0, recordings=16, recording_s=120.0
+        )
+        return folder, {"utterances": cuts, "audio_s": rounded(audio_s)}
+    if kind == "short":
+        folder = work / f"short-{size:g}" / "corpus"
+        if not (folder / ".done").is_file():
+            info = corpora.generate_corpus(folder, int(size), seed=0, min_s=0.5, max_s=1.5)
+            (folder / ".done").write_text(f"{info['audio_s']}")
+        return folder, {"utterances": int(size), "audio_s": rounded(float((folder / ".done").read_text()))}
+    build = corpora.copied_folder_corpus if kind == "folder" else corpora.kaldi_corpus
+    return build(work, int(size)), {"utterances": int(size)}
 
 
-def write_params(root: Path, corpus_dir: Path) -> Path:
-    """params.yaml in ``root``: the repository's, pointed at ``corpus_dir``, with a 16 kHz corpus's settings."""
+def write_params(root: Path, kind: str, corpus_dir: Path, *, quick: bool) -> Path:
+    """params.yaml in ``root``: the repository's, pointed at ``corpus_dir`` (16 kHz features but for ``short``)."""
     from asrflow.training.config import set_train_keys
 
     params = repo_params()
-    params["prepare"].update(
-        corpus="folder", corpus_dir=str(corpus_dir), splits={"train": "train", "dev": "dev", "test": "test"}
-    )
-    params["features"] = generated_features()
-    params["tokenizer"].update(model_type="bpe", vocab_size=VOCAB_SIZE)
-    set_train_keys(params, TRAIN)
-    path = root / "params.yaml"
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
-    return path
+    splits = {"train": "train", "dev": None if kind == "kaldi" else "dev", "test": None if kind == "kaldi" else "test"}
+    params["prepare"].update(corpus="kaldi" if kind == "kaldi" else "folder", corpus_dir=str(corpus_dir), splits=splits)
+    if kind != "short":
+        params["features"] = corpora.generated_features()
+    elif quick:
+        params["features"]["num_jobs"] = 1  # no extraction workers to start
+    if kind == "spoken":
+        params["tokenizer"].update(model_type="bpe", vocab_size=VOCAB_SIZE)
+        set_train_keys(params, TRAIN)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return root / "params.yaml"
+
+
+def in_process(params: Path, out: Path) -> dict:
+    """Prepare in this process: wall and CPU seconds (every thread), utterances per CPU second."""
+    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+
+    config = PrepareConfig.from_section(yaml.safe_load(params.read_text())["prepare"])
+    wall, cpu = time.perf_counter(), time.process_time()
+    summary = prepare_corpus(config, out, seed=0)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {
+        "elapsed_s": rounded(wall),
+        "cpu_s": rounded(cpu),
+        "utterances_per_cpu_s": rounded(summary.items_total / cpu),
+    }
 
 
 def bundle_from_checkpoint(root: Path) -> Path:
-    """``root/exp/model.pt`` from the newest checkpoint in ``root/exp/checkpoints`` (what the train stage would
-    write at its end, without averaging)."""
+    """``root/exp/model.pt`` from the newest checkpoint (what the train stage writes at its end, not averaged)."""
     from asrflow.data.features import CMVN_FILE, cmvn_stats, load_cmvn
     from asrflow.params import load_params
     from asrflow.serving.bundle import save_bundle
@@ -111,136 +130,143 @@ def bundle_from_checkpoint(root: Path) -> Path:
     from asrflow.training.config import load_train_config
 
     state, _ = ckpt.load_latest(root / "exp" / "checkpoints")
-    tokenizer = Tokenizer(root / "lang" / MODEL_FILE)
-    features = data_features(root)
-    config = load_train_config(load_params(root / "params.yaml"))
+    tokenizer, features = Tokenizer(root / "lang" / MODEL_FILE), corpora.data_features(root)
+    config = load_train_config(load_params(root / "params.yaml")).model(features.num_mel_bins, tokenizer.vocab_size)
+    cmvn = cmvn_stats(load_cmvn(root / "fbank" / CMVN_FILE))
     path = root / "exp" / "model.pt"
+    info = {"made_by": "bench.stage_scale from the last checkpoint"}
     save_bundle(
         path,
         model_state=state["model"],
-        model_config=config.model(features.num_mel_bins, tokenizer.vocab_size),
+        model_config=config,
         tokenizer=tokenizer,
         features=features,
-        cmvn=cmvn_stats(load_cmvn(root / "fbank" / CMVN_FILE)),
+        cmvn=cmvn,
         run_id=None,
-        info={"made_by": "bench.stage_scale from the last checkpoint"},
+        info=info,
     )
     return path
 
 
-def run_stages(root: Path, corpus_dir: Path, hours: float, steps: int) -> list[dict]:
-    """The five stages on ``corpus_dir`` in the fresh run folder ``root``; one record each."""
-    from asrflow.testing.spoken_corpus import read_info
-
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    params = str(write_params(root, corpus_dir))
-    info = read_info(corpus_dir)
-    manifests, fbank, lang, exp = (str(root / name) for name in ("manifests", "fbank", "lang", "exp"))
-    base = {"benchmark": "stage_scale", "hours": hours, "utterances": info.utterances, "audio_s": info.audio_s}
-    records = []
-    commands = {
-        "prepare": ["--params", params, "--out", manifests],
-        "features": ["--params", params, "--manifests", manifests, "--out", fbank],
-        "tokenizer": ["--params", params, "--manifests", manifests, "--out", lang],
-    }
-    for stage, argv in commands.items():
-        figures = measure(f"stages.{stage}", argv, root / f"{stage}.log")
-        records.append(emit({**base, "stage": stage, **figures, "load_average": load_average()}))
-
+def train(root: Path, steps: int) -> dict:
+    """The train stage until step ``steps``, then resumed to its first step; its figures."""
     start = time.perf_counter()
-    fresh = launch(root, root, stop_when=_STEP_LINE.format(steps), log=root / "train.log", timeout_s=3600)
+    fresh = launch(root, root, stop_when=STEP_LINE.format(steps), log=root / "train.log", timeout_s=3600)
     elapsed = time.perf_counter() - start
-    resumed = launch(root, root, stop_when=FIRST_STEP, log=root / "train-resumed.log", timeout_s=600)
-    records.append(
-        emit(
-            {
-                **base,
-                "stage": "train",
-                "steps": steps,
-                "elapsed_s": _rounded(elapsed),
-                "peak_tree_pss_mb": fresh["peak_tree_pss_mb"],
-                "launch_to_first_step_s": fresh["marks"].get("first_step"),
-                "breakdown_s": fresh["marks"],
-                "resumed_launch_to_first_step_s": resumed["marks"].get("first_step"),
-                "resumed_peak_tree_pss_mb": resumed["peak_tree_pss_mb"],
-                "exit_codes": [fresh["exit_code"], resumed["exit_code"]],
-                "load_average": load_average(),
-            }
+    resumed = launch(root, root, stop_when="[asrflow.progress] step ", log=root / "resumed.log", timeout_s=600)
+    return {
+        "steps": steps,
+        "elapsed_s": rounded(elapsed),
+        "peak_tree_pss_mb": fresh["peak_tree_pss_mb"],
+        "launch_to_first_step_s": fresh["marks"].get("first_step"),
+        "breakdown_s": fresh["marks"],
+        "resumed_launch_to_first_step_s": resumed["marks"].get("first_step"),
+        "resumed_peak_tree_pss_mb": resumed["peak_tree_pss_mb"],
+        "exit_codes": [fresh["exit_code"], resumed["exit_code"]],
+    }
+
+
+def run_stages(kind: str, size: float, work: Path, args) -> dict[str, dict]:
+    """Every stage of ``kind`` on the corpus of ``size`` in a fresh run folder; one record each."""
+    folder, facts = corpus(kind, size, work, args)
+    root = work / f"run-{kind}-{size:g}"
+    shutil.rmtree(root, ignore_errors=True)
+    params = str(write_params(root, kind, folder, quick=args.quick))
+    manifests, fbank, lang = (folder if kind == "segments" else root / "manifests"), root / "fbank", root / "lang"
+    argv = {
+        "prepare": ["--params", params, "--out", str(manifests)],
+        "features": ["--params", params, "--manifests", str(manifests), "--out", str(fbank)],
+        "tokenizer": ["--params", params, "--manifests", str(manifests), "--out", str(lang)],
+        "evaluate": ["--params", params, "--model", str(root / "exp" / "model.pt"), "--fbank", str(fbank)],
+    }
+    base = {"benchmark": "stage_scale", "corpus": kind, "size": size, **facts}
+    figures = {}
+    for stage in KINDS[kind][2]:
+        load = load_average()
+        if stage == "train":
+            found = train(root, args.steps)
+        elif stage == "prepare" and args.in_process:
+            found = in_process(Path(params), manifests)
+        else:
+            extra = ["--out", str(root / "exp" / "eval")] if stage == "evaluate" else []
+            if stage == "evaluate":
+                bundle_from_checkpoint(root)
+            found = stage_peaks(f"stages.{stage}", argv[stage] + extra, root / f"{stage}.log", repo=args.repo)
+        rates = {"utterances_per_s": rounded(facts["utterances"] / found["elapsed_s"])}
+        if facts.get("audio_s"):
+            rates["audio_s_per_s_per_core"] = rounded(
+                facts["audio_s"] / found["elapsed_s"] / len(os.sched_getaffinity(0))
+            )
+        figures[stage] = emit(
+            {**base, "stage": stage, **found, **rates, "load_before": load, "load_after": load_average()}
         )
-    )
-
-    model = bundle_from_checkpoint(root)
-    argv = ["--params", params, "--model", str(model), "--fbank", fbank, "--out", str(Path(exp) / "eval")]
-    figures = measure("stages.evaluate", argv, root / "evaluate.log")
-    records.append(emit({**base, "stage": "evaluate", **figures, "load_average": load_average()}))
-    return records
+    if kind != "spoken":  # only the stage's outputs are large; the corpus stays cached
+        shutil.rmtree(root, ignore_errors=True)
+    return figures
 
 
-def noop_tools(work: Path, root: Path, hours: float, repeats: int = 3) -> list[dict]:
-    """No-op ``snakemake`` and ``dvc repro`` over the data stages, in a repository copy whose data folders link to
-    the outputs in ``root``."""
-    env = {**os.environ, "GIT_PYTHON_REFRESH": "quiet", "DVC_NO_ANALYTICS": "1"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+def growth(stage: str, sizes: list[float], figures: dict, baseline: dict) -> dict:
+    """How a stage's peaks and time grow from the smallest size to the largest."""
+    lo, hi = figures[min(sizes)][stage], figures[max(sizes)][stage]
+    record = {"benchmark": "stage_scale_growth", "stage": stage, "sizes": [min(sizes), max(sizes)]}
+    for key, short in (("peak_rss_mb", "rss"), ("peak_tree_pss_mb", "tree_pss"), ("elapsed_s", "elapsed")):
+        if lo.get(key) and hi.get(key):
+            record[key] = [lo[key], hi[key]]
+            record[f"{short}_ratio"] = rounded(ratio(hi[key], lo[key]))
+            record[f"{short}_growth_per_unit"] = rounded((hi[key] - lo[key]) / (max(sizes) - min(sizes)))
+    if stage in baseline and lo.get("peak_rss_mb"):
+        record["rss_above_baseline_mb"] = [rounded(f["peak_rss_mb"] - baseline[stage]["peak_rss_mb"]) for f in (lo, hi)]
+    return record
+
+
+def noop(work: Path, root: Path, size: float) -> list[dict]:
+    """No-op ``snakemake`` and ``dvc repro`` of the data stages in a repository copy linked to ``root``'s outputs."""
+    from asrflow.testing.repo import tool_env
+
     repo = work / "noop-copy"
     shutil.rmtree(repo, ignore_errors=True)
     copy_repo(repo)
     shutil.copyfile(root / "params.yaml", repo / "params.yaml")
     for name in ("manifests", "fbank", "lang"):
         shutil.copytree(root / name, repo / "data" / name, copy_function=os.link)
-    targets = ["data/manifests", "data/fbank", "data/lang"]
-    snakemake, dvc = tool("snakemake"), tool("dvc")
-    timed_run([snakemake, "--cores", "all", "--touch", *targets], repo, env)
-    timed_run([dvc, "init", "--no-scm", "-q"], repo, env)
-    commit_s, _ = timed_run([dvc, "commit", "-f", "-q", "prepare", "features", "tokenizer"], repo, env)
-    tools = {
-        "snakemake": ([snakemake, "--cores", "all", *targets], lambda out: "Nothing to be done" in out),
-        "dvc": ([dvc, "repro", "tokenizer"], lambda out: "Running stage" not in out),
-    }
-    records = []
-    for name, (command, idle) in tools.items():
-        runs = [timed_run(command, repo, env) for _ in range(repeats)]
-        nothing = all(idle(out) for _, out in runs)
-        times = sorted(elapsed for elapsed, _ in runs)
-        records.append(
-            emit(
-                {
-                    "benchmark": "stage_scale_noop",
-                    "status": "ok" if nothing else "failed: the no-op run did work",
-                    "hours": hours,
-                    "tool": name,
-                    "command": " ".join([Path(command[0]).name, *command[1:]]),
-                    "noop_s": _rounded(times[len(times) // 2]),
-                    "noop_s_all": [_rounded(t) for t in times],
-                    "dvc_commit_s": _rounded(commit_s),
-                    "load_average": load_average(),
-                }
-            )
-        )
+    targets, env = ["data/manifests", "data/fbank", "data/lang"], tool_env(repo)
+    timed_run(["snakemake", "--cores", "all", "--touch", *targets], repo, env)
+    timed_run(["dvc", "init", "--no-scm", "-q"], repo, env)
+    commit_s, _ = timed_run(["dvc", "commit", "-f", "-q", "prepare", "features", "tokenizer"], repo, env)
+    commands = {"snakemake": ["snakemake", "--cores", "all", *targets], "dvc": ["dvc", "repro", "tokenizer"]}
+    found = noop_runs(repo, commands, 3)
     shutil.rmtree(repo, ignore_errors=True)
-    return records
+    return [
+        emit({"benchmark": "stage_scale_noop", "size": size, **r, "dvc_commit_s": rounded(commit_s)}) for r in found
+    ]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    def configure(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--hours", type=float, nargs="+", default=[5.0, 15.0, 50.0], help="corpus sizes (hours)")
-        parser.add_argument("--steps", type=int, default=30, help="train steps before SIGTERM (a multiple of 10)")
-        parser.add_argument("--seed", type=int, default=0, help="corpus seed")
-        parser.add_argument("--voices", type=int, default=100, help="corpus voices")
-        parser.add_argument("--no-noop", action="store_true", help="skip the no-op snakemake / dvc timing")
+    def configure(parser) -> None:
+        parser.add_argument("--corpus", choices=KINDS, default="spoken", help="corpus kind (default: spoken)")
+        parser.add_argument("--sizes", type=float, nargs="+", help="hours (spoken, segments) or utterances")
+        parser.add_argument("--repo", type=Path, default=REPO, help="run this checkout's stages (default: this one)")
+        parser.add_argument("--in-process", action="store_true", help="prepare in this process: its CPU seconds")
+        parser.add_argument("--steps", type=int, default=30, help="spoken: train steps before SIGTERM (x 10)")
+        parser.add_argument("--seed", type=int, default=0, help="spoken: corpus seed")
+        parser.add_argument("--voices", type=int, default=100, help="spoken: corpus voices")
+        parser.add_argument("--no-noop", action="store_true", help="spoken: skip the no-op snakemake / dvc timing")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
-    if args.workdir is None:
-        raise SystemExit("--workdir is required (the corpora are cached there)")
-    work = args.workdir.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    records = [emit({"benchmark": "machine", **machine(), "train_overrides": TRAIN, "vocab_size": VOCAB_SIZE})]
-    for hours in args.hours:
-        folder = corpus(work, hours, args.seed, args.voices)
-        records += run_stages(work / f"run-{hours:g}h", folder, hours, args.steps)
-    if not args.no_noop:
-        largest = max(args.hours)
-        records += noop_tools(work, work / f"run-{largest:g}h", largest)
+    args.repo = args.repo.resolve()
+    kind, sizes = args.corpus, args.sizes or KINDS[args.corpus][1 if args.quick else 0]
+    records = [emit({"benchmark": "machine", **machine(), "corpus": kind, "repo": args.repo})]
+    with workdir(args.workdir) as work:
+        baseline = {}
+        for stage in () if args.in_process else [s for s in KINDS[kind][2] if s != "train"]:
+            baseline[stage] = stage_peaks(f"stages.{stage}", ["--help"], work / f"help-{stage}.log", repo=args.repo)
+            records.append(emit({"benchmark": "stage_scale_baseline", "stage": stage, **baseline[stage]}))
+        figures = {size: run_stages(kind, size, work, args) for size in sizes}
+        records += [record for by_stage in figures.values() for record in by_stage.values()]
+        if len(sizes) > 1:
+            records += [emit(growth(stage, sizes, figures, baseline)) for stage in KINDS[kind][2]]
+        if kind == "spoken" and not args.no_noop:
+            records += noop(work, work / f"run-spoken-{max(sizes):g}", max(sizes))
     return records
 
 

@@ -1,25 +1,17 @@
 """Start-up and memory of the train stage, launched as ``dvc repro`` and Snakemake launch it.
 
-``python -m bench.startup [--quick] [--workdir W] [--repeat N] [--parts startup,workers]``
+``python -m bench.startup [--quick] [--workdir W] [--repeat N] [--parts startup,workers] [--code DIR]``
 
-**startup** (yesno; record ``startup``): seconds from launching ``python -m stages.train`` in a run
-folder to the end of its first optimizer step, median of ``--repeat`` launches, for ``fresh_new_db``
-(no checkpoint, no ``mlflow.db``), ``fresh_existing_db`` (a store a previous run left) and
-``resumed`` (the checkpoint a fresh run left after SIGTERM). Every launch is stopped with SIGTERM
-after its first step. ``breakdown_median_s`` times the stage's own log lines (:data:`MARKERS`).
-``--code DIR`` also times another checkout in the same run.
-
-**workers** (record ``startup_workers``): ``run.num_workers`` x ``train.optim.num_threads`` side by side,
-one launch each stopped after ``STEPS`` steps: launch to the first step, audio seconds per second
-over steps 2..N from the run's MLflow points (also over their second half, after MLflow's background
-start), the median ``train/data_wait_fraction``, and the peak PSS of the process tree.
+``startup``: launch to the end of step 1 on yesno (median of ``--repeat``) for a fresh run with a new or an
+existing ``mlflow.db`` and a resumed one, with a breakdown from the stage's log (:data:`MARKERS`).
+``startup_workers``: ``num_workers`` x ``num_threads`` one launch each: first step, audio s/s from the run's
+MLflow points, data wait, peak PSS of the process tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -46,15 +38,11 @@ MARKERS = {
 }
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ (?:\[rank \S+\] )?\[([^\]]+)\] (.*)$", re.MULTILINE)
 #: The step-log line of optimizer step N (every 10 steps; asrflow.training.monitoring).
-_STEP_LINE = "[asrflow.training.monitoring] step {} epoch"
-#: Generated corpus size for the workers part (full, quick).
-GENERATED = {"full": 2000, "quick": 40}
-#: Steps timed in the workers part (a multiple of 10: the step log's interval).
-STEPS = {"full": 20, "quick": 10}
+STEP_LINE = "[asrflow.training.monitoring] step {} epoch"
+#: The workers part per mode: generated utterances, steps (x 10: the step log), (workers, threads) settings.
+GENERATED, STEPS = {"full": 2000, "quick": 40}, {"full": 20, "quick": 10}
 SETTINGS = {"full": [(w, t) for w in (0, 1, 2) for t in (1, 2)], "quick": [(0, 1)]}
-#: Goals: launch to the end of the first step (s), peak PSS of the process tree (MB).
-GOAL_S = 5.0
-GOAL_PSS_MB = 2000.0
+GOAL_S, GOAL_PSS_MB = 5.0, 2000.0
 
 
 def log_marks(text: str) -> dict[str, float]:
@@ -84,26 +72,30 @@ def write_params(run_dir: Path, train: dict, code: Path = REPO, data: Path | Non
     return path
 
 
-def launch(
-    run_dir: Path,
-    data: Path,
-    *,
-    stop_when: str,
-    log: Path,
-    code: Path = REPO,
-    timeout_s: float = 600.0,
-    extra_env: dict[str, str] | None = None,
-) -> dict:
-    """Run the train stage in ``run_dir`` on ``data`` until ``stop_when`` is logged, then SIGTERM it (the
-    step in flight finishes and is saved: exit 75). Returns the marks (seconds after launch), the exit code
-    and the process tree's peak PSS in MB."""
+def start_train(
+    run_dir: Path, data: Path, *, log: Path, code: Path = REPO, extra_env=None, poll_s: float | None = 0.25
+):
+    """The train stage of checkout ``code`` on ``data`` in ``run_dir``, as a :class:`ChildProcess` (polling its
+    tree's memory every ``poll_s``)."""
     command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
     command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
     env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
-    for name in ("MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE", "DVC_STAGE", "DVC_EXP_NAME"):
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "ASRFLOW_PROGRESS_FD",
+        "ASRFLOW_LOG_FILE",
+        "DVC_STAGE",
+        "DVC_EXP_NAME",
+        "MALLOC_ARENA_MAX",
+    ):
         env.pop(name, None)
-    env.update(extra_env or {})
-    process = ChildProcess(command, log_path=log, env=env, cwd=run_dir, memory_poll_s=0.25)
+    return ChildProcess(command, log_path=log, env={**env, **(extra_env or {})}, cwd=run_dir, memory_poll_s=poll_s)
+
+
+def launch(run_dir: Path, data: Path, *, stop_when: str, log: Path, timeout_s: float = 600.0, **start) -> dict:
+    """:func:`start_train` until ``stop_when`` is logged, then SIGTERM (the step in flight is saved: exit 75).
+    Returns the marks (seconds after launch), the exit code and the process tree's peak PSS in MB."""
+    process = start_train(run_dir, data, log=log, **start)
     with contextlib.suppress(RuntimeError):  # it ended first: its exit code tells
         process.wait_for(stop_when, timeout_s)
         process.process.send_signal(signal.SIGTERM)
@@ -114,23 +106,27 @@ def launch(
     return {"marks": marks, "exit_code": status, "peak_tree_pss_mb": rounded(process.peak_pss / 2**20)}
 
 
-def throughput(run_dir: Path) -> dict:
-    """Audio seconds per second over steps 2..N of the (single) run in ``run_dir/mlflow.db``, and over the
-    second half of them (after MLflow's start in the background, which shares the interpreter with the
-    first steps), and the median share of a step spent waiting for its batch."""
+def metric_points(db: Path, key: str) -> dict[int, tuple[float, float]]:
+    """Step -> (unix seconds, value) of ``key`` in the one run of the MLflow store ``db``."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{db.resolve()}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
-    rates = {m.step: (m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "train/audio_s_per_s")}
-    waits = [m.value for m in client.get_metric_history(run.info.run_id, "train/data_wait_fraction") if m.step > 1]
+    return {m.step: (m.timestamp / 1000, m.value) for m in client.get_metric_history(run.info.run_id, key)}
+
+
+def throughput(run_dir: Path) -> dict:
+    """Audio s/s over steps 2..N of the run in ``run_dir/mlflow.db`` and over their second half (after MLflow's
+    start in the background), and the median share of a step spent waiting for its batch."""
+    rates = metric_points(run_dir / "mlflow.db", "train/audio_s_per_s")
+    waits = [v for step, (_, v) in metric_points(run_dir / "mlflow.db", "train/data_wait_fraction").items() if step > 1]
     steps = sorted(rates)
     if len(steps) < 5:
         return {"audio_s_per_s": None, "steps": len(steps)}
 
     def rate(window: list[int]) -> float:
-        audio = sum(rates[s][1] * (rates[s][0] - rates[p][0]) / 1000 for p, s in zip(window, window[1:], strict=False))
-        return rounded(audio / ((rates[window[-1]][0] - rates[window[0]][0]) / 1000))
+        audio = sum(rates[s][1] * (rates[s][0] - rates[p][0]) for p, s in zip(window, window[1:], strict=False))
+        return rounded(audio / (rates[window[-1]][0] - rates[window[0]][0]))
 
     return {
         "audio_s_per_s": rate(steps),
@@ -142,20 +138,14 @@ def throughput(run_dir: Path) -> dict:
 
 def _median_marks(results: list[dict]) -> dict[str, float | None]:
     names = sorted({name for result in results for name in result["marks"]}, key=list(MARKERS).index)
-    medians = {}
-    for name in names:
-        values = [r["marks"][name] for r in results if name in r["marks"]]
-        medians[name] = rounded(statistics.median(values)) if len(values) == len(results) else None
-    return medians
+    values = {name: [r["marks"][name] for r in results if name in r["marks"]] for name in names}
+    return {name: rounded(statistics.median(v)) if len(v) == len(results) else None for name, v in values.items()}
 
 
 def measure_startup(work: Path, repeat: int, code: Path = REPO) -> list[dict]:
-    """The three start-up cases on yesno, ``repeat`` launches each, interleaved (one of each per round),
-    running the train stage of the repository ``code``."""
-    data = yesno_data(work)
-    root = work / ("startup-runs" if code == REPO else f"startup-runs-{code.name}")
+    """The three start-up cases on yesno with the train stage of checkout ``code``, interleaved, ``repeat`` each."""
+    data, root = yesno_data(work), work / ("startup-runs" if code == REPO else f"startup-runs-{code.name}")
     shutil.rmtree(root, ignore_errors=True)
-    stop = "[asrflow.progress] step "  # the progress line after this process's first step
     results: dict[str, list[dict]] = {"fresh_new_db": [], "fresh_existing_db": [], "resumed": []}
     for round_ in range(repeat):
         run_dir = root / f"round{round_}"
@@ -164,33 +154,25 @@ def measure_startup(work: Path, repeat: int, code: Path = REPO) -> list[dict]:
         for case in ("fresh_new_db", "resumed", "fresh_existing_db"):
             if case == "fresh_existing_db":
                 shutil.rmtree(run_dir / "exp")
+            stop = "[asrflow.progress] step "  # the progress line after this process's first step
             results[case].append(launch(run_dir, data, stop_when=stop, log=run_dir / f"{case}.log", code=code))
     records = []
     for case, runs in results.items():
         first_step = [r["marks"].get("first_step") for r in runs]
         median = statistics.median(first_step) if all(first_step) else None
-        record = {"benchmark": "startup", "case": case, "corpus": "yesno"}
-        record |= {
-            "code": "this checkout" if code == REPO else str(code),
-            "launch_to_first_step_s": median and rounded(median),
-        }
-        record |= {"runs_s": first_step, "breakdown_median_s": _median_marks(runs)}
+        record = {"benchmark": "startup", "case": case, "corpus": "yesno", "code": str(code)}
+        record |= {"launch_to_first_step_s": median and rounded(median), "runs_s": first_step}
+        record |= {"breakdown_median_s": _median_marks(runs), "goal": "launch to the end of step 1 <= 5 s (median)"}
         record |= {"peak_tree_pss_mb": rounded(statistics.median(r["peak_tree_pss_mb"] for r in runs))}
-        record |= {"goal": "launch to the end of the first step <= 5 s (median)"}
         records.append(
             emit({**record, "meets_goal": bool(median and median <= GOAL_S), "load_average": load_average()})
         )
     return records
 
 
-def measure_workers(
-    work: Path, *, quick: bool, corpora: list[str], settings: list[tuple[int, int]] | None = None, train: dict
-) -> list[dict]:
-    """num_workers x num_threads (``settings``), side by side, one launch each per corpus; ``train``: more
-    ``train:`` overrides."""
-    mode = "quick" if quick else "full"
-    steps = STEPS[mode]
-    records = []
+def measure_workers(work: Path, *, quick: bool, corpora: list[str], settings: list | None, train: dict) -> list[dict]:
+    """``settings`` (num_workers, num_threads) one launch each per corpus; ``train``: more ``train:`` overrides."""
+    mode, records = "quick" if quick else "full", []
     for corpus in corpora:
         data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
         for workers, threads in settings or SETTINGS[mode]:
@@ -199,12 +181,11 @@ def measure_workers(
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             write_params(run_dir, {"epochs": 100, **train, "num_workers": workers, "num_threads": threads}, data=data)
-            result = launch(run_dir, data, stop_when=_STEP_LINE.format(steps), log=run_dir / "train.log")
+            result = launch(run_dir, data, stop_when=STEP_LINE.format(STEPS[mode]), log=run_dir / "train.log")
             name = f"generated-{GENERATED[mode]}" if corpus == "generated" else corpus
             record = {"benchmark": "startup_workers", "corpus": name, "num_workers": workers, "num_threads": threads}
-            pss = result["peak_tree_pss_mb"]
             record |= {**train, "launch_to_first_step_s": result["marks"].get("first_step"), **throughput(run_dir)}
-            record |= {"peak_tree_pss_mb": pss}
+            record["peak_tree_pss_mb"] = pss = result["peak_tree_pss_mb"]
             if corpus == "generated":
                 record |= {"goal": "peak PSS <= 2000 MB", "meets_goal": pss <= GOAL_PSS_MB}
             records.append(emit({**record, "load_average": load_average()}))
@@ -216,29 +197,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         add = parser.add_argument
         add("--repeat", type=int, help="launches per start-up case (default 3; quick 1)")
         add("--parts", default="startup,workers", help="startup, workers or both (default: both)")
-        add("--settings", help="workers part: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2)")
-        add("--max-duration-s", type=float, help="workers part: train.data.max_duration_s (default: params.yaml)")
+        add("--settings", help="workers: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2)")
+        add("--max-duration-s", type=float, help="workers: train.data.max_duration_s (default: params.yaml)")
         add("--code", type=Path, action="append", default=[], help="also time another checkout's start-up cases")
         add("--corpora", help="corpora of the workers part (default: generated,yesno; quick: yesno)")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
-    parts = args.parts.split(",")
-    repeat = args.repeat or (1 if args.quick else 3)
-    records: list[dict] = []
+    parts, records = args.parts.split(","), []
     with workdir(args.workdir) as work:
         if "startup" in parts:
             for code in [REPO, *(path.resolve() for path in args.code)]:
-                records += measure_startup(work, repeat, code)
+                records += measure_startup(work, args.repeat or (1 if args.quick else 3), code)
         if "workers" in parts:
-            corpora = args.corpora or ("yesno" if args.quick else "generated,yesno")
-            pairs = args.settings.split(",") if args.settings else []
-            settings = [tuple(int(x) for x in pair.split("/")) for pair in pairs] or None
+            corpora = (args.corpora or ("yesno" if args.quick else "generated,yesno")).split(",")
+            settings = [tuple(int(x) for x in pair.split("/")) for pair in (args.settings or "").split(",") if pair]
             train = {} if args.max_duration_s is None else {"max_duration_s": args.max_duration_s}
-            records += measure_workers(
-                work, quick=args.quick, corpora=corpora.split(","), settings=settings, train=train
-            )
+            records += measure_workers(work, quick=args.quick, corpora=corpora, settings=settings, train=train)
     return records
 
 
 if __name__ == "__main__":
-    print(json.dumps({"records": len(main())}), file=sys.stderr)
+    main()

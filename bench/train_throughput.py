@@ -1,19 +1,9 @@
-"""Training throughput of the real train loop vs the bare model step; data waiting; FLOPs and MFU.
+"""Training throughput of the real train loop against the bare model step; data waiting; FLOPs and MFU.
 
-For each corpus (yesno, and a generated one of 1-15 s utterances) this runs the Trainer as the train
-stage does (params.yaml's ``train:``, data workers, augmentation, guards, MLflow into a throw-away
-store) and, right after each of its steps in the same process, the **bare step** (the baseline): a
-second copy of the model doing forward, CTC loss, backward and AdamW on the very batches the loop
-just used, loaded beforehand. Pairing them step by step gives both the same load from other
-processes. The loop stops itself after ``max_steps`` or its time budget; step 1 is never timed.
-
-Record ``train_throughput``: ``loop_audio_s_per_s`` (audio of steps 2..N / the loop's wall time less
-this benchmark's own work), ``bare_audio_s_per_s``, ``ratio`` = loop / bare, ``flops_per_audio_s``
-(``FlopCounterMode``, forward + backward), ``matmul_flops`` (fp32 ``torch.mm`` at the same threads,
-record ``matmul_fp32``), ``mfu_loop`` / ``mfu_bare``; without ``--quick`` also the bare step at one
-thread. Record ``data_wait``: the loop's summed data wait / summed step time.
-
-Usage: ``python -m bench.train_throughput [--quick] [--workdir DIR] [--num-threads N]``.
+``python -m bench.train_throughput [--quick] [--workdir DIR] [--num-threads N]``: the Trainer as the train stage
+runs it, and after each of its steps, in the same process, a bare step (forward, CTC, backward, AdamW) of a
+second model copy on the very same batches. Records ``train_throughput`` (``loop_audio_s_per_s``,
+``bare_audio_s_per_s``, ``ratio``, FLOPs per audio second, MFU), ``data_wait`` and ``matmul_fp32``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Does the default recipe train yesno at every seed? The train and evaluate stages, once per seed.
 
-For each seed, params.yaml with that ``seed`` (and any ``--set section.key=value``) runs
-``stages.train`` then ``stages.evaluate`` on yesno, each a process of its own; prepare, features and
-tokenizer run once per seed and data override, cached in ``--workdir``. Record ``yesno_seed``:
-``test_wer``, ``train_s``, ``left_plateau_at_step`` (the first logged step with a train loss per
-token below :data:`PLATEAU_LOSS`; None = never) and ``last_train_loss``.
-
-Usage: ``python -m bench.yesno_seeds [--seeds 1 2 3 42] [--set train.optim.lr=0.001 ...] [--workdir DIR]``.
+``python -m bench.yesno_seeds [--seeds 1 2 3 42] [--set section.key=value ...] [--workdir DIR]``. Record
+``yesno_seed``: ``test_wer``, ``train_s``, ``left_plateau_at_step`` (first logged train loss per token below
+:data:`PLATEAU_LOSS`), ``last_train_loss``.
 """
 
 from __future__ import annotations

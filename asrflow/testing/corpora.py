@@ -322,3 +322,57 @@ def write_segment_manifests(
                 )
                 total += duration
     return total
+
+
+def copied_folder_corpus(root: Path, count: int) -> Path:
+    """A ``corpus: folder`` corpus of ``count`` FLAC files, each a copy of one of 8 synthesized utterances
+    of 0.8-2 s, 105 speakers in the TSVs' third column, 2 % dev and 2 % test (cached under ``root``)."""
+    import numpy as np
+    import soundfile as sf
+
+    def build(folder: Path) -> None:
+        rng, templates = np.random.default_rng(0), []
+        for index in range(8):
+            audio, text = synth_utterance(rng, 0.8 + 1.2 * index / 7)
+            sf.write(folder / f"template-{index}.flac", audio, SAMPLING_RATE)
+            templates.append((folder / f"template-{index}.flac", text))
+        lines: dict[str, list[str]] = {"train": [], "dev": [], "test": []}
+        for index in range(count):
+            template, text = templates[index % 8]
+            name = f"audio/{index // 1000:04d}/utt{index:07d}.flac"
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(template, folder / name)
+            split = "dev" if index % 50 == 0 else "test" if index % 50 == 1 else "train"
+            lines[split].append(f"{name}\t{text}\tspk{index % 105:03d}")
+        for split, rows in lines.items():
+            (folder / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+
+    return _cached(root / f"folder-{count}", build)
+
+
+def kaldi_corpus(root: Path, count: int, *, recordings: int = 10, recording_s: float = 300.0) -> Path:
+    """A Kaldi data folder ``train/`` of ``count`` segments of 0.5-2 s at random times (they may overlap) over
+    ``recordings`` FLAC tones of ``recording_s``, 200 speakers in ``utt2spk`` (cached under ``root``)."""
+    import numpy as np
+    import soundfile as sf
+
+    def build(folder: Path) -> None:
+        data = folder / "train"
+        data.mkdir()
+        rng = np.random.default_rng(0)
+        t = np.arange(int(recording_s * SAMPLING_RATE), dtype=np.float32) / SAMPLING_RATE
+        with open(data / "wav.scp", "w") as scp:
+            for rec in range(recordings):
+                sf.write(folder / f"rec{rec:02d}.flac", 0.1 * np.sin(2 * np.pi * (200 + 20 * rec) * t), SAMPLING_RATE)
+                scp.write(f"rec{rec:02d} rec{rec:02d}.flac\n")
+        words = ["YES", "NO", "MAYBE", "HELLO", "WORLD", "AGAIN"]
+        starts, lengths = rng.uniform(0, recording_s - 2.5, count), rng.uniform(0.5, 2.0, count)
+        with open(data / "segments", "w") as seg, open(data / "text", "w") as txt, open(data / "utt2spk", "w") as spk:
+            for i in range(count):
+                speaker = f"spk{i % 200:03d}"
+                utt = f"{speaker}-{i:08d}"
+                seg.write(f"{utt} rec{i % recordings:02d} {starts[i]:.2f} {starts[i] + lengths[i]:.2f}\n")
+                txt.write(f"{utt} {words[i % 6]} {words[(i // 6) % 6]}\n")
+                spk.write(f"{utt} {speaker}\n")
+
+    return _cached(root / f"kaldi-{count}", build)

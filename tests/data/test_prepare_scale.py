@@ -23,7 +23,7 @@ from asrflow.data.prepare import PrepareConfig, prepare_corpus
 from asrflow.data.split_writer import cut_dict, recording_dict, utterance_cut
 from asrflow.data.spool import SortedSpool
 from asrflow.data.validation import open_recording
-from bench.prepare_scale import folder_corpus
+from asrflow.testing.corpora import copied_folder_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,14 +46,16 @@ def traced_peak(config: PrepareConfig, out: Path) -> int:
 def test_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
     """4x the utterances: the peak grows by far less than holding a split costs (about 7 kB an utterance)."""
     small, large = 300, 1200
-    peaks = {n: traced_peak(folder_config(folder_corpus(tmp_path, n)), tmp_path / f"out-{n}") for n in (small, large)}
+    peaks = {
+        n: traced_peak(folder_config(copied_folder_corpus(tmp_path, n)), tmp_path / f"out-{n}") for n in (small, large)
+    }
     per_utterance = (peaks[large] - peaks[small]) / (large - small)
     assert len(CutSet.from_file(tmp_path / f"out-{large}" / "train_cuts.jsonl.gz")) == large * 48 // 50
     assert per_utterance < 1000, f"peak grows {per_utterance:.0f} bytes per utterance: {peaks}"
 
 
 def test_a_killed_prepare_leaves_no_partial_output_and_a_rerun_succeeds(tmp_path: Path) -> None:
-    corpus = folder_corpus(tmp_path, 2000)
+    corpus = copied_folder_corpus(tmp_path, 2000)
     out = tmp_path / "manifests"
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["prepare"].update(
@@ -83,7 +85,7 @@ def test_a_killed_prepare_leaves_no_partial_output_and_a_rerun_succeeds(tmp_path
 
 
 def test_carved_splits_never_share_a_speaker(tmp_path: Path) -> None:
-    corpus = folder_corpus(tmp_path, 400)
+    corpus = copied_folder_corpus(tmp_path, 400)
     config = folder_config(corpus, splits={"train": "train", "dev": None, "test": None}, dev_fraction=0.1)
     summary = prepare_corpus(config, tmp_path / "out", seed=3)
     speakers = {
