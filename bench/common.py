@@ -1,9 +1,5 @@
-"""What every benchmark shares: JSON output, the command line, the machine, timing.
-
-Every benchmark prints one JSON object per figure group on stdout (:func:`emit`), with at least
-``benchmark`` and ``status`` (``ok``, or why it was not measured); logs go to stderr. Data is built
-with :mod:`asrflow.testing.corpora` once into ``--workdir`` (shared by ``bench.run_all``).
-"""
+"""What every benchmark shares: JSON records on stdout (``benchmark``, ``status``, figures; logs on stderr),
+the command line, the machine, timing, no-op tool runs and a stage's peak memory."""
 
 from __future__ import annotations
 
@@ -27,7 +23,6 @@ os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-# --------------------------------------------------------------------------- output
 def emit(record: dict) -> dict:
     """Print ``record`` as one JSON line on stdout (``status`` defaults to ``ok``); returns it."""
     record = dict(record)
@@ -56,7 +51,6 @@ def rounded(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
 
-# --------------------------------------------------------------------------- command line
 def parse_args(
     description: str, argv: list[str] | None = None, configure: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> argparse.Namespace:
@@ -87,7 +81,6 @@ def workdir(path: Path | None):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------- the machine
 def load_average() -> list[float]:
     """1/5/15-minute load averages (other processes compete for the cores when high)."""
     return [round(x, 2) for x in os.getloadavg()]
@@ -115,7 +108,6 @@ def machine() -> dict:
     }
 
 
-# --------------------------------------------------------------------------- timing
 def matmul_flops(size: int = 2048, repeat: int = 5, threads: int | None = None) -> float:
     """Measured fp32 FLOP/s of ``torch.mm`` on two ``size`` x ``size`` matrices at ``threads`` torch threads:
     the best of ``repeat``, which stands for the peak the machine can give."""
@@ -184,7 +176,6 @@ def noop_runs(repo: Path, commands: dict[str, list[str]], repeats: int, *, versi
     return records
 
 
-# --------------------------------------------------------------------------- a stage's peak memory
 CHILD_FLAG = "--child"
 
 

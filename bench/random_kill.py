@@ -26,7 +26,6 @@ from bench.common import emit, load_average, machine, parse_args, ratio, rounded
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
 RULE_STARTED = re.compile(r"^(?:local)?rule (\w+):$", re.MULTILINE)
 RULE_FINISHED = re.compile(r"^Finished jobid: \d+ \(Rule: (\w+)\)$", re.MULTILINE)
-RUN_TIMEOUT_S = 1800
 POLL_S = 0.1
 KILL_WINDOW = (0.05, 0.95)
 
