@@ -1,7 +1,8 @@
-"""evaluate stage: decode the test split, score WER/CER, write reports and plots, log to MLflow.
+"""evaluate stage: decode every test set, score WER/CER, write reports and plots, log to MLflow.
 
-Reads exp/model.pt, data/fbank/test_cuts.jsonl.gz and params.yaml `evaluate:`; writes
-exp/eval/metrics.json (for `dvc metrics show`), per_utterance.jsonl, errors.txt and
+Reads exp/model.pt, data/fbank's test sets (test_cuts.jsonl.gz, or those data/fbank/splits.json
+lists) and params.yaml `evaluate:`; writes exp/eval/metrics.json (for `dvc metrics show`: the
+pooled WER/CER at the top, each test set's under test_sets.<name>), per_utterance.jsonl, errors.txt and
 wer_by_duration.csv (for `dvc plots show`), and logs them, with the training's
 exp/plots/train_loss.csv and a WER-by-duration table and chart, to the training's MLflow run.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from asrflow.errors import exit_on_user_error
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
+from asrflow.evaluation.report import TEST_SETS_KEY
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params
 
@@ -32,6 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     config = build_config(EvaluateConfig, load_params(args.params).get("evaluate"), "evaluate")
     metrics = evaluate(Path(args.model), Path(args.fbank), Path(args.out), config)
+    test_sets = metrics[TEST_SETS_KEY]
+    if len(test_sets) > 1:
+        for name, one in test_sets.items():
+            print(f"{name} WER: {100 * one['wer']:.2f}%  CER: {100 * one['cer']:.2f}%")
     print(f"test WER: {100 * metrics['wer']:.2f}%  CER: {100 * metrics['cer']:.2f}%")
     logger.info(
         "test WER %.2f%%, CER %.2f%%; report in %s; browse runs with: mlflow ui --backend-store-uri "

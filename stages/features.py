@@ -1,6 +1,6 @@
 """features stage: 80-dim fbank for every split with Lhotse, plus global CMVN statistics.
 
-Reads data/manifests/{train,dev,test}_cuts.jsonl.gz and params.yaml `features:`;
+Reads data/manifests/{train,dev,<each test set>}_cuts.jsonl.gz and params.yaml `features:`;
 writes data/fbank/ (features, cuts with features, cmvn.json) as one folder.
 """
 

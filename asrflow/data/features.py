@@ -42,7 +42,7 @@ from lhotse.lazy import Dillable, LazySlicer
 from lhotse.utils import fastcopy
 
 from asrflow.data.audio import mono_samples
-from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
+from asrflow.data.manifests import cuts_path, list_test_sets, load_cuts, split_names, write_test_set_list
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
 from asrflow.logs import progress
@@ -126,10 +126,11 @@ def cmvn_from_dict(stats: dict[str, list[float]]) -> GlobalMVN:
 def compute_features(
     manifests_dir: str | Path, output_dir: str | Path, config: FeatureConfig, *, free_bytes: int | None = None
 ) -> dict[str, int]:
-    """Compute fbank for train/dev/test cuts of ``manifests_dir`` into ``output_dir``.
+    """Compute fbank for the train, dev and every test set's cuts of ``manifests_dir`` into ``output_dir``.
 
     Writes ``{split}_cuts.jsonl.gz`` (cuts pointing at ``output_dir/{split}_feats``),
-    and ``cmvn.json`` from the train split. With ``on_the_fly`` the cuts are written
+    ``cmvn.json`` from the train split, and the list of test sets as ``manifests_dir`` has it
+    (:func:`asrflow.data.manifests.list_test_sets`). With ``on_the_fly`` the cuts are written
     without features and the statistics are computed from up to 1,000 train cuts.
     The whole folder appears at once. Returns the number of cuts per split.
 
@@ -148,7 +149,7 @@ def compute_features(
             (checked before anything is written).
     """
     output_dir = Path(output_dir)
-    scans = {split: scan_split(manifests_dir, split) for split in SPLITS}
+    scans = {split: scan_split(manifests_dir, split) for split in split_names(manifests_dir)}
     if scans["train"].count == 0:
         raise AsrflowError("the train split has no cuts: check data/manifests/rejected.jsonl")
     if config.on_the_fly:
@@ -159,7 +160,8 @@ def compute_features(
         )
     with one_torch_thread(), atomic_path(output_dir) as tmp_dir, ExtractionWorkers() as workers:
         tmp_dir.mkdir(parents=True)
-        for split in SPLITS:
+        write_test_set_list(tmp_dir, list_test_sets(manifests_dir))
+        for split in scans:
             _split_features(
                 manifests_dir,
                 split,
@@ -356,6 +358,7 @@ def _split_features(
         save_cmvn(_train_statistics(cuts, config), tmp_dir / CMVN_FILE)
     if not config.on_the_fly:
         cuts = cuts.map(functools.partial(_relocate_features, tmp_dir=tmp_dir, final_dir=final_dir))
+    cuts_path(tmp_dir, split).parent.mkdir(parents=True, exist_ok=True)
     cuts.to_file(cuts_path(tmp_dir, split))
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -443,6 +446,7 @@ def _extract(
     num_jobs = resolve_jobs(config, scan.audio_s)
     logger.info("%s: fbank for %d cuts with %d job(s)", split, scan.count, num_jobs)
     staging.mkdir(parents=True)
+    storage_path.parent.mkdir(parents=True, exist_ok=True)
     extractor = config.extractor()
     if num_jobs == 1:
         parts = [staging / "cuts.jsonl.gz"]

@@ -1,7 +1,17 @@
-"""Where cut manifests live and how to read them."""
+"""Where cut manifests live and how to read them.
+
+A manifests folder (``data/manifests``, and ``data/fbank`` after it) holds a ``train``
+and a ``dev`` split and one or more *test sets*, each a split of its own with a name:
+``test`` when the corpus has one test split, else the names ``prepare.splits.test``
+gives (``test-clean``, ``test-other``). A name is one or more ``/``-separated parts of
+letters, digits, ``.``, ``_`` and ``-`` (``librispeech/test-clean``: a sub-folder).
+:data:`SPLITS_FILE` lists the test sets when they are other than the one ``test``.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
@@ -11,6 +21,12 @@ from lhotse import CutSet
 from asrflow.errors import AsrflowError
 
 SPLITS = ("train", "dev", "test")
+#: The test sets of a folder that has no :data:`SPLITS_FILE`: the one split ``test``.
+DEFAULT_TEST_SETS = ("test",)
+#: ``{"test": [names]}`` beside the manifests, written when the test sets are not :data:`DEFAULT_TEST_SETS`.
+SPLITS_FILE = "splits.json"
+#: What a test set's name may be (see the module docstring).
+TEST_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 
 T = TypeVar("T")
 
@@ -18,6 +34,47 @@ T = TypeVar("T")
 def cuts_path(directory: str | Path, split: str) -> Path:
     """Where a split's cuts live, in ``data/manifests`` and ``data/fbank`` alike."""
     return Path(directory) / f"{split}_cuts.jsonl.gz"
+
+
+def check_test_set_name(name: object, where: str) -> str:
+    """``name`` when it can name a test set (:data:`TEST_SET_NAME`, not ``train`` or ``dev``).
+
+    Raises:
+        AsrflowError: naming ``where`` the name came from and what a name may hold.
+    """
+    if not isinstance(name, str) or not TEST_SET_NAME.fullmatch(name) or name in ("train", "dev"):
+        raise AsrflowError(
+            f"{where}: {name!r} cannot name a test set; use letters, digits, '.', '_' and '-' "
+            "(parts joined by '/'), other than train and dev"
+        )
+    return name
+
+
+def list_test_sets(directory: str | Path) -> list[str]:
+    """The test sets of a manifests or features folder, in the order params.yaml gives them.
+
+    Raises:
+        AsrflowError: :data:`SPLITS_FILE` is there but does not list test sets.
+    """
+    path = Path(directory) / SPLITS_FILE
+    if not path.is_file():
+        return list(DEFAULT_TEST_SETS)
+    names = json.loads(path.read_text()).get("test")
+    if not isinstance(names, list) or not names:
+        raise AsrflowError(f"{path} lists no test sets: run the prepare stage again")
+    return [check_test_set_name(name, str(path)) for name in names]
+
+
+def write_test_set_list(directory: str | Path, names: Iterable[str]) -> None:
+    """Record the test sets of ``directory`` for :func:`list_test_sets` (nothing to write for the one ``test``)."""
+    names = list(names)
+    if tuple(names) != DEFAULT_TEST_SETS:
+        (Path(directory) / SPLITS_FILE).write_text(json.dumps({"test": names}, indent=2) + "\n")
+
+
+def split_names(directory: str | Path) -> list[str]:
+    """Every split of a manifests or features folder: ``train``, ``dev``, then the test sets."""
+    return ["train", "dev", *list_test_sets(directory)]
 
 
 def load_cuts(directory: str | Path, split: str) -> CutSet:

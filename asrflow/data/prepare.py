@@ -5,8 +5,11 @@ utterance (:mod:`asrflow.data.validation`, text rules in :mod:`asrflow.data.text
 writes into ``output_dir``, whole or not at all:
 
 * ``{split}_recordings.jsonl.gz``, ``{split}_supervisions.jsonl.gz`` and
-  ``{split}_cuts.jsonl.gz`` for ``train``, ``dev`` and ``test``: one cut per utterance
-  with its one supervision (``trim_to_supervisions(keep_overlapping=False)``);
+  ``{split}_cuts.jsonl.gz`` for ``train``, ``dev`` and each test set (``test``, or the
+  names ``splits.test`` gives): one cut per utterance with its one supervision
+  (``trim_to_supervisions(keep_overlapping=False)``);
+* ``splits.json``: the test sets' names, when they are other than the one ``test``
+  (:func:`asrflow.data.manifests.list_test_sets`);
 * ``rejected.jsonl``: one object per rejected item (``split``, ``id``, ``path``,
   ``reason``, ``detail``);
 * ``summary.json``: counts, hours and sampling rates per split, rejections by reason.
@@ -17,6 +20,9 @@ A list of names merges them (``train: [train-clean-100, train-clean-360]``). ``t
 must be named; ``dev`` or ``test`` left empty (``null``, or left out) is *carved* from
 train after validation, in whole speaker (or recording) groups, by the rule of
 :mod:`asrflow.data.carving`; the same corpus, params and seed always give the same split.
+``test`` may name several test sets, each scored on its own by ``evaluate``
+(:meth:`PrepareConfig.test_sources`): ``test: [test-clean, test-other]``, or a mapping
+``{clean: test-clean, other: test-other}`` to choose their names.
 
 **Duration limits** (``min_duration_s``, ``max_duration_s``, ``long_utterances``) apply to
 train only: a corpus' own dev and test are kept as published (comparable with published
@@ -71,6 +77,7 @@ from asrflow.data.importers import (
     stream_kaldi,
     stream_recipe_split,
 )
+from asrflow.data.manifests import check_test_set_name, write_test_set_list
 from asrflow.data.split_writer import SplitWriter, cut_dict, portable, recording_dict
 from asrflow.data.spool import DEFAULT_CHUNK_LINES, SortedSpool
 from asrflow.data.text import TextConfig
@@ -98,7 +105,8 @@ class PrepareConfig:
         corpus: a Lhotse recipe name, ``folder`` or ``kaldi``.
         corpus_dir: the corpus folder (relative to the working directory, or absolute).
         recipe_args: extra keyword arguments for the Lhotse recipe.
-        splits: our split -> the corpus' split name(s), or ``None`` to carve it from train.
+        splits: our split -> the corpus' split name(s), or ``None`` to carve it from train;
+            ``test`` may also name several test sets (:meth:`test_sources`).
         dev_fraction: share of train utterances carved into dev when it is empty, in [0, 1).
         test_fraction: share of train utterances carved into test when it is empty, in [0, 1).
         min_duration_s: shorter utterances are rejected (seconds).
@@ -163,7 +171,10 @@ class PrepareConfig:
         self.split_sources()  # checks prepare.splits
 
     def split_sources(self) -> dict[str, list[str]]:
-        """Our split -> the corpus' split names (an empty list: carve it from train).
+        """Each split to write -> the corpus' split names it merges (an empty list: carve it from train).
+
+        The keys are ``train``, ``dev``, then the test sets in the order ``splits.test``
+        gives them (see :meth:`test_sources`).
 
         Raises:
             AsrflowError: when ``splits`` has an unknown key, no train, a bad value, or
@@ -174,17 +185,12 @@ class PrepareConfig:
             raise AsrflowError(
                 f"params.yaml: prepare.splits has unknown key(s) {', '.join(unknown)}; use {', '.join(SPLITS)}"
             )
-        sources: dict[str, list[str]] = {}
+        sources = {
+            split: _source_names(self.splits.get(split), f"prepare.splits.{split}") for split in ("train", "dev")
+        }
+        sources.update(self.test_sources())
         owner: dict[str, str] = {}
-        for split in SPLITS:
-            value = self.splits.get(split)
-            names = [value] if isinstance(value, str) else value
-            if names is None:
-                names = []
-            if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
-                raise AsrflowError(
-                    f"params.yaml: prepare.splits.{split} = {value!r} must be a split name, a list of names, or null"
-                )
+        for split, names in sources.items():
             for name in names:
                 if name in owner:
                     raise AsrflowError(
@@ -192,10 +198,50 @@ class PrepareConfig:
                         "give each split its own data (or null to carve it from train)"
                     )
                 owner[name] = split
-            sources[split] = names
         if not sources["train"]:
             raise AsrflowError("params.yaml: prepare.splits.train must name the corpus' training split")
         return sources
+
+    def test_sources(self) -> dict[str, list[str]]:
+        """Each test set's name -> the corpus' split names it merges, from ``splits.test``.
+
+        ``null`` carves one test set, ``test``, from train; a name (or a list merged into
+        one) is the one test set ``test``; a list gives one test set per name, named after
+        it; a mapping names each test set itself
+        (``{clean: test-clean, all: [test-clean, test-other]}``, a list merging its names).
+
+        Raises:
+            AsrflowError: a value of another shape, or a name a test set cannot have.
+        """
+        value = self.splits.get("test")
+        if isinstance(value, dict):
+            if not value:
+                raise AsrflowError("params.yaml: prepare.splits.test = {} names no test set; give one, or null")
+            return {
+                check_test_set_name(name, "params.yaml: prepare.splits.test"): _source_names(
+                    names, f"prepare.splits.test.{name}", required=True
+                )
+                for name, names in value.items()
+            }
+        if isinstance(value, list) and value:
+            names = _source_names(value, "prepare.splits.test")
+            for name in names:
+                check_test_set_name(
+                    name,
+                    "params.yaml: prepare.splits.test (a list gives one test set per split, named after it; "
+                    "a mapping {name: split} names them yourself)",
+                )
+            return {name: [name] for name in names}
+        return {"test": _source_names(value, "prepare.splits.test")}
+
+
+def _source_names(value: Any, key: str, *, required: bool = False) -> list[str]:
+    """A ``prepare.splits`` value as the list of corpus split names it merges (``[]``: null, carve it)."""
+    names = [value] if isinstance(value, str) else [] if value is None and not required else value
+    if not (isinstance(names, list) and all(isinstance(n, str) and n.strip() for n in names)) or required and not names:
+        shapes = "a split name or a list of names" if required else "a split name, a list of names, or null"
+        raise AsrflowError(f"params.yaml: {key} = {value!r} must be {shapes}")
+    return names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,12 +341,12 @@ def _streams(
                 raise AsrflowError(f"{where} gives no recordings; check corpus_dir and prepare.recipe_args")
             if list(folders) == [UNSPLIT]:
                 raise AsrflowError(
-                    f"params.yaml: prepare.splits.{split} = {name!r}, but {where} gives one unsplit set "
+                    f"params.yaml: prepare.splits.{_param_key(split)} = {name!r}, but {where} gives one unsplit set "
                     f"(no split names); set prepare.splits to {{train: {UNSPLIT}, dev: null, test: null}} "
                     "to carve dev and test from it (prepare.dev_fraction, prepare.test_fraction)"
                 )
             raise AsrflowError(
-                f"params.yaml: prepare.splits.{split} = {name!r}, but {where} gives the splits "
+                f"params.yaml: prepare.splits.{_param_key(split)} = {name!r}, but {where} gives the splits "
                 f"{', '.join(sorted(folders))}; pick from those (a list merges several)"
             )
     return {
@@ -308,6 +354,11 @@ def _streams(
         for split, names in sources.items()
         if names
     }
+
+
+def _param_key(split: str) -> str:
+    """The ``prepare.splits`` key a split we write comes from (a test set's is ``test``)."""
+    return split if split in ("train", "dev") else "test"
 
 
 # --------------------------------------------------------------------------- carving
@@ -492,7 +543,7 @@ def prepare_corpus(
             "point it at the folder that holds the corpus"
         )
     sources = config.split_sources()
-    carved = [split for split in ("dev", "test") if not sources[split]]
+    carved = [split for split in ("dev", "test") if split in sources and not sources[split]]
     streams = _streams(config, corpus_dir, sources, output_dir)
     _check_fractions(carved, config)
     rules = ValidationRules(
@@ -511,11 +562,11 @@ def prepare_corpus(
         work = tmp / ".work"
         work.mkdir()
         rejections = _RejectionLog(tmp / "rejected.jsonl")
-        spools = {split: SortedSpool(work, f"{split}_cuts", chunk_lines=chunk_lines) for split in streams}
+        spools = {
+            split: SortedSpool(work, f"{index}_cuts", chunk_lines=chunk_lines) for index, split in enumerate(streams)
+        }
         kept = 0
-        for split in SPLITS:
-            if split not in streams:
-                continue
+        for split in streams:
             # Only train is filtered by duration: a corpus' own dev and test stay as published.
             validator = SplitValidator(split, rules, seen, duration_limits=split == "train")
             kept += _validate_into_spool(
@@ -534,7 +585,7 @@ def prepare_corpus(
         fractions = {"dev": config.dev_fraction, "test": config.test_fraction}
         plan = plan_carving(counter, {split: fractions[split] for split in carved}, seed)
 
-        writers = {split: SplitWriter(tmp, split, work, chunk_lines=chunk_lines) for split in SPLITS}
+        writers = {split: SplitWriter(tmp, split, work, chunk_lines=chunk_lines) for split in sources}
         for split, spool in spools.items():
             for _, line in spool.drain():
                 cut = json.loads(line)
@@ -570,13 +621,14 @@ def prepare_corpus(
             items_total=kept + rejections.total,
         )
         _log_summary(summary, rejections)
-        for split in SPLITS:
+        for split in sources:
             if not summaries[split].utterances:
                 how = "carving from train left it empty (train too small?)" if split in carved else "no usable items"
                 raise AsrflowError(
                     f"split {split!r} is empty after preparation ({how}); add data, fix prepare.splits, "
                     "or look at the rejected items in the log"
                 )
+        write_test_set_list(tmp, config.test_sources())
         (tmp / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
     report.unlink(missing_ok=True)
     logger.info("prepare: manifests written to %s", output_dir)

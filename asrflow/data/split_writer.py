@@ -119,8 +119,10 @@ class SplitWriter:
 
     def __init__(self, folder: Path, split: str, work: Path, *, chunk_lines: int = DEFAULT_CHUNK_LINES) -> None:
         self.folder, self.split = folder, split
+        (folder / split).parent.mkdir(parents=True, exist_ok=True)  # a test set named <corpus>/<split>
         self.streams = {kind: open_gzip(folder / f"{split}_{kind}.jsonl.gz") for kind in ("cuts", "supervisions")}
-        self.spool = SortedSpool(work, f"{split}_recordings", chunk_lines=chunk_lines)
+        # '%' is in no split name, so each split's spool has a name of its own in the one work folder
+        self.spool = SortedSpool(work, f"{split.replace('/', '%')}_recordings", chunk_lines=chunk_lines)
         self.recent: OrderedDict[str, None] = OrderedDict()
         self.utterances = 0
         self.seconds = 0.0

@@ -1,4 +1,4 @@
-"""The evaluate stage's work: decode the test split with a model bundle, score, report, log."""
+"""The evaluate stage's work: decode every test set with a model bundle, score, report, log."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from pathlib import Path
 from lhotse import CutSet
 
 from asrflow.data.features import check_same_features
-from asrflow.data.manifests import cut_text, cuts_path, load_cuts, pack_by_duration
+from asrflow.data.manifests import cut_text, cuts_path, list_test_sets, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
-from asrflow.evaluation.metrics import score_corpus
+from asrflow.evaluation.metrics import pool_scores, score_corpus
 from asrflow.evaluation.report import (
+    TEST_SETS_KEY,
     WER_BY_DURATION_COLUMNS,
     wer_by_duration,
     wer_by_duration_figure,
@@ -119,34 +120,55 @@ def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[
 def evaluate(
     model_path: Path, fbank_dir: Path, out_dir: Path, config: EvaluateConfig, *, tracking_uri: str | None = None
 ) -> dict:
-    """Decode ``fbank_dir``'s test split with ``config.decoder``, write the report into ``out_dir``,
-    log it to the training's MLflow run (``tracking_uri``, else MLflow's default store)."""
+    """Decode every test set of ``fbank_dir`` with ``config.decoder``, write the report into ``out_dir``,
+    log it to the training's MLflow run (``tracking_uri``, else MLflow's default store).
+
+    The test sets are decoded together (one real-time factor) and scored each on its own;
+    the top-level numbers pool them (:func:`asrflow.evaluation.report.write_report`).
+
+    Returns:
+        The metrics written to ``metrics.json``.
+    """
     bundle = load_bundle(model_path)
     check_same_features(bundle.features, fbank_dir)
-    cuts = load_cuts(fbank_dir, "test").to_eager()
-    refs = {cut.id: cut_text(cut) for cut in cuts}
+    sets = {name: load_cuts(fbank_dir, name).to_eager() for name in list_test_sets(fbank_dir)}
+    cuts = CutSet.from_cuts(cut for one in sets.values() for cut in one)
     hyps, rtf = decode_split(bundle, cuts, config)
-    score = score_corpus(refs, hyps)
+    scores = {name: score_corpus({cut.id: cut_text(cut) for cut in one}, hyps) for name, one in sets.items()}
     durations = {cut.id: cut.duration for cut in cuts}
     loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
-    metrics = write_report(out_dir, score, durations, rtf=rtf, loss_csv=loss_csv)
+    metrics = write_report(out_dir, scores, durations, rtf=rtf, loss_csv=loss_csv)
+    for name, one in metrics[TEST_SETS_KEY].items():
+        logger.info(
+            "%s: WER %.2f%%, CER %.2f%% over %d utterances",
+            name,
+            100 * one["wer"],
+            100 * one["cer"],
+            one["num_utterances"],
+        )
     logger.info(
-        "test WER %.2f%%, CER %.2f%% over %d utterances (decoder %s)",
-        100 * score.wer,
-        100 * score.cer,
+        "test WER %.2f%%, CER %.2f%% over %d utterances of %d test set(s) (decoder %s)",
+        100 * metrics["wer"],
+        100 * metrics["cer"],
         len(cuts),
+        len(sets),
         config.decoder,
     )
     if bundle.run_id:
         _log_to_training_run(
             bundle.run_id,
             metrics,
-            wer_rows=wer_by_duration(score, durations),
+            wer_rows=wer_by_duration(pool_scores(scores.values()), durations),
             out_dir=out_dir,
             tracking_uri=tracking_uri,
-            test_manifest=cuts_path(fbank_dir, "test"),
+            test_manifests={name: cuts_path(fbank_dir, name) for name in sets},
         )
     return metrics
+
+
+def dataset_context(test_set: str) -> str:
+    """The MLflow dataset context of a test set: ``test`` for the one named so, else ``test/<name>``."""
+    return "test" if test_set == "test" else f"test/{test_set}"
 
 
 def _log_to_training_run(
@@ -156,27 +178,36 @@ def _log_to_training_run(
     wer_rows: list[dict[str, object]],
     out_dir: Path,
     tracking_uri: str | None,
-    test_manifest: Path,
+    test_manifests: dict[str, Path],
 ) -> None:
-    """Log the metrics (``test/*``), the report files, the training loss CSV, and the WER by
-    duration as an MLflow table (:data:`WER_TABLE_ARTIFACT`) and chart (:data:`WER_FIGURE_ARTIFACT`).
+    """Log the pooled metrics (``test/<key>``), each test set's ``test/<name>/wer`` and
+    ``test/<name>/cer``, the report files, the training loss CSV, and the WER by duration
+    as an MLflow table (:data:`WER_TABLE_ARTIFACT`) and chart (:data:`WER_FIGURE_ARTIFACT`).
 
-    The test manifest becomes the run's ``test`` dataset input; the metrics name it and are
-    attached to the run's latest logged MLflow model, when it has one (its page shows them).
+    Each test set's manifest becomes a dataset input of the run (context :func:`dataset_context`,
+    named after the set); a set's metrics name its dataset (the pooled ones too when there is
+    one set), and all are attached to the run's latest logged MLflow model when it has one.
     """
     from mlflow.tracking import MlflowClient
 
+    from asrflow.tracking.datasets import ManifestDataset
     from asrflow.tracking.run import MlflowRun
 
     tracker = MlflowRun.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
     try:
-        test_set = tracker.log_datasets({"test": test_manifest})["test"]
-        model_ids = tracker.model_ids()
-        tracker.log_metrics(
-            {f"test/{key}": value for key, value in metrics.items()},
-            model_id=model_ids[-1] if model_ids else None,
-            dataset=test_set,
+        datasets = tracker.log_datasets(
+            {dataset_context(name): ManifestDataset(path, name=name) for name, path in test_manifests.items()}
         )
+        by_set = {name: datasets[dataset_context(name)] for name in test_manifests}
+        model_ids = tracker.model_ids()
+        model_id = model_ids[-1] if model_ids else None
+        pooled = {f"test/{key}": value for key, value in metrics.items() if key != TEST_SETS_KEY}
+        tracker.log_metrics(
+            pooled, model_id=model_id, dataset=next(iter(by_set.values())) if len(by_set) == 1 else None
+        )
+        for name, one in metrics[TEST_SETS_KEY].items():
+            per_set = {f"test/{name}/{key}": one[key] for key in ("wer", "cer")}
+            tracker.log_metrics(per_set, model_id=model_id, dataset=by_set[name])
         for name in ("metrics.json", "per_utterance.jsonl", "errors.txt", "wer_by_duration.csv", "metrics.html"):
             tracker.log_artifact(out_dir / name, artifact_path="eval")
         loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import kaldialign
@@ -180,3 +180,16 @@ def score_corpus(refs: dict[str, str], hyps: dict[str, str]) -> CorpusScore:
     if words.ref_len == 0:
         raise AsrflowError("the reference transcripts are all empty: there are no words to score against")
     return CorpusScore(words=words, chars=chars, utterances=rows)
+
+
+def pool_scores(scores: Iterable[CorpusScore]) -> CorpusScore:
+    """Several scored test sets as one: errors and reference lengths summed, rows in the given order.
+
+    The pooled WER is all word errors over all reference words (not a mean of the sets' WERs).
+    """
+    scores = list(scores)
+    return CorpusScore(
+        words=sum((score.words for score in scores), ErrorCounts()),
+        chars=sum((score.chars for score in scores), ErrorCounts()),
+        utterances=[row for score in scores for row in score.utterances],
+    )

@@ -4,29 +4,36 @@ Files written into ``out_dir``, each atomically (a crash leaves the previous ver
 none, never half a file), ``metrics.json`` last so that its presence means the report
 is complete:
 
-- ``per_utterance.jsonl``: one JSON object per utterance (id, duration in seconds, ref,
-  hyp, word errors, alignment as ``[ref, hyp]`` pairs with ``"*"`` for a gap).
-- ``errors.txt``: totals and the most frequent word errors, for people.
+- ``per_utterance.jsonl``: one JSON object per utterance (test set, id, duration in
+  seconds, ref, hyp, word errors, alignment as ``[ref, hyp]`` pairs with ``"*"`` for a gap).
+- ``errors.txt``: totals (over all test sets, then per set) and the most frequent word
+  errors, for people.
 - ``wer_by_duration.csv``: ``duration_bucket,wer,num_utterances`` for ``dvc plots``.
   Buckets have equal width, the smallest of :data:`BUCKET_WIDTHS_S` that covers the
   longest utterance in at most :data:`MAX_BUCKETS` buckets (yesno's ~6 s clips give
   ``5-6s``, ``6-7s``; 20 s LibriSpeech utterances give ``0-2s`` ... ``18-20s``). A
-  bucket's WER pools its utterances' errors and reference words; empty buckets are left out.
-- ``metrics.json``: flat numbers (``wer``, ``cer`` and their counts, rates and
-  ``rtf_*``), so ``dvc metrics show`` and MLflow can take them as they are.
+  bucket's WER pools its utterances' errors and reference words (of every test set);
+  empty buckets are left out.
+- ``metrics.json``: at the top, flat numbers over every test set pooled (``wer``, ``cer``
+  and their counts, rates and ``rtf_*``): all errors over all reference words, not a mean
+  of the sets' rates. Under ``test_sets``, the same for each test set by name
+  (:data:`TEST_SET_KEYS`), which ``dvc metrics show`` lists as ``test_sets.<name>.wer``.
 
 For people (and ``snakemake --report``), :func:`write_figures` adds ``metrics.html`` (the
-WER/CER table), ``wer_by_duration.svg`` and ``train_loss.svg`` (the training loss per step).
+WER/CER table, a row per test set and one for all of them), ``wer_by_duration.svg`` and
+``train_loss.svg`` (the training loss per step).
 """
 
 from __future__ import annotations
 
 import csv
+import html
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
-from asrflow.evaluation.metrics import CorpusScore, ErrorCounts
+from asrflow.evaluation.metrics import CorpusScore, ErrorCounts, pool_scores
 from asrflow.files import atomic_path, write_json, write_jsonl
 
 METRICS_FILE = "metrics.json"
@@ -45,6 +52,12 @@ BUCKET_WIDTHS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600
 MAX_BUCKETS = 10
 #: Word errors listed in ``errors.txt``.
 TOP_ERRORS = 50
+#: The numbers ``metrics.json`` holds for each test set, under ``test_sets.<name>``.
+TEST_SET_KEYS = ("wer", "cer", "word_errors", "ref_words", "char_errors", "ref_chars", "num_utterances", "duration_s")
+#: The key of ``metrics.json`` that holds :data:`TEST_SET_KEYS` per test set.
+TEST_SETS_KEY = "test_sets"
+#: The row of the metrics table for every test set pooled.
+OVERALL = "overall"
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +148,13 @@ def metrics_dict(
     return metrics
 
 
-def _errors_text(score: CorpusScore, top_n: int) -> str:
+def test_set_metrics(score: CorpusScore, durations: dict[str, float]) -> dict[str, float | int]:
+    """:data:`TEST_SET_KEYS` of one test set (rates are fractions, ``duration_s`` seconds)."""
+    metrics = {**metrics_dict(score, durations), "char_errors": score.chars.errors}
+    return {key: metrics[key] for key in TEST_SET_KEYS}
+
+
+def _totals(score: CorpusScore) -> list[str]:
     words, chars = score.words, score.chars
     lines = [
         f"WER {100 * words.rate:.2f}% ({words.errors} errors / {words.ref_len} words: "
@@ -146,6 +165,16 @@ def _errors_text(score: CorpusScore, top_n: int) -> str:
     ]
     if score.num_missing_hyps:
         lines.append(f"{score.num_missing_hyps} utterances had no hypothesis (scored as all deletions)")
+    return lines
+
+
+def _errors_text(scores: Mapping[str, CorpusScore], top_n: int) -> str:
+    score = pool_scores(scores.values())
+    lines = _totals(score)
+    if len(scores) > 1:
+        lines[0] += f" of {len(scores)} test sets"
+        for name, one in scores.items():
+            lines += ["", f"{name}:", *(f"  {line}" for line in _totals(one))]
     top = score.most_frequent_errors(top_n)
     lines += ["", f"Most frequent word errors (top {top_n}):", f"{'count':>7}  error"]
     lines += [f"{count:>7}  {error}" for error, count in top] or ["      -  none"]
@@ -154,7 +183,7 @@ def _errors_text(score: CorpusScore, top_n: int) -> str:
 
 def write_report(
     out_dir: Path,
-    score: CorpusScore,
+    scores: Mapping[str, CorpusScore],
     durations: dict[str, float],
     *,
     rtf: dict[str, float] | None = None,
@@ -165,7 +194,8 @@ def write_report(
 
     Args:
         out_dir: folder for the files; created if missing.
-        score: the scored corpus from :func:`asrflow.evaluation.metrics.score_corpus`.
+        scores: each test set's name -> its score from
+            :func:`asrflow.evaluation.metrics.score_corpus`, in the order to report them.
         durations: audio duration in seconds per utterance id.
         rtf: optional real-time factors by name (e.g. ``{"decode": 0.02}``).
         top_n: how many word errors ``errors.txt`` lists.
@@ -175,6 +205,8 @@ def write_report(
     Returns:
         The metrics written to ``metrics.json``.
     """
+    score = pool_scores(scores.values())
+    test_set_of = {row.id: name for name, one in scores.items() for row in one.utterances}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     missing = [row.id for row in score.utterances if durations.get(row.id) is None]
@@ -190,6 +222,7 @@ def write_report(
         out_dir / PER_UTTERANCE_FILE,
         (
             {
+                "test_set": test_set_of[row.id],
                 "id": row.id,
                 "duration": durations.get(row.id),
                 "ref": row.ref,
@@ -208,14 +241,17 @@ def write_report(
     )
 
     with atomic_path(out_dir / ERRORS_FILE) as tmp:
-        tmp.write_text(_errors_text(score, top_n))
+        tmp.write_text(_errors_text(scores, top_n))
 
     with atomic_path(out_dir / WER_BY_DURATION_FILE) as tmp, open(tmp, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=WER_BY_DURATION_COLUMNS)
         writer.writeheader()
         writer.writerows(wer_by_duration(score, durations))
 
-    metrics = metrics_dict(score, durations, rtf)
+    metrics = {
+        **metrics_dict(score, durations, rtf),
+        TEST_SETS_KEY: {name: test_set_metrics(one, durations) for name, one in scores.items()},
+    }
     if loss_csv is not None:
         write_figures(out_dir, metrics, wer_by_duration(score, durations), loss_csv)
     write_json(out_dir / METRICS_FILE, metrics)
@@ -248,29 +284,31 @@ def train_loss_figure(loss_csv: Path):
     return figure
 
 
-def metrics_table_html(metrics: dict[str, float | int]) -> str:
-    """A small self-contained HTML page with the test WER and CER and their error counts."""
+def metrics_table_html(metrics: dict) -> str:
+    """A small self-contained HTML page: WER, CER and their counts per test set (``metrics["test_sets"]``),
+    and, with more than one set, a last row for all of them pooled (``metrics``' top-level numbers)."""
 
     def pct(value: float) -> str:
         return f"{100 * float(value):.2f} %"
 
-    char_errors = metrics["char_substitutions"] + metrics["char_deletions"] + metrics["char_insertions"]
-    rows = [
-        (
-            "WER",
-            pct(metrics["wer"]),
-            f"{metrics['word_errors']} errors / {metrics['ref_words']} words "
-            f"({metrics['substitutions']} sub, {metrics['deletions']} del, {metrics['insertions']} ins)",
-        ),
-        ("CER", pct(metrics["cer"]), f"{char_errors} errors / {metrics['ref_chars']} characters"),
-        ("utterances", str(metrics["num_utterances"]), f"{float(metrics['duration_s']) / 60:.1f} minutes of audio"),
-    ]
-    body = "\n".join(f"<tr><th>{name}</th><td>{value}</td><td>{detail}</td></tr>" for name, value, detail in rows)
+    test_sets = metrics[TEST_SETS_KEY]
+    rows = list(test_sets.items())
+    if len(rows) > 1:
+        overall = {**metrics, "char_errors": sum(one["char_errors"] for one in test_sets.values())}
+        rows.append((OVERALL, overall))
+    body = "\n".join(
+        f"<tr><th>{html.escape(name)}</th><td>{pct(one['wer'])}</td><td>{pct(one['cer'])}</td>"
+        f"<td>{one['word_errors']} errors / {one['ref_words']} words</td>"
+        f"<td>{one['char_errors']} errors / {one['ref_chars']} characters</td>"
+        f"<td>{one['num_utterances']}</td><td>{float(one['duration_s']) / 60:.1f}</td></tr>"
+        for name, one in rows
+    )
     return (
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>Test WER and CER</title>'
         "<style>table{border-collapse:collapse;font-family:sans-serif}th,td{border:1px solid #ccc;"
         "padding:4px 10px;text-align:left}</style></head><body>\n"
-        f"<table>\n<tr><th>metric</th><th>value</th><th>counts</th></tr>\n{body}\n</table>\n</body></html>\n"
+        "<table>\n<tr><th>test set</th><th>WER</th><th>CER</th><th>word errors</th><th>character errors</th>"
+        f"<th>utterances</th><th>audio (minutes)</th></tr>\n{body}\n</table>\n</body></html>\n"
     )
 
 
@@ -281,9 +319,7 @@ def _save_svg(figure, path: Path) -> None:
         figure.savefig(tmp, format="svg", metadata={"Date": None})
 
 
-def write_figures(
-    out_dir: Path, metrics: dict[str, float | int], wer_rows: list[dict[str, object]], loss_csv: Path
-) -> None:
+def write_figures(out_dir: Path, metrics: dict, wer_rows: list[dict[str, object]], loss_csv: Path) -> None:
     """Write :data:`METRICS_TABLE_FILE`, :data:`WER_BY_DURATION_FIGURE_FILE` and
     :data:`TRAIN_LOSS_FIGURE_FILE` into ``out_dir`` (each atomically; SVGs without a date,
     so the same numbers give the same bytes)."""
