@@ -36,16 +36,16 @@ def cuts_path(directory: str | Path, split: str) -> Path:
     return Path(directory) / f"{split}_cuts.jsonl.gz"
 
 
-def check_test_set_name(name: object, where: str) -> str:
+def check_test_set_name(name: object, where: str, hint: str = "") -> str:
     """``name`` when it can name a test set (:data:`TEST_SET_NAME`, not ``train`` or ``dev``).
 
     Raises:
-        AsrflowError: naming ``where`` the name came from and what a name may hold.
+        AsrflowError: naming ``where`` the name came from and what a name may hold (then ``hint``).
     """
     if not isinstance(name, str) or not TEST_SET_NAME.fullmatch(name) or name in ("train", "dev"):
         raise AsrflowError(
             f"{where}: {name!r} cannot name a test set; use letters, digits, '.', '_' and '-' "
-            "(parts joined by '/'), other than train and dev"
+            f"(parts joined by '/'), other than train and dev{hint}"
         )
     return name
 

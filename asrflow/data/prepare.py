@@ -225,12 +225,9 @@ class PrepareConfig:
             }
         if isinstance(value, list) and value:
             names = _source_names(value, "prepare.splits.test")
+            hint = "; a list names each test set after its split: to name them yourself, use a mapping {name: split}"
             for name in names:
-                check_test_set_name(
-                    name,
-                    "params.yaml: prepare.splits.test (a list gives one test set per split, named after it; "
-                    "a mapping {name: split} names them yourself)",
-                )
+                check_test_set_name(name, "params.yaml: prepare.splits.test", hint)
             return {name: [name] for name in names}
         return {"test": _source_names(value, "prepare.splits.test")}
 

@@ -166,6 +166,27 @@ def folder_corpus(corpus_dir: Path):
     return PrepareConfig(corpus="folder", corpus_dir=str(corpus_dir), splits=splits)
 
 
+def write_folder_corpus(corpus_dir: Path, splits: dict[str, list[tuple[Path, str]]]) -> Path:
+    """A ``corpus: folder`` corpus made of existing audio: ``<split>.tsv`` per split, each file copied in.
+
+    Args:
+        corpus_dir: the folder to write (created).
+        splits: the corpus' split name -> ``(audio file, transcript)`` of its utterances; a
+            file keeps its name, so names must differ across splits.
+
+    Returns:
+        ``corpus_dir``.
+    """
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    for split, files in splits.items():
+        rows = []
+        for audio, text in files:
+            shutil.copyfile(audio, corpus_dir / Path(audio).name)
+            rows.append(f"{Path(audio).name}\t{text}")
+        (corpus_dir / f"{split}.tsv").write_text("\n".join(rows) + "\n")
+    return corpus_dir
+
+
 def prepare_features_tokenizer(root: Path, prepare, features, tokenizer, *, seed: int = 42) -> Path:
     """prepare + features + tokenizer into ``root/{manifests,fbank,lang}``, as the stages run them,
     from a ``PrepareConfig``, a ``FeatureConfig`` and a ``TokenizerConfig``."""

@@ -10,6 +10,7 @@ import pytest
 import soundfile as sf
 from lhotse import CutSet, RecordingSet, SupervisionSegment, SupervisionSet
 
+from asrflow.data.manifests import list_test_sets
 from asrflow.data.prepare import PrepareConfig, carve_ids, prepare_corpus
 from asrflow.errors import AsrflowError
 
@@ -238,3 +239,71 @@ def test_written_manifests_load_back_with_lhotse(tmp_path: Path) -> None:
     supervisions = SupervisionSet.from_file(out / "train_supervisions.jsonl.gz")
     assert len(recordings) == len(supervisions) == 1
     assert Path(recordings[0].sources[0].source).is_absolute()  # outside the working directory
+
+
+@pytest.mark.parametrize(
+    ("test", "expected"),
+    [
+        ("test-clean", {"test": ["test-clean"]}),
+        (None, {"test": []}),
+        (["test-clean", "test-other"], {"test-clean": ["test-clean"], "test-other": ["test-other"]}),
+        (["en/test"], {"en/test": ["en/test"]}),
+        (
+            {"clean": "test-clean", "rest": ["test-other", "dev-other"]},
+            {"clean": ["test-clean"], "rest": ["test-other", "dev-other"]},
+        ),
+    ],
+)
+def test_splits_test_names_one_or_several_test_sets(test, expected) -> None:
+    config = PrepareConfig.from_section({"splits": {"train": "train", "dev": "dev", "test": test}})
+    assert config.test_sources() == expected
+    assert list(config.split_sources()) == ["train", "dev", *expected]
+
+
+@pytest.mark.parametrize(
+    ("test", "pattern"),
+    [
+        ({"train": "test-clean"}, "prepare.splits.test: 'train' cannot name a test set"),
+        (["test clean"], "'test clean' cannot name a test set.*use a mapping \\{name: split\\}"),
+        ({"../up": "x"}, "'../up' cannot name a test set"),
+        ({}, "names no test set"),
+        ({"clean": None}, "prepare.splits.test.clean = None must be a split name or a list of names"),
+        ({"a": "x", "b": "x"}, "names 'x' for both a and b"),
+        (["dev", "x"], "'dev' cannot name a test set"),
+    ],
+)
+def test_bad_test_set_names_are_user_errors(test, pattern) -> None:
+    with pytest.raises(AsrflowError, match=pattern):
+        PrepareConfig.from_section({"splits": {"train": "train", "dev": "dev", "test": test}})
+
+
+def test_several_test_sets_get_a_manifest_each_kept_whole(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    for name, seconds in (("a", 0.5), ("b", 0.5), ("c", 0.5), ("d", 0.5), ("t1", 0.5), ("t2", 40.0), ("t3", 0.5)):
+        write_tone(corpus / f"{name}.wav", seconds, rate=8000)
+    (corpus / "train.tsv").write_text("a.wav\tone\nb.wav\ttwo\nc.wav\tthree\nd.wav\tfour\n")
+    (corpus / "clean.tsv").write_text("t1.wav\tfive\nt2.wav\tsix\n")
+    (corpus / "other.tsv").write_text("t3.wav\tseven\n")
+    section = {"corpus": "folder", "corpus_dir": str(corpus), "max_duration_s": 30.0}
+    named = {"train": "train", "dev": None, "test": {"clean": "clean", "more/other": "other"}}
+    summary = prepare_corpus(PrepareConfig.from_section({**section, "splits": named}), tmp_path / "out", seed=0)
+
+    assert list_test_sets(tmp_path / "out") == ["clean", "more/other"]
+    assert json.loads((tmp_path / "out" / "splits.json").read_text()) == {"test": ["clean", "more/other"]}
+    assert {name: s.utterances for name, s in summary.splits.items()} == {
+        "train": 3,
+        "dev": 1,
+        "clean": 2,
+        "more/other": 1,
+    }
+    assert ids(tmp_path / "out" / "clean_cuts.jsonl.gz") == ["t1", "t2"]  # the 40 s one is kept: a test set is whole
+    assert ids(tmp_path / "out" / "more" / "other_cuts.jsonl.gz") == ["t3"]
+    assert len(RecordingSet.from_file(tmp_path / "out" / "more" / "other_recordings.jsonl.gz")) == 1
+    assert not (tmp_path / "out" / "test_cuts.jsonl.gz").exists()
+    assert set(json.loads((tmp_path / "out" / "summary.json").read_text())["splits"]) == set(summary.splits)
+
+    # One test set named test: the layout of before, no splits.json.
+    single = {"train": "train", "dev": None, "test": "clean"}
+    prepare_corpus(PrepareConfig.from_section({**section, "splits": single}), tmp_path / "one", seed=0)
+    assert not (tmp_path / "one" / "splits.json").exists() and list_test_sets(tmp_path / "one") == ["test"]
+    assert ids(tmp_path / "one" / "test_cuts.jsonl.gz") == ["t1", "t2"]

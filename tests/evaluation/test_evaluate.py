@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from trained_model import yesno_model  # noqa: F401  (fixture)
+from trained_model import split_files, yesno_model  # noqa: F401  (fixture)
 
-from asrflow.data.manifests import load_cuts
+from asrflow.data.features import FeatureConfig, compute_features
+from asrflow.data.manifests import list_test_sets, load_cuts
+from asrflow.data.prepare import PrepareConfig, prepare_corpus
 from asrflow.decoding.ctc import greedy_decode, prefix_beam_search
 from asrflow.errors import AsrflowError
 from asrflow.evaluation.evaluate import (
@@ -24,6 +26,7 @@ from asrflow.evaluation.evaluate import (
 )
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.inference import cut_features, log_probs
+from asrflow.testing.corpora import write_folder_corpus
 from asrflow.tokenizer import BLANK_ID
 
 
@@ -34,7 +37,7 @@ def test_evaluate_writes_report_and_logs_to_the_training_run(yesno_model, yesno_
     )
 
     on_disk = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert on_disk == pytest.approx(metrics)
+    assert on_disk == metrics
     assert on_disk["num_utterances"] == 30 and on_disk["ref_words"] == 240
     assert 0.0 <= on_disk["wer"] < 0.25
     # Only the chosen decoder ran: one end-to-end real-time factor, and the encoder's share of it.
@@ -64,6 +67,51 @@ def test_evaluate_writes_report_and_logs_to_the_training_run(yesno_model, yesno_
     ]
     png = Path(client.download_artifacts(run_id, WER_FIGURE_ARTIFACT, str(downloads))).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_every_test_set_is_scored_and_the_overall_pools_them(yesno_model, yesno_data, tmp_path):  # noqa: F811
+    """yesno's 30 test utterances as two named test sets of a folder corpus (12 + 18), through
+    prepare, features and evaluate: a row per set, and an overall that is yesno's single test set."""
+    test = split_files(yesno_data, "test")
+    splits = {"train": split_files(yesno_data, "train"), "dev": split_files(yesno_data, "dev")}
+    corpus = write_folder_corpus(tmp_path / "corpus", {**splits, "first": test[:12], "second": test[12:]})
+    named = {"train": "train", "dev": "dev", "test": {"first": "first", "more/second": "second"}}
+    prepare = PrepareConfig.from_section({"corpus": "folder", "corpus_dir": str(corpus), "splits": named})
+    prepare_corpus(prepare, tmp_path / "manifests", seed=42)
+    compute_features(tmp_path / "manifests", tmp_path / "fbank", FeatureConfig(num_jobs=1))
+    assert list_test_sets(tmp_path / "fbank") == ["first", "more/second"]
+
+    uri = f"sqlite:///{yesno_model.parent / 'mlflow.db'}"
+    single = evaluate(yesno_model, yesno_data / "fbank", tmp_path / "single", EvaluateConfig(), tracking_uri=uri)
+    metrics = evaluate(yesno_model, tmp_path / "fbank", tmp_path / "eval", EvaluateConfig(), tracking_uri=uri)
+
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == metrics
+    sets = metrics["test_sets"]
+    assert list(sets) == ["first", "more/second"]
+    assert [(sets[name]["num_utterances"], sets[name]["ref_words"]) for name in sets] == [(12, 96), (18, 144)]
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "per_utterance.jsonl").read_text().splitlines()]
+    for name, one in sets.items():
+        mine = [row for row in rows if row["test_set"] == name]
+        assert len(mine) == one["num_utterances"] and sum(row["errors"] for row in mine) == one["word_errors"]
+    # Pooled: every set's errors over every set's words, the same as yesno's one test set of these utterances.
+    assert metrics["word_errors"] == sum(one["word_errors"] for one in sets.values()) == single["word_errors"]
+    assert metrics["wer"] == pytest.approx(metrics["word_errors"] / 240) == pytest.approx(single["wer"])
+    assert metrics["cer"] == pytest.approx(single["cer"]) and metrics["num_utterances"] == 30
+    assert list(single["test_sets"]) == ["test"]
+    table = (tmp_path / "eval" / "metrics.html").read_text()
+    assert all(f"<tr><th>{name}</th>" in table for name in ("first", "more/second", "overall"))
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(load_bundle(yesno_model).run_id)
+    for name, one in sets.items():
+        assert run.data.metrics[f"test/{name}/wer"] == pytest.approx(one["wer"])
+        assert run.data.metrics[f"test/{name}/cer"] == pytest.approx(one["cer"])
+    assert run.data.metrics["test/test/wer"] == pytest.approx(single["wer"])  # the one set of yesno's own layout
+    assert run.data.metrics["test/wer"] == pytest.approx(metrics["wer"])
+    contexts = {
+        tag.value for item in run.inputs.dataset_inputs for tag in item.tags if tag.key == "mlflow.data.context"
+    }
+    assert {"test", "test/first", "test/more/second"} <= contexts
 
 
 def test_only_the_chosen_decoder_runs(yesno_model, yesno_data):  # noqa: F811
