@@ -208,7 +208,7 @@ class PrepareConfig:
         ``null`` carves one test set, ``test``, from train; a name (or a list merged into
         one) is the one test set ``test``; a list gives one test set per name, named after
         it; a mapping names each test set itself
-        (``{clean: test-clean, all: [test-clean, test-other]}``, a list merging its names).
+        (``{clean: test-clean, noisy: [test-other, dev-other]}``, a list merging its names).
 
         Raises:
             AsrflowError: a value of another shape, or a name a test set cannot have.
