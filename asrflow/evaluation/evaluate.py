@@ -138,14 +138,15 @@ def evaluate(
     durations = {cut.id: cut.duration for cut in cuts}
     loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
     metrics = write_report(out_dir, scores, durations, rtf=rtf, loss_csv=loss_csv)
-    for name, one in metrics[TEST_SETS_KEY].items():
-        logger.info(
-            "%s: WER %.2f%%, CER %.2f%% over %d utterances",
-            name,
-            100 * one["wer"],
-            100 * one["cer"],
-            one["num_utterances"],
-        )
+    if len(sets) > 1:
+        for name, one in metrics[TEST_SETS_KEY].items():
+            logger.info(
+                "%s: WER %.2f%%, CER %.2f%% over %d utterances",
+                name,
+                100 * one["wer"],
+                100 * one["cer"],
+                one["num_utterances"],
+            )
     logger.info(
         "test WER %.2f%%, CER %.2f%% over %d utterances of %d test set(s) (decoder %s)",
         100 * metrics["wer"],
