@@ -1,7 +1,8 @@
 """train stage: Conformer-CTC training with step checkpoints, exact resume and MLflow logging.
 
 Reads the features stage's output (--fbank, data/fbank/), the tokenizer stage's (--lang,
-data/lang/) and params.yaml (`seed`, `features:`, `train:`); writes into --exp (exp/):
+data/lang/) and params.yaml (`seed`, `features:`, `train:`), and with train.finetune.init_from
+a model under pretrained/ or an MLflow model URI (docs/training.md, "Fine-tuning"); writes into --exp (exp/):
 model.pt (a self-contained bundle) and plots/train_loss.csv; keeps checkpoints in
 checkpoints/ across runs, so running again after an interruption resumes. With
 run.nproc_per_node > 1 or run.nnodes > 1 it re-launches itself under torchrun; on the
@@ -38,6 +39,7 @@ from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params, read_seed
 from asrflow.tracking.store import check_tracking_uri
 from asrflow.training.config import TrainPaths, load_train_config
+from asrflow.training.init_model import check_declared
 from asrflow.training.observers import TrainObserver
 from asrflow.training.outcome import Outcome, TrainingFailure, TrainOutcome, exit_code
 from asrflow.training.trainer import Trainer
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
     if args.node_rank is not None:
         overrides["node_rank"] = args.node_rank
     config = replace(config, **overrides)
+    check_declared(config.init_from)  # a model file is a declared dependency: it lies under pretrained/
     features = build_config(FeatureConfig, params.get("features"), "features")
     check_tracking_uri()  # an unreachable MLFLOW_TRACKING_URI stops here, before any training
     if needs_torchrun(config):

@@ -11,6 +11,9 @@ from torchaudio.models import Conformer
 
 from asrflow.tokenizer import BLANK_ID
 
+#: Parameter-name prefix of the CTC head (``ConformerCtc.head``); every other parameter is the encoder's.
+HEAD_PREFIX = "head."
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -261,4 +264,4 @@ def build_model(config: ModelConfig) -> ConformerCtc:
     return ConformerCtc(config)
 
 
-__all__ = ["ConformerCtc", "ModelConfig", "build_model", "count_parameters", "subsampled_lengths"]
+__all__ = ["HEAD_PREFIX", "ConformerCtc", "ModelConfig", "build_model", "count_parameters", "subsampled_lengths"]

@@ -13,7 +13,7 @@ import torch
 from lhotse.dataset import GlobalMVN
 
 from asrflow.data.features import FeatureConfig, cmvn_from_dict
-from asrflow.errors import AsrflowError
+from asrflow.errors import AsrflowError, first_line
 from asrflow.files import atomic_path
 from asrflow.model.conformer_ctc import ConformerCtc, ModelConfig, build_model
 from asrflow.tokenizer import Tokenizer
@@ -59,17 +59,25 @@ def save_bundle(
         torch.save(payload, tmp)
 
 
-def load_bundle(path: str | Path) -> Bundle:
-    """Load a bundle written by :func:`save_bundle` (no code runs while loading)."""
+def read_bundle(path: str | Path) -> dict:
+    """The saved dict of a bundle (tensors and plain values; no model is built, nothing drawn from the RNG).
+
+    Raises :class:`AsrflowError` when ``path`` is missing, unreadable or not an asrflow bundle."""
     path = Path(path)
     if not path.is_file():
         raise AsrflowError(f"model file {path} not found: train a model first (snakemake --cores all)")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise AsrflowError(f"model file {path} is unreadable ({error}); retrain or copy it again") from None
+        raise AsrflowError(f"model file {path} is unreadable ({first_line(error)}); retrain or copy it again") from None
     if not isinstance(payload, dict) or payload.get("format") != BUNDLE_FORMAT:
         raise AsrflowError(f"{path} is not an asrflow model file (format {BUNDLE_FORMAT})")
+    return payload
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    """Load a bundle written by :func:`save_bundle` (no code runs while loading)."""
+    payload = read_bundle(path)
     # bundles written before subsampling_channels / subsampling_norm existed lack them: the
     # defaults (d_model channels, no norm) are the front end they had
     model = build_model(ModelConfig(**payload["model_config"]))

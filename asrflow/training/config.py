@@ -68,6 +68,7 @@ TRAIN_LAYOUT: dict[str, tuple[str, ...]] = {
         "average_last",
     ),
     "train.nonfinite": ("max_consecutive_nonfinite", "rollback_lr_factor", "max_rollbacks"),
+    "train.finetune": ("init_from", "freeze_encoder_steps", "encoder_lr_scale"),
     "train.checkpoint": ("checkpoint_every_steps", "keep_last", "validate_every_steps"),
     "run": (
         "experiment",
@@ -134,6 +135,9 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 5
     rollback_lr_factor: float = 0.5
     max_rollbacks: int = 3
+    init_from: str | None = None
+    freeze_encoder_steps: int = 0
+    encoder_lr_scale: float = 1.0
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -194,6 +198,19 @@ class TrainConfig:
         check_at_least(self, KEY_SECTION, 1, "epochs", "accum_grad", "num_threads")
         check_at_least(self, KEY_SECTION, 0, "weight_decay", "warmup_steps")
         check_choice(self, KEY_SECTION, "precision", PRECISIONS)
+        check_at_least(self, KEY_SECTION, 0, "freeze_encoder_steps")
+        check_positive(self, KEY_SECTION, "encoder_lr_scale")
+        if self.init_from is not None and not self.init_from.strip():
+            raise param_error(
+                KEY_SECTION, "init_from", self.init_from, "must be null, a model bundle path or an MLflow model URI"
+            )
+        if self.init_from is None and (self.freeze_encoder_steps or self.encoder_lr_scale != 1.0):
+            raise param_error(
+                KEY_SECTION,
+                "init_from",
+                None,
+                "must name a model when freeze_encoder_steps or encoder_lr_scale is set (they act on its encoder)",
+            )
 
     def _check_bookkeeping(self) -> None:
         check_at_least(
@@ -295,7 +312,7 @@ def load_train_config(params: dict[str, Any]) -> TrainConfig:
     if moved:
         raise AsrflowError(
             "params.yaml: train: is split into sections (train.model, train.data, train.optim, train.nonfinite, "
-            f"train.checkpoint) and run:; move each key: {', '.join(moved)}"
+            f"train.finetune, train.checkpoint) and run:; move each key: {', '.join(moved)}"
         )
     subsections = {path.split(".", 1)[1] for path in TRAIN_LAYOUT if path.startswith("train.")}
     unknown = sorted(set(train) - subsections)

@@ -3,7 +3,8 @@
 Two things are compared with what the checkpoint recorded:
 
 * the **fingerprint**: what a resume cannot change without making the checkpoint
-  meaningless (model shape, features, tokenizer, train data, seed, batch plan settings);
+  meaningless (model shape, features, tokenizer, train data, seed, batch plan settings, and the
+  model a fine-tuning run started from: its source and content);
 * the **training params**: every ``train:`` key outside
   :data:`~asrflow.training.config.OPERATIONAL_KEYS`, and ``code_digest``, the digest of
   the training code (:func:`asrflow.code_digest.source_digest` of the trainer). So a finished
@@ -48,8 +49,12 @@ def file_digest(*paths: Path) -> str:
 PARALLELISM_FEATURE_KEYS = frozenset({"num_jobs"})
 
 
-def build_fingerprint(model: dict, features: dict, *, data_digest: str, seed: int, config: TrainConfig) -> dict:
-    """The settings a resume must not change, as a flat dict of JSON-able values."""
+def build_fingerprint(
+    model: dict, features: dict, *, data_digest: str, seed: int, config: TrainConfig, init: dict | None = None
+) -> dict:
+    """The settings a resume must not change, as a flat dict of JSON-able values. ``init``: the fine-tuning
+    source (:meth:`~asrflow.training.init_model.InitModel.fingerprint`) with its encoder learning-rate scale,
+    which shapes the optimizer's parameter groups; absent without one."""
     fingerprint = {f"model.{key}": value for key, value in model.items()}
     fingerprint.update(
         {f"features.{key}": value for key, value in features.items() if key not in PARALLELISM_FEATURE_KEYS}
@@ -59,6 +64,9 @@ def build_fingerprint(model: dict, features: dict, *, data_digest: str, seed: in
     fingerprint["train.max_duration_s"] = config.max_duration_s
     fingerprint["train.num_buckets"] = config.num_buckets
     fingerprint["train.accum_grad"] = config.accum_grad
+    if init is not None:
+        fingerprint.update(init)
+        fingerprint["train.encoder_lr_scale"] = config.encoder_lr_scale
     return fingerprint
 
 

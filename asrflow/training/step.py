@@ -19,7 +19,7 @@ planned batch it is, not on the rank, the number of ranks or where a resumed run
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asrflow.model.conformer_ctc import HEAD_PREFIX
 from asrflow.tokenizer import BLANK_ID
 from asrflow.training.distributed import DistInfo, agree_on_step
 from asrflow.training.precision import PrecisionPolicy, precision_for
@@ -54,10 +55,20 @@ class StepResult:
     cut_ids: tuple[str, ...] = ()
 
 
-def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module, *, lr: float, weight_decay: float, encoder_lr_scale: float = 1.0
+) -> torch.optim.AdamW:
     """AdamW over ``model``'s parameters, in its fused kernel (CPU and CUDA): one pass over all
-    parameters instead of a loop of small ones (bench/RESULTS.md)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    parameters instead of a loop of small ones (bench/RESULTS.md). With ``encoder_lr_scale`` other
+    than 1, the encoder (every parameter outside the CTC head) is a second group at ``lr * encoder_lr_scale``."""
+    if encoder_lr_scale == 1.0:
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if n.startswith(HEAD_PREFIX)]},
+        {"params": [p for n, p in named if not n.startswith(HEAD_PREFIX)], "lr": lr * encoder_lr_scale},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -73,9 +84,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step + 1, warmup_steps))
 
 
-def apply_lr_scale(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) -> None:
-    """Move the schedule's peak to ``peak_lr`` (after a rollback) and set the optimizer's current lr to match."""
-    scheduler.base_lrs = [peak_lr for _ in scheduler.base_lrs]
+def apply_lr_scale(scheduler: torch.optim.lr_scheduler.LambdaLR, factor: float) -> None:
+    """Move each group's schedule peak to ``factor`` times its initial peak (after a rollback) and set the
+    optimizer's current lr to match."""
+    scheduler.base_lrs = [group["initial_lr"] * factor for group in scheduler.optimizer.param_groups]
     for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
         group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
 
@@ -123,7 +135,9 @@ class StepContext:
         """What ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for: AdamW over ``model``,
         the precision for ``device`` and its gradient scaler."""
         precision = precision_for(config.precision, device)
-        optimizer = build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+        optimizer = build_optimizer(
+            model, lr=config.lr, weight_decay=config.weight_decay, encoder_lr_scale=config.encoder_lr_scale
+        )
         return cls(
             optimizer=optimizer,
             scaler=precision.grad_scaler(),
@@ -142,8 +156,12 @@ def train_step(
     *,
     step_tokens: int,
     stop_requested: Callable[[], bool] = lambda: False,
+    frozen: Sequence[nn.Parameter] = (),
 ) -> StepResult:
     """Accumulate gradients over ``micro_batches``, clip, and step unless anything is non-finite.
+
+    ``frozen`` parameters lose their gradients before clipping: AdamW leaves them (and their moments) as
+    they are.
 
     Every rank reaches the same decisions (apply the step? stop after it?) through one
     all-reduce, which also sums the loss for logging. ``stop_requested`` is read right
@@ -171,6 +189,8 @@ def train_step(
             loss_sum = ctc_loss_sum(log_probs, out_lens, targets)
             scaler.scale(loss_sum * scale).backward()
         local_loss += float(loss_sum.detach())
+    for param in frozen:
+        param.grad = None
     scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), context.max_grad_norm))
     # With fp16 the scaler handles overflowing gradients itself: only a non-finite loss is a bad step.

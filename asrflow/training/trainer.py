@@ -30,6 +30,7 @@ from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig, TrainPaths
 from asrflow.training.distributed import check_same_everywhere, data_parallel, init_distributed, shutdown_distributed
 from asrflow.training.final_model import write_final_model
+from asrflow.training.init_model import INIT_FROM_TAG, apply_init, check_compatible, encoder_parameters, load_init_model
 from asrflow.training.monitoring import StallWatchdog, report_step
 from asrflow.training.nonfinite import NonFiniteGuard, RollbackNeeded
 from asrflow.training.observers import ObservedRun, StopFlag, TrainObserver
@@ -79,6 +80,10 @@ class Trainer:
         )
         self.model_config = config.model(features.num_mel_bins, self.data.tokenizer.vocab_size)
         self.model = build_model(self.model_config).to(self.device)
+        self.init_model = load_init_model(config.init_from, tracking_uri=tracking_uri) if config.init_from else None
+        if self.init_model is not None:
+            check_compatible(self.init_model, self.model_config, features)
+        self.frozen = encoder_parameters(self.model) if config.freeze_encoder_steps else []
         self.ddp_model: torch.nn.Module = self.model  # wrapped in DDP once the model is restored
         self.step_context = StepContext.for_run(self.model, config, dist=self.dist, device=self.device, seed=seed)
         self.optimizer, self.scaler = self.step_context.optimizer, self.step_context.scaler
@@ -90,7 +95,8 @@ class Trainer:
         dev_loss = functools.partial(self.data.dev_loss, precision=self.precision, dist=self.dist, device=self.device)
         self.validator = Validator(config.validate_every_steps, dev_loss if self.data.dev_batches else None)
         shapes, digest = (asdict(self.model_config), asdict(features)), self.data.digest
-        fingerprint = build_fingerprint(*shapes, data_digest=digest, seed=seed, config=config)
+        init = self.init_model.fingerprint() if self.init_model is not None else None
+        fingerprint = build_fingerprint(*shapes, data_digest=digest, seed=seed, config=config, init=init)
         self.train_params = training_params(config, source_digest(__name__))
         check_same_everywhere(self.dist, content_digest([fingerprint, self.train_params]), "params, code or data")
         facts = {"fingerprint": fingerprint, "train_params": self.train_params, "precision": self.precision.name}
@@ -165,6 +171,7 @@ class Trainer:
                 self.step_context,
                 step_tokens=micro_batches[0]["step_tokens"],
                 stop_requested=functools.partial(self._stop_flag, step),
+                frozen=self.frozen if step <= self.config.freeze_encoder_steps else (),
             )
             self.scheduler.step()
             watchdog.beat()
@@ -223,7 +230,7 @@ class Trainer:
         self.checkpoints.restore(state)
         self.guard.rolled_back(skipped_before=skipped, rollbacks_before=rollbacks)
         self.counters.lr_scale = lr_scale
-        apply_lr_scale(self.scheduler, self.config.lr * lr_scale)
+        apply_lr_scale(self.scheduler, lr_scale)
         logger.warning(
             f"rollback {self.guard.rollbacks} of at most {self.config.max_rollbacks}: back to {path} (step "
             f"{self.counters.global_step}), learning rate scaled to {lr_scale:.3g} x train.optim.lr"
@@ -233,6 +240,14 @@ class Trainer:
         """Rank 0 decides (fresh or resume) and the components are restored; the data loader opens at the
         position and is returned. MLflow (rank 0) opens in the background after the first step."""
         decision, state, path = self.checkpoints.resume(self.checkpoints.facts["fingerprint"], self.train_params)
+        init_tags = {}
+        if state is None and self.init_model is not None:  # a resumed run's weights are its checkpoint's
+            head = apply_init(self.model, self.init_model, self.data.tokenizer.pieces)
+            init_tags = {
+                INIT_FROM_TAG: self.init_model.source,
+                "asrflow.init_digest": self.init_model.digest,
+                "asrflow.init_head": "loaded" if head else "drawn (other tokenizer)",
+            }
         if state is not None:
             self.checkpoints.restore(state)  # the tracker is not registered yet: it starts below
             position = self.position
@@ -257,7 +272,8 @@ class Trainer:
         if state is None:
             logger.info("starting a fresh run")
             self.tracker.log_params(flatten(self.all_params))
-            self.tracker.set_tags({"precision": self.precision.name, "precision_reason": self.precision.reason})
+            tags = {"precision": self.precision.name, "precision_reason": self.precision.reason, **init_tags}
+            self.tracker.set_tags(tags)
             self._save(0)  # a rollback target, and the MLflow run id on disk
         else:
             self.tracker.load_state_dict(state["tracker"])
