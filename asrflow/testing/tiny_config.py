@@ -35,3 +35,24 @@ def train_paths(data: Path, exp: Path):
     from asrflow.training.config import TrainPaths
 
     return TrainPaths.under(exp, fbank_dir=Path(data) / "fbank", lang_dir=Path(data) / "lang")
+
+
+def tiny_bundle(path: Path, lang: Path, *, seed: int, **model) -> dict:
+    """Write a model bundle of drawn (untrained) weights of the tiny model, ``model`` overriding its shape, with
+    the tokenizer in ``lang`` and the default features: a start model for fine-tuning tests. Returns its weights."""
+    import torch
+
+    from asrflow.data.features import FeatureConfig
+    from asrflow.model.conformer_ctc import build_model
+    from asrflow.serving.bundle import save_bundle
+    from asrflow.tokenizer import MODEL_FILE, Tokenizer
+
+    tokenizer = Tokenizer(Path(lang) / MODEL_FILE)
+    config = tiny_train_config(**model).model(FeatureConfig().num_mel_bins, tokenizer.vocab_size)
+    torch.manual_seed(seed)
+    weights = build_model(config).state_dict()
+    features = FeatureConfig()
+    save_bundle(
+        path, model_state=weights, model_config=config, tokenizer=tokenizer, features=features, cmvn={}, run_id=None
+    )
+    return weights

@@ -11,6 +11,7 @@ from asrflow.data.features import FeatureConfig
 from asrflow.errors import EXIT_USER_ERROR
 from asrflow.serving.bundle import load_bundle
 from asrflow.testing.repo import write_shipped_params
+from asrflow.testing.tiny_config import tiny_bundle
 from asrflow.training.config import KEY_SECTION
 from stages.train import main
 
@@ -84,4 +85,31 @@ def test_a_missing_input_folder_is_named(yesno_data, tiny_params, tmp_path, caps
     assert exit_info.value.code == EXIT_USER_ERROR
     [error] = error_lines(capsys.readouterr().err)
     assert str(tmp_path / "nowhere") in error, error
+    assert not (tmp_path / "exp" / "model.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("init_from", "expected"),
+    [
+        ("elsewhere/base.pt", "is outside pretrained/"),
+        ("pretrained/wide.pt", "train.model.d_model 32 vs 48"),
+        ("pretrained/none.pt", "no such file"),
+        ("models:/nobody/1", "not found in the MLflow store sqlite:///"),
+    ],
+)
+def test_a_bad_start_model_is_one_line_and_exit_2(yesno_data, tmp_path, capsys, *, monkeypatch, init_from, expected):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    for folder in ("elsewhere", "pretrained"):
+        (tmp_path / folder).mkdir()
+    tiny_bundle(tmp_path / "elsewhere" / "base.pt", yesno_data / "lang", seed=1)
+    tiny_bundle(tmp_path / "pretrained" / "wide.pt", yesno_data / "lang", seed=1, d_model=48)
+    features = {f"features.{key}": value for key, value in asdict(FeatureConfig()).items()}
+    tiny = {f"{KEY_SECTION[key]}.{key}": value for key, value in {**TINY, "init_from": init_from}.items()}
+    params = write_shipped_params(tmp_path, {**features, **tiny})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--params", str(params), "--fbank", str(yesno_data / "fbank"), "--lang", str(yesno_data / "lang")])
+    assert exit_info.value.code == EXIT_USER_ERROR
+    [error] = error_lines(capsys.readouterr().err)
+    assert error.startswith(f"error: train.finetune.init_from: {init_from}") and expected in error, error
     assert not (tmp_path / "exp" / "model.pt").exists()

@@ -16,12 +16,10 @@ import pytest
 import torch
 from test_resume_exact import OVERRIDES, _final_state, _resumed_from, assert_identical
 
-from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
-from asrflow.model.conformer_ctc import HEAD_PREFIX, build_model
-from asrflow.serving.bundle import save_bundle
+from asrflow.model.conformer_ctc import HEAD_PREFIX
 from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_train_config
+from asrflow.testing.tiny_config import tiny_bundle, tiny_train_config
 from asrflow.testing.train_entry import TrainingProcess, build_trainer, run_training, train_in_process
 from asrflow.tokenizer import MODEL_FILE, Tokenizer, TokenizerConfig, train_tokenizer
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
@@ -29,25 +27,6 @@ from asrflow.training.init_model import load_init_model
 from asrflow.training.observers import TrainObserver
 
 STEPS = {"epochs": 1, "checkpoint_every_steps": 1, "validate_every_steps": 1000, "keep_last": 50}
-
-
-def write_start_model(path: Path, lang: Path, *, seed: int, **model) -> dict[str, torch.Tensor]:
-    """A bundle of drawn weights of the tiny model (``model`` overrides its shape) with ``lang``'s tokenizer;
-    returns its weights."""
-    tokenizer = Tokenizer(lang / MODEL_FILE)
-    config = tiny_train_config(**model).model(FeatureConfig().num_mel_bins, tokenizer.vocab_size)
-    torch.manual_seed(seed)
-    weights = build_model(config).state_dict()
-    save_bundle(
-        path,
-        model_state=weights,
-        model_config=config,
-        tokenizer=tokenizer,
-        features=FeatureConfig(),
-        cmvn={},
-        run_id=None,
-    )
-    return weights
 
 
 def weights_at(exp: Path, step: int) -> dict[str, torch.Tensor]:
@@ -62,7 +41,7 @@ def equal(a: dict, b: dict, *, head: bool) -> bool:
 @pytest.fixture(scope="module")
 def start(yesno_data, tmp_path_factory) -> tuple[Path, dict]:
     folder = tmp_path_factory.mktemp("start")
-    return folder / "base.pt", write_start_model(folder / "base.pt", yesno_data / "lang", seed=7)
+    return folder / "base.pt", tiny_bundle(folder / "base.pt", yesno_data / "lang", seed=7)
 
 
 def other_tokenizer(yesno_data: Path, folder: Path) -> Path:
@@ -114,7 +93,7 @@ def test_frozen_encoder_stays_equal_for_its_steps_and_its_lr_is_scaled(yesno_dat
     [({"d_model": 48, "ffn_dim": 64}, "train.model.d_model 32 vs 48"), ({"num_layers": 2}, "num_layers 1 vs 2")],
 )
 def test_an_encoder_of_another_shape_is_refused_naming_it(yesno_data, tmp_path, uri, *, model, expected):
-    write_start_model(tmp_path / "other.pt", yesno_data / "lang", seed=1, **model)
+    tiny_bundle(tmp_path / "other.pt", yesno_data / "lang", seed=1, **model)
     with pytest.raises(AsrflowError, match="does not match params.yaml") as error:
         build_trainer(yesno_data, tmp_path / "exp", {"init_from": str(tmp_path / "other.pt")}, uri)
     assert expected in str(error.value) and "\n" not in str(error.value)
@@ -170,10 +149,10 @@ class StopAfter(TrainObserver):
 
 def test_an_unfinished_run_refuses_a_changed_start_model(yesno_data, tmp_path, uri):
     path = tmp_path / "base.pt"
-    write_start_model(path, yesno_data / "lang", seed=1)
+    tiny_bundle(path, yesno_data / "lang", seed=1)
     overrides = {**STEPS, "init_from": str(path)}
     build_trainer(yesno_data, tmp_path / "exp", overrides, uri, observers=[StopAfter(2)]).run()
-    write_start_model(path, yesno_data / "lang", seed=2)  # same path, other weights
+    tiny_bundle(path, yesno_data / "lang", seed=2)  # same path, other weights
     with pytest.raises(AsrflowError, match="unfinished run .* init.digest"):
         build_trainer(yesno_data, tmp_path / "exp", overrides, uri).run()
 
