@@ -235,7 +235,10 @@ def test_an_old_flat_train_section_names_the_new_place_of_each_key(tmp_path, cap
     [
         ("train.optim.d_model", "unknown key train.optim.d_model; it belongs in train.model"),
         ("train.model.no_such_key", "unknown key train.model.no_such_key; valid keys: d_model"),
-        ("train.schedule", "unknown section(s) train.schedule; train: holds checkpoint, data, finetune, model, nonfinite, optim"),
+        (
+            "train.schedule",
+            "unknown section(s) train.schedule; train: holds checkpoint, data, finetune, model, nonfinite, optim",
+        ),
     ],
 )
 def test_a_key_outside_its_section_is_named_with_its_home(tmp_path, capsys, key, message):
