@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -131,6 +133,17 @@ def read_seed(params: dict[str, Any]) -> int:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise AsrflowError(f"params.yaml: seed = {seed!r} must be an integer (e.g. seed: 42)")
     return seed
+
+
+def committed_params(path: str | os.PathLike = "params.yaml") -> dict | None:
+    """``path`` as committed in git's HEAD (what a training run's params are compared with), or None."""
+    command = ["git", "show", f"HEAD:./{Path(path).name}"]
+    try:
+        shown = subprocess.run(command, capture_output=True, text=True, timeout=10, cwd=Path(path).resolve().parent)
+        loaded = yaml.safe_load(shown.stdout) if shown.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, yaml.YAMLError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:

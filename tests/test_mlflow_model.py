@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from test_mlflow_ui import stop
 from trained_model import split_files
 
+from asrflow.data.index import manifest_facts
 from asrflow.data.manifests import cuts_path
 from asrflow.errors import AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
@@ -29,7 +30,6 @@ from asrflow.evaluation.metrics import score_corpus
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.pyfunc import log_bundle
 from asrflow.testing.processes import free_port
-from asrflow.tracking.datasets import manifest_digest
 from asrflow.tracking.run import MlflowRun
 
 #: The session's trained model, ``yesno_model``: one fixture however many modules use it.
@@ -198,7 +198,7 @@ def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, ye
     client = MlflowClient(tracking_uri=uri)
     model = client.get_logged_model(info.model_id)
     on_model = {metric.key: metric for metric in model.metrics}
-    digest = manifest_digest(cuts_path(yesno_data / "fbank", "test"))
+    digest = manifest_facts(cuts_path(yesno_data / "fbank", "test"))["digest"]
     assert on_model["test/wer"].value == pytest.approx(metrics["wer"])
     assert on_model["test/wer"].dataset_name == "test" and on_model["test/wer"].dataset_digest == digest
     run = client.get_run(run_id)

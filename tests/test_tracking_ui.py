@@ -17,15 +17,15 @@ from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
 from mlflow.tracking import MlflowClient
 
+from asrflow.data.index import combined_digest, manifest_facts
 from asrflow.errors import AsrflowError
+from asrflow.params import committed_params
 from asrflow.testing.processes import free_port
-from asrflow.tracking.datasets import ManifestDataset, combined_digest, manifest_digest
 from asrflow.tracking.naming import (
     DVC_EXP_TAG,
     NOTE_TAG,
     PARAMS_DIGEST_TAG,
     PIPELINE_TAG,
-    committed_params,
     params_digest,
     pipeline_tool,
     run_name,
@@ -187,6 +187,10 @@ def test_manifests_are_logged_as_dataset_inputs(uri, tmp_path):
     assert run.data.tags[DATA_DIGEST_TAG] == combined_digest([manifest_digest(train), manifest_digest(dev)])
 
 
+def manifest_digest(path: Path) -> str:
+    return manifest_facts(path)["digest"]
+
+
 def test_manifest_digest_is_of_the_content_not_the_gzip_header(tmp_path):
     first = write_cuts(tmp_path / "a.jsonl.gz", [1.0, 2.0])
     time.sleep(1.1)  # gzip records the time in whole seconds: a later copy gets another header
@@ -199,9 +203,11 @@ def test_manifest_digest_is_of_the_content_not_the_gzip_header(tmp_path):
     assert manifest_digest(third) != manifest_digest(first)
 
 
-def test_missing_manifest_is_clear_error(tmp_path):
+def test_missing_manifest_is_clear_error(uri, tmp_path):
+    tracker = MlflowRun.start(tracking_uri=uri)
     with pytest.raises(AsrflowError, match=r"manifest .*nothere_cuts.jsonl.gz not found"):
-        ManifestDataset(tmp_path / "nothere_cuts.jsonl.gz")
+        tracker.log_datasets({"train": tmp_path / "nothere_cuts.jsonl.gz"})
+    tracker.end()
 
 
 # --------------------------------------------------------------------------- system metrics

@@ -28,7 +28,6 @@ def runs(uri: str) -> list:
 def test_limits_agree_with_mlflow():
     assert run.MAX_METRICS_PER_BATCH == limits.MAX_METRICS_PER_BATCH
     assert naming.MAX_PARAM_VAL_LENGTH == limits.MAX_PARAM_VAL_LENGTH
-    assert run.MAX_PARAMS_TAGS_PER_BATCH == limits.MAX_PARAMS_TAGS_PER_BATCH
     assert run.MAX_TAG_VAL_LENGTH == limits.MAX_TAG_VAL_LENGTH
 
 

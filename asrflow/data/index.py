@@ -218,14 +218,33 @@ def _save_store(index: CutIndex, folder: Path, manifest: Path) -> None:
 _MANIFEST_FACTS: dict[str, dict] = {}
 
 
-def manifest_facts(manifest: str | Path) -> dict | None:
-    """``{"digest", "utterances", "hours"}`` of a manifest this process indexed with
-    :func:`shared_index` (unchanged since), else None: the MLflow dataset of the split takes
-    them from here instead of reading the manifest twice more."""
+def combined_digest(digests: Iterable[str]) -> str:
+    """One digest for several manifests' digests (order matters)."""
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:MANIFEST_DIGEST_CHARS]
+
+
+def manifest_facts(manifest: str | Path) -> dict:
+    """``{"digest", "utterances", "hours"}`` of a cut manifest: the digest is the SHA-256 of its
+    *decompressed* content (gzip headers hold a time stamp). Taken from the index this process built
+    of it with :func:`shared_index` (unchanged since), else from one read in constant memory."""
+    path = Path(manifest)
     try:
-        return _MANIFEST_FACTS.get(manifest_key(Path(manifest)))
+        known = _MANIFEST_FACTS.get(manifest_key(path))
     except OSError:
-        return None
+        known = None
+    if known and known["digest"]:
+        return dict(known)
+    whole, utterances, seconds = hashlib.sha256(), 0, 0.0
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as source:
+            for line in source:
+                whole.update(line)
+                if line.strip():
+                    utterances, seconds = utterances + 1, seconds + float(orjson.loads(line)["duration"])
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
+        raise AsrflowError(f"cannot read manifest {path} ({error}); run the stage that writes it again") from None
+    digest = whole.hexdigest()[:MANIFEST_DIGEST_CHARS]
+    return {"digest": digest, "utterances": utterances, "hours": round(seconds / 3600, 4)}
 
 
 def _remember(manifest: Path, index: CutIndex) -> CutIndex:

@@ -1,11 +1,6 @@
-"""The exactly-once metric protocol, with no store: one point per metric and step, across crashes.
-
-Points are recorded per step and kept until a writer confirms them; they travel inside the
-checkpoint (:meth:`MetricLog.state_dict`), so a flush happens only after the checkpoint covering
-them is on disk. The store's watermark (every point at or below it is stored) and the
-``(metric, step)`` pairs it holds above it decide, on resume, which points are written again
-(:meth:`MetricLog.reconcile`). A rollback drops the abandoned steps (:meth:`MetricLog.discard_after`).
-"""
+"""The exactly-once metric protocol, with no store: one point per metric and step, across crashes. Points
+travel in the checkpoint until a writer confirms them; on resume the store's watermark and the pairs it holds
+above it decide which are written again. See docs/mlflow.md."""
 
 from __future__ import annotations
 
@@ -48,14 +43,11 @@ class MetricLog:
 
     def discard_after(self, step: int) -> int:
         """Drop the points of steps after ``step`` (a rollback to its checkpoint); returns how many."""
-        kept = [point for point in self.pending if point[1] <= step]
-        dropped = len(self.pending) - len(kept)
-        self.pending = kept
-        self._sent &= set(kept)
+        kept, dropped = [p for p in self.pending if p[1] <= step], sum(p[1] > step for p in self.pending)
+        self.pending, self._sent = kept, self._sent & set(kept)
         self.recorded_through = min(self.recorded_through, int(step))
         return dropped
 
-    # ------------------------------------------------------------------ what a writer sends
     def unsent(self, limit: int, through: int | None = None) -> list[Point]:
         """The first ``limit`` points not handed to a writer yet (of steps up to ``through``)."""
         last = self.recorded_through if through is None else through
@@ -67,8 +59,7 @@ class MetricLog:
     def confirm(self, points: Iterable[Point]) -> None:
         """The store committed ``points``: they leave the log."""
         done = set(points)
-        self.pending = [point for point in self.pending if point not in done]
-        self._sent -= done
+        self.pending, self._sent = [point for point in self.pending if point not in done], self._sent - done
         self._written_through = max([self._written_through, *(point[1] for point in done)])
 
     def unsend(self, points: Iterable[Point]) -> None:
@@ -80,14 +71,10 @@ class MetricLog:
         through = max(self._written_through, self.logged_through)
         return min(through, min(point[1] for point in self.pending) - 1) if self.pending else through
 
-    # ------------------------------------------------------------------ checkpoint and resume
     def state_dict(self) -> dict[str, Any]:
         """Plain python types for a checkpoint: the unconfirmed points and the last step recorded."""
-        return {
-            "version": STATE_VERSION,
-            "recorded_through": self.recorded_through,
-            "pending": [list(point) for point in self.pending],
-        }
+        pending = [list(point) for point in self.pending]
+        return {"version": STATE_VERSION, "recorded_through": self.recorded_through, "pending": pending}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Add a checkpoint's points to the log (a resume, or a rollback after :meth:`discard_after`)."""
@@ -103,11 +90,8 @@ class MetricLog:
         self.recorded_through = max(self.recorded_through, int(state.get("recorded_through", -1)))
 
     def check_window(self) -> tuple[int, int] | None:
-        """Steps ``(low, high]`` whose points must be looked up in the store before writing, or None.
-
-        Above the watermark, a checkpoint's points may have been written by a flush that died before
-        claiming them; past the checkpoint, by a flush of a later checkpoint the resume does not use.
-        """
+        """Steps ``(low, high]`` whose points a flush that died before its watermark, or one of a later checkpoint,
+        may have stored: to look up in the store before writing; or None."""
         through, recorded = self.logged_through, self.recorded_through
         if through > recorded or any(point[1] > through for point in self.pending):
             return min(through, recorded), max(through, recorded)

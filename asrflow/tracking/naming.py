@@ -5,16 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-#: Run tags: the tool that ran the stage, a digest of the params, the DVC experiment.
+from asrflow.params import flatten
+
+#: Run tags: the tool that ran the stage, a digest of the params, the DVC experiment; the run's description.
 PIPELINE_TAG = "asrflow.pipeline"
 PARAMS_DIGEST_TAG = "asrflow.params_digest"
 DVC_EXP_TAG = "asrflow.dvc_experiment"
-#: The run's description in MLflow's UI.
 NOTE_TAG = "mlflow.note.content"
 #: Environment variable the Snakemake rules set to ``snakemake`` (see :func:`pipeline_tool`).
 PIPELINE_ENV = "ASRFLOW_PIPELINE"
@@ -22,29 +21,26 @@ MAX_PARAM_VAL_LENGTH = 6000
 #: A run is named by the keys that differ when at most this many do and the name stays short.
 MAX_NAMED_KEYS = 3
 MAX_RUN_NAME_CHARS = 40
-_TRUNCATED = "...[truncated]"
 
 
 def param_value(value: Any) -> str:
-    """One param value as MLflow stores it: strings as they are, the rest as JSON, at most 6,000 characters."""
-    if isinstance(value, str):
-        text = value
-    else:
-        try:
-            text = json.dumps(value)
-        except (TypeError, ValueError):
-            text = str(value)
-    if len(text) > MAX_PARAM_VAL_LENGTH:
-        text = text[: MAX_PARAM_VAL_LENGTH - len(_TRUNCATED)] + _TRUNCATED
-    return text
+    """One param value as MLflow stores it: strings as they are, the rest as JSON, cut at 6,000 characters."""
+    try:
+        text = value if isinstance(value, str) else json.dumps(value)
+    except (TypeError, ValueError):
+        text = str(value)
+    truncated = "...[truncated]"
+    return text if len(text) <= MAX_PARAM_VAL_LENGTH else text[: MAX_PARAM_VAL_LENGTH - len(truncated)] + truncated
+
+
+def flat_params(params: Mapping[str, Any]) -> dict[str, str]:
+    """Nested params as MLflow params: dotted keys, values rendered by :func:`param_value`."""
+    return {key: param_value(value) for key, value in flatten(dict(params)).items()}
 
 
 def params_digest(params: Mapping[str, Any]) -> str:
     """First 8 hex characters of the SHA-256 of the flattened params (keys sorted)."""
-    from asrflow.params import flatten
-
-    flat = {key: param_value(value) for key, value in flatten(dict(params)).items()}
-    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:8]
+    return hashlib.sha256(json.dumps(flat_params(params), sort_keys=True).encode()).hexdigest()[:8]
 
 
 def pipeline_tool() -> str:
@@ -54,36 +50,11 @@ def pipeline_tool() -> str:
     return "dvc" if os.environ.get("DVC_STAGE") or os.environ.get("DVC_EXP_NAME") else "direct"
 
 
-def committed_params(path: str | os.PathLike = "params.yaml") -> dict | None:
-    """``path`` as committed in git's HEAD (what a run is compared with), or None."""
-    import yaml
-
-    try:
-        shown = subprocess.run(
-            ["git", "show", f"HEAD:./{Path(path).name}"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-            cwd=Path(path).resolve().parent,
-        )
-        loaded = yaml.safe_load(shown.stdout) if shown.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, yaml.YAMLError):
-        return None
-    return loaded if isinstance(loaded, dict) else None
-
-
 def params_diff(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     """Flattened key -> (committed value, run's value) for each key that differs; ``(unset)`` if absent."""
-    from asrflow.params import flatten
-
-    now, before = flatten(dict(params)), flatten(dict(defaults))
-    shown = {key: (param_value(before[key]) if key in before else "(unset)") for key in set(now) | set(before)}
-    return {
-        key: (shown[key], param_value(now[key]) if key in now else "(unset)")
-        for key in sorted(shown)
-        if (key in now) != (key in before) or param_value(now.get(key)) != shown[key]
-    }
+    now, before = flat_params(params), flat_params(defaults)
+    keys = sorted(key for key in set(now) | set(before) if now.get(key) != before.get(key))
+    return {key: (before.get(key, "(unset)"), now.get(key, "(unset)")) for key in keys}
 
 
 def run_name(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> str:
@@ -93,10 +64,10 @@ def run_name(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = Non
     if os.environ.get("DVC_EXP_NAME"):
         return os.environ["DVC_EXP_NAME"]
     corpus = str((params.get("prepare") or {}).get("corpus") or "params")
-    fallback = f"{corpus}-{params_digest(params)}"
     diff = params_diff(params, defaults) if defaults is not None else {}
     named = " ".join([corpus] + [f"{key.rsplit('.', 1)[-1]}={value}" for key, (_, value) in diff.items()])
-    return named if 0 < len(diff) <= MAX_NAMED_KEYS and len(named) <= MAX_RUN_NAME_CHARS else fallback
+    short = 0 < len(diff) <= MAX_NAMED_KEYS and len(named) <= MAX_RUN_NAME_CHARS
+    return named if short else f"{corpus}-{params_digest(params)}"
 
 
 def run_tags(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> dict[str, str]:
@@ -106,8 +77,7 @@ def run_tags(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = Non
     if os.environ.get("DVC_EXP_NAME"):
         tags[DVC_EXP_TAG] = os.environ["DVC_EXP_NAME"]
     if defaults is not None:
-        diff = params_diff(params, defaults)
-        lines = [f"- `{key}`: {old} -> {new}" for key, (old, new) in diff.items()]
+        lines = [f"- `{key}`: {old} -> {new}" for key, (old, new) in params_diff(params, defaults).items()]
         heading = "Params that differ from the committed params.yaml:"
         tags[NOTE_TAG] = "\n".join([heading, *lines]) if lines else "The committed params.yaml, unchanged."
     return tags

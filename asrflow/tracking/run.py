@@ -1,11 +1,9 @@
-"""The thin MLflow writer: one run, fed from a :class:`~asrflow.tracking.metric_log.MetricLog`.
-
-:meth:`MlflowRun.start` opens a run now (evaluate); :func:`start_training_run` opens it in a plain thread
-after the first point, so the first step never waits for MLflow. See ``docs/mlflow.md``.
-"""
+"""The thin MLflow writer of one run, fed from a :class:`~asrflow.tracking.metric_log.MetricLog`: opened now
+(:meth:`MlflowRun.start`) or in a thread after the first point (:func:`start_training_run`). See docs/mlflow.md."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -14,9 +12,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from asrflow.data.index import combined_digest, manifest_facts
 from asrflow.errors import AsrflowError, first_line
+from asrflow.params import committed_params
 from asrflow.tracking.metric_log import MetricLog, Point, now_ms
-from asrflow.tracking.naming import committed_params, param_value, run_name, run_tags
+from asrflow.tracking.naming import flat_params, param_value, run_name, run_tags
 from asrflow.tracking.store import check_tracking_uri, default_artifact_location, runs_page
 
 # Before MLflow loads: no git warning, no telemetry, no minutes of retries on a server that is down.
@@ -31,25 +31,22 @@ os.environ.update({key: value for key, value in _ENV_DEFAULTS.items() if key not
 for _name in ("alembic", "mlflow.store.db.utils"):  # a fresh SQLite store's migrations are not news
     logging.getLogger(_name).setLevel(logging.WARNING)
 log = logging.getLogger(__name__)
+_TERMINAL = {"terminal": True}  # the log record also goes to the terminal
 
 #: MLflow's limits (``mlflow.utils.validation``; a test checks they agree).
 MAX_METRICS_PER_BATCH = 1000
-MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_TAG_VAL_LENGTH = 8000
-#: Run tags: every point at or below this step is stored; the status a reopened FINISHED run was
-#: ended with; a key drawn before the run opens, by which a resume from the step-0 checkpoint finds it.
+#: Run tags: every point at or below this step is stored; the status a reopened FINISHED run was ended with;
+#: a key drawn before the run opens, by which a resume from the step-0 checkpoint finds it; train+dev digest;
+#: the dataset input tag MLflow's UI shows as the dataset's context.
 LOGGED_THROUGH_TAG = "asrflow.logged_through_step"
 REOPENED_END_STATUS_TAG = "asrflow.reopened_end_status"
 RUN_KEY_TAG = "asrflow.run_key"
 DATA_DIGEST_TAG = "asrflow.data_digest"
+DATASET_CONTEXT_TAG = "mlflow.data.context"
 #: Experiment tag MLflow 3's UI reads to pick its view, and the model-training view.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
-_END_STATUSES = ("FINISHED", "FAILED", "KILLED")
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 def _store_errors() -> tuple[type[BaseException], ...]:
@@ -59,8 +56,7 @@ def _store_errors() -> tuple[type[BaseException], ...]:
 
 
 class MlflowRun:
-    """One MLflow run: params, tags, metrics (kept in :attr:`metrics` until :meth:`flush`), datasets,
-    artifacts, the model, system metrics, its end. Calls that need the run wait until it is open."""
+    """One MLflow run; calls that need the run wait until it is open, points wait in :attr:`metrics`."""
 
     max_metrics_per_batch = MAX_METRICS_PER_BATCH
 
@@ -71,19 +67,15 @@ class MlflowRun:
         self._opener, self._thread, self._opened = opener, None, threading.Event()
         self._error: BaseException | None = None  # from the opening thread, raised by the next call
         self._client = self._run_id = self._monitor = self._replaces_run_id = self._state_run_id = None
-        self._store_through = -1  # the run's watermark when it was opened
-        self._queued_params: dict[str, str] = {}
-        self._queued_tags: dict[str, str] = {}
+        self._queued_tags: dict[str, str] = {}  # set before the run is open
         self._failed = self._reopened_finished = self._settled = self._restored = False
         self._store_down = self._ended = False
-        self._in_flight: list[tuple[Any, list[Point]]] = []
+        self._in_flight: list[tuple[Any, list[Point]]] = []  # (MLflow's future, its points)
 
     @classmethod
     def start(cls, experiment: str = "asrflow", run_id: str | None = None, **options: Any) -> MlflowRun:
         """Open a new run in ``experiment`` (created if needed), or continue ``run_id``, now; see :meth:`_open`."""
-        run = cls()
-        run._open(experiment, run_id, **options)
-        run._opened.set()
+        run = cls(lambda run: run._open(experiment, run_id, **options))
         run._ready()
         return run
 
@@ -100,13 +92,9 @@ class MlflowRun:
         system_metrics: bool | None = None,
         system_metrics_interval_s: float = 10.0,
     ) -> bool:
-        """Open the run with MLflow's context tags (user, source, git); returns whether it is new.
-
-        ``create_if_missing``: a ``run_id`` not in the store gets a new run (tagged
-        ``asrflow.replaces_run_id``); ``by_key``: continue the run tagged :attr:`run_key`, if there is one;
-        ``system_metrics`` None follows MLflow's switch (``mlflow.enable_system_metrics_logging()``), which
-        also overrides True or False when set.
-        """
+        """Open the run (new ones with MLflow's context tags: user, source, git); returns whether it is new.
+        ``create_if_missing``: a ``run_id`` not in the store gets a new run; ``by_key``: continue the run tagged
+        :attr:`run_key`, if any; MLflow's system-metrics switch, when set, overrides ``system_metrics``."""
         from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as switch
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
@@ -114,11 +102,10 @@ class MlflowRun:
 
         self.tracking_uri = uri = check_tracking_uri(tracking_uri)
         self._client = client = MlflowClient(tracking_uri=uri)
-        tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        tags, run = {str(k): str(v) for k, v in (tags or {}).items()}, None
         if run_id is None and by_key and (known := client.get_experiment_by_name(experiment)) is not None:
             found = client.search_runs([known.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'")
             run_id = found[0].info.run_id if found else None
-        run = None
         try:
             run = client.get_run(run_id) if run_id is not None else None
         except MlflowException as error:
@@ -136,20 +123,20 @@ class MlflowRun:
                 f"MLflow run {run_id} is deleted in {uri}: restore it (`mlflow runs restore --run-id {run_id}`) "
                 "or start training afresh"
             )
-        if run is None:
+        if new := run is None:
             self.experiment_id = self._experiment_id(experiment)
             tags = resolve_tags({RUN_KEY_TAG: self.run_key, **tags})
             run = client.create_run(self.experiment_id, tags=tags, run_name=run_name)
             log.info("started MLflow run %s (%s) in %s", run.info.run_id, run.info.run_name, uri, extra=_TERMINAL)
-        else:
+        self._run_id = run.info.run_id
+        if not new:
             self.experiment_id, self._reopened_finished = run.info.experiment_id, run.info.status == "FINISHED"
             if not self._reopened_finished:
-                client.update_run(run.info.run_id, status="RUNNING")
-            self._write_tags(tags, run.info.run_id)
+                client.update_run(self._run_id, status="RUNNING")
+            self._write_tags(tags)
             through = run.data.tags.get(LOGGED_THROUGH_TAG, "-1")
-            self._store_through = int(through) if through.lstrip("-").isdigit() else -1
-            log.info("continuing MLflow run %s in %s", run.info.run_id, uri, extra=_TERMINAL)
-        self._run_id, new = run.info.run_id, run_id is None or self._replaces_run_id is not None
+            self.metrics.logged_through = int(through) if through.lstrip("-").isdigit() else -1
+            log.info("continuing MLflow run %s in %s", self._run_id, uri, extra=_TERMINAL)
         if (switch.get() if switch.defined else system_metrics) and not self._reopened_finished:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -179,18 +166,16 @@ class MlflowRun:
             self._client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
 
-    # ------------------------------------------------------------------ the opening thread
-    def _background_open(self) -> None:
-        try:
-            self._opener(self)
-        except BaseException as error:  # raised in the training loop's thread by its next call
-            self._error = error
-        finally:
+    def _start_opening(self) -> None:
+        def open_run() -> None:
+            try:
+                self._opener(self)
+            except BaseException as error:  # raised in the training loop's thread by its next call
+                self._error = error
             self._opened.set()
 
-    def _start_opening(self) -> None:
         if self._thread is None and self._opener is not None:
-            self._thread = threading.Thread(target=self._background_open, name="asrflow-mlflow-open", daemon=True)
+            self._thread = threading.Thread(target=open_run, name="asrflow-mlflow-open", daemon=True)
             self._thread.start()
 
     def _raise_opening_error(self) -> None:
@@ -208,8 +193,6 @@ class MlflowRun:
         self._raise_opening_error()
         if not self._settled:
             self._settled = True
-            self.metrics.logged_through = max(self.metrics.logged_through, self._store_through)
-            self._write_params(self._queued_params)
             self._write_tags(self._queued_tags)
             if self._restored:
                 self._reconcile()
@@ -219,37 +202,37 @@ class MlflowRun:
         self._ready()
         return self._run_id
 
-    # ------------------------------------------------------------------ params and tags
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """Log flat params (kept until the run is open); a changed value raises :class:`AsrflowError`."""
-        rendered = {str(key): param_value(value) for key, value in params.items()}
-        self._write_params(rendered) if self._settled else self._queued_params.update(rendered)
+        """Log flat params (once the run is open); a changed value raises :class:`AsrflowError`."""
+        self._ready()
+        self._write_params({str(key): param_value(value) for key, value in params.items()})
 
     def _write_params(self, rendered: Mapping[str, str]) -> None:
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
 
-        existing = self._client.get_run(self._run_id).data.params if rendered else {}
-        if changed := [key for key, value in rendered.items() if existing.get(key, value) != value]:
-            details = ", ".join(f"{key}: {existing[key]!r} -> {rendered[key]!r}" for key in changed[:5])
+        try:  # MLflow splits them into its batch sizes, keeps a value logged again, refuses a changed one
+            self._client.log_batch(self._run_id, params=[Param(key, value) for key, value in rendered.items()])
+        except MlflowException as error:
+            if error.error_code != "INVALID_PARAMETER_VALUE":
+                raise
             raise AsrflowError(
-                f"MLflow run {self._run_id} already has different values for {len(changed)} param(s) ({details}); "
-                "a run's params cannot change: start a new run (delete the checkpoints) or restore the old params"
-            )
-        for chunk in _chunks([Param(k, v) for k, v in rendered.items() if k not in existing], 100):
-            self._client.log_batch(self._run_id, params=chunk)
+                f"MLflow run {self._run_id}: {first_line(error)[:600]}; a run's params cannot change: start a new "
+                "run (delete the checkpoints) or restore the old params"
+            ) from None
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        """Set run tags (kept until the run is open; values cut at MLflow's 8,000 characters)."""
-        rendered = {str(key): str(value)[:MAX_TAG_VAL_LENGTH] for key, value in tags.items()}
+        """Set run tags (kept until the run is open)."""
+        rendered = {str(key): str(value) for key, value in tags.items()}
         self._write_tags(rendered) if self._settled else self._queued_tags.update(rendered)
 
-    def _write_tags(self, tags: Mapping[str, Any], run_id: str | None = None) -> None:
+    def _write_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        for chunk in _chunks([RunTag(str(k), str(v)[:MAX_TAG_VAL_LENGTH]) for k, v in tags.items()], 100):
-            self._client.log_batch(run_id or self._run_id, tags=chunk)
+        if tags:
+            entities = [RunTag(str(key), str(value)[:MAX_TAG_VAL_LENGTH]) for key, value in tags.items()]
+            self._client.log_batch(self._run_id, tags=entities)
 
-    # ------------------------------------------------------------------ metrics
     def record(self, step: int, metrics: Mapping[str, Any], *, timestamp_ms: int | None = None) -> None:
         """Keep one point per metric at ``step`` until :meth:`flush`; the first point starts the opening."""
         self._raise_opening_error()
@@ -261,9 +244,8 @@ class MlflowRun:
         return self.metrics.discard_after(step)
 
     def flush(self, *, through: int | None = None) -> bool:
-        """Write the kept points (up to step ``through``) through MLflow's async queue, wait for them, then raise
-        the watermark tag; call it once the checkpoint holding them is on disk (it waits for the run to open).
-        While the store cannot be reached the points stay (in the next checkpoints too): returns False."""
+        """Write the kept points (up to step ``through``) once the checkpoint holding them is on disk, then raise the
+        watermark; False while the store cannot be reached (the points stay, in the next checkpoints too)."""
         if self._thread is None and self._opener is not None:
             return False  # no point yet: the run opens after the first one, a checkpoint later waits for it
         self._ready()
@@ -277,11 +259,8 @@ class MlflowRun:
                 self._write_watermark(stored)
         except _store_errors() as error:
             if not self._store_down:
-                log.warning(
-                    "MLflow store %s cannot be reached (%s); training goes on, and the %d points kept are sent "
-                    "at the next flush",
-                    *(self.tracking_uri, first_line(error), len(self.metrics.pending)),
-                )
+                message = "MLflow store %s cannot be reached (%s); training goes on, the %d points kept meanwhile"
+                log.warning(message, self.tracking_uri, first_line(error), len(self.metrics.pending))
             self._store_down = True
             return False
         if self._store_down:
@@ -289,8 +268,7 @@ class MlflowRun:
             self._store_down = False
         return True
 
-    def _write_metrics(self, points: list[Point]) -> Any:
-        """One ``log_batch`` of at most :attr:`max_metrics_per_batch` points; returns MLflow's future."""
+    def _write_metrics(self, points: list[Point]) -> Any:  # one log_batch; returns MLflow's future
         from mlflow.entities import Metric
 
         metrics = [Metric(key, value, ts, step) for key, step, value, ts in points]
@@ -309,8 +287,7 @@ class MlflowRun:
         if failure is not None:
             raise failure
 
-    def _write_watermark(self, step: int) -> None:
-        """Claim every point up to ``step``: a call of its own, after the points' commits."""
+    def _write_watermark(self, step: int) -> None:  # a call of its own, after the points' commits
         self._write_tags({LOGGED_THROUGH_TAG: step})
         self.metrics.logged_through = step
 
@@ -319,14 +296,10 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         names = {"dataset_name": dataset.name, "dataset_digest": dataset.digest} if dataset is not None else {}
-        points = [
-            Metric(str(key), float(value), now_ms(), int(step), model_id=model_id, **names)
-            for key, value in metrics.items()
-            if value is not None
-        ]
+        values = {str(key): float(value) for key, value in metrics.items() if value is not None}
+        points = [Metric(key, value, now_ms(), int(step), model_id=model_id, **names) for key, value in values.items()]
         self._client.log_batch(self.run_id, metrics=points)
 
-    # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
         """The kept points, the run (None before it is open) and its key, as plain python types."""
         self._raise_opening_error()
@@ -334,8 +307,8 @@ class MlflowRun:
         return {**self.metrics.state_dict(), "run_id": run_id, "run_key": self.run_key}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take a checkpoint's points back; once the run is open, those the store holds are dropped and the
-        rest written. A checkpoint taken before its run opened names the run's key, which the run is found by."""
+        """Take a checkpoint's points back; once the run is open, those the store holds are dropped and the rest
+        written. A checkpoint taken before its run opened names the run's key, by which the run is found."""
         self._raise_opening_error()
         self.metrics.load_state_dict(state)
         if state.get("run_id") is None and state.get("run_key") and self._thread is None:
@@ -362,17 +335,25 @@ class MlflowRun:
         if self.flush(through=recorded) and self.metrics.logged_through < recorded:
             self._write_watermark(recorded)  # a flush died before its tag
 
-    # ------------------------------------------------------------------ datasets, model, artifacts
-    def log_datasets(self, manifests: Mapping[str, Any]) -> dict[str, Any]:
-        """Log cut manifests (context -> path or ManifestDataset) as dataset inputs, each context once; the
-        train and dev digests give the tag ``asrflow.data_digest``. Returns context -> ManifestDataset."""
+    def log_datasets(self, manifests: Mapping[str, str | os.PathLike]) -> dict[str, Any]:
+        """Log cut manifests (context -> path) as the run's datasets, named by their context; the train and dev
+        digests give the tag ``asrflow.data_digest``. Returns context -> MLflow dataset entity."""
         self._ready()
         return self._log_datasets(manifests)
 
-    def _log_datasets(self, manifests: Mapping[str, Any]) -> dict[str, Any]:
-        from asrflow.tracking.datasets import combined_digest, log_manifests
+    def _log_datasets(self, manifests: Mapping[str, str | os.PathLike]) -> dict[str, Any]:
+        from mlflow.entities import Dataset, DatasetInput, InputTag
 
-        datasets = log_manifests(self._client, self._run_id, manifests)
+        datasets, inputs = {}, []  # the store keeps one input per dataset and run
+        for context, path in manifests.items():
+            if not (path := Path(path)).is_file():
+                raise AsrflowError(f"manifest {path} not found: run the stage that writes it first")
+            facts, source = manifest_facts(path), json.dumps({"uri": str(path.resolve())})
+            profile = json.dumps({"utterances": facts["utterances"], "hours": facts["hours"]})
+            datasets[context] = Dataset(context, facts["digest"], "local", source, profile=profile)
+            inputs.append(DatasetInput(datasets[context], [InputTag(DATASET_CONTEXT_TAG, context)]))
+        if inputs:
+            self._client.log_inputs(self._run_id, inputs)
         if training := [datasets[context].digest for context in ("train", "dev") if context in datasets]:
             self._write_tags({DATA_DIGEST_TAG: combined_digest(training)})
         return datasets
@@ -404,12 +385,11 @@ class MlflowRun:
                 "to that server's http:// address, or use another experiment name"
             ) from None
 
-    # ------------------------------------------------------------------ end
     def end(self, status: str = "FINISHED") -> None:
-        """Flush everything, stop system metrics, mark the run ``status`` (a reopened FINISHED run stays so and
-        keeps ``status`` in ``asrflow.reopened_end_status``), and name the experiment's runs page."""
-        if status not in _END_STATUSES:
-            raise ValueError(f"status must be one of {_END_STATUSES}, got {status!r}")
+        """Flush, stop system metrics, mark the run ``status`` (a reopened FINISHED run stays so, with ``status`` in
+        a tag), and name the experiment's runs page."""
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"status must be FINISHED, FAILED or KILLED, got {status!r}")
         if self._ended:
             return
         self._ended, raised_before, opened = True, self._failed, False
@@ -420,21 +400,15 @@ class MlflowRun:
             if not raised_before:
                 log.warning("MLflow run could not be opened: %s", first_line(error))
         if self._monitor is not None:
-            self._monitor.finish()
-            self._monitor = None
-        if not opened:
-            if self._run_id is not None:
-                self._client.set_terminated(self._run_id, status=status)
-        elif not self.flush():
-            log.warning(
-                "%d metric points could not be sent to %s (those in a checkpoint are sent when training resumes); "
-                "MLflow run %s is left as it was",
-                *(len(self.metrics.pending), self.tracking_uri, self._run_id),
-            )
-        elif not self._reopened_finished:
+            self._monitor, monitor = None, self._monitor
+            monitor.finish()
+        if opened and not self.flush():
+            message = "%d metric points not sent to %s (those in a checkpoint are sent on resume); run %s left as is"
+            log.warning(message, len(self.metrics.pending), self.tracking_uri, self._run_id)
+        elif opened and self._reopened_finished:
+            self._write_tags({REOPENED_END_STATUS_TAG: status} if status != "FINISHED" else {})
+        elif self._run_id is not None:
             self._client.set_terminated(self._run_id, status=status)
-        elif status != "FINISHED":
-            self._write_tags({REOPENED_END_STATUS_TAG: status})
         if opened:
             page = runs_page(self.tracking_uri, self.experiment_id)
             log.info("MLflow run %s: %s", self._run_id, page, extra=_TERMINAL)
@@ -445,9 +419,6 @@ class MlflowRun:
     def __exit__(self, exc_type, exc, tb) -> None:
         killed = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
         self.end("FINISHED" if exc_type is None else "KILLED" if killed else "FAILED")
-
-
-_TERMINAL = {"terminal": True}  # the log record also goes to the terminal
 
 
 def start_training_run(
@@ -466,14 +437,12 @@ def start_training_run(
     manifest) become its datasets; MLflow's system metrics run until :meth:`MlflowRun.end`."""
 
     def open_run(run: MlflowRun) -> None:
-        from asrflow.params import flatten
-
         defaults = committed_params(params_path) if run_id is None else None
         options = {"system_metrics": system_metrics, "system_metrics_interval_s": system_metrics_interval_s}
         tags = run_tags(params, defaults) if run_id is None else None
         name = run_name(params, defaults)
         if run._open(experiment, run_id, run_name=name, tracking_uri=tracking_uri, tags=tags, by_key=True, **options):
-            run._write_params({key: param_value(value) for key, value in flatten(dict(params)).items()})
+            run._write_params(flat_params(params))
         run._log_datasets(manifests)
 
     return MlflowRun(open_run)
@@ -484,17 +453,12 @@ class NullTracker:
 
     run_id = None
 
-    def log_params(self, params: Mapping[str, Any]) -> None: ...
-    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
-    def record(self, step: int, metrics: Mapping[str, Any]) -> None: ...
-    def flush(self) -> None: ...
     def discard_after(self, step: int) -> int:
         return 0
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
-    def log_model(self, bundle_path: str | os.PathLike, **kwargs: Any) -> None: ...
-    def end(self, status: str = "FINISHED") -> None: ...
+    def _nothing(self, *args: Any, **kwargs: Any) -> None: ...
+
+    log_params = set_tags = record = flush = load_state_dict = log_artifact = log_model = end = _nothing

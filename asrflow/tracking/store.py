@@ -10,14 +10,13 @@ from pathlib import Path
 
 from asrflow.errors import AsrflowError
 
-#: MLflow 3's default tracking store.
+#: MLflow 3's default tracking store; the folder beside a SQLite store for the artifacts of experiments created
+#: here; where ``mlflow ui`` serves by default; seconds to wait for a tracking server's answer.
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-#: Folder beside a SQLite store that holds the artifacts of experiments created here.
 ARTIFACTS_DIRNAME = "mlartifacts"
-#: Where ``mlflow ui`` serves by default.
 DEFAULT_UI_URL = "http://127.0.0.1:5000"
-#: Seconds to wait for a tracking server's answer in :func:`check_tracking_uri`.
 PROBE_TIMEOUT_S = 10.0
+_SQLITE = "sqlite:///"
 
 
 def default_tracking_uri() -> str:
@@ -26,28 +25,19 @@ def default_tracking_uri() -> str:
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a ``sqlite:`` tracking URI (relative to the cwd if relative)."""
-    if not tracking_uri.startswith("sqlite:"):
-        return None
-    from sqlalchemy.engine import make_url
-
-    database = make_url(tracking_uri).database
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    return Path(database)
+    """The database file of a ``sqlite:///`` tracking URI (SQLAlchemy's form: relative to the cwd unless it
+    starts with ``/``), or None."""
+    database = tracking_uri.removeprefix(_SQLITE).partition("?")[0] if tracking_uri.startswith(_SQLITE) else ""
+    return Path(database) if database and database != ":memory:" and not database.startswith("file:") else None
 
 
 def resolve_tracking_uri(tracking_uri: str) -> str:
-    """Make a relative ``sqlite:`` URI absolute (against the cwd); other URIs unchanged.
-
-    MLflow caches one store per URI string, so a relative one would keep the first cwd it saw.
-    """
+    """A relative ``sqlite:`` URI made absolute (MLflow caches a store per URI string); others unchanged."""
     db = sqlite_path(tracking_uri)
     if db is None or db.is_absolute():
         return tracking_uri
-    from sqlalchemy.engine import make_url
-
-    return make_url(tracking_uri).set(database=str(db.resolve())).render_as_string(hide_password=False)
+    query = tracking_uri.partition("?")[2]
+    return f"{_SQLITE}{db.resolve()}" + (f"?{query}" if query else "")
 
 
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
@@ -60,19 +50,15 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
 
 
 def check_tracking_uri(tracking_uri: str | None = None) -> str:
-    """Refuse a store that cannot be used, before any work; returns the resolved URI.
-
-    An ``http(s)://`` server must answer (any HTTP status) within :data:`PROBE_TIMEOUT_S`; a SQLite
-    store's folder must be creatable. Raises :class:`AsrflowError` naming the URI and the local fallback.
-    """
+    """The resolved URI of a usable store, checked before any work: a server must answer (any HTTP status), a
+    SQLite store's folder must be creatable; else :class:`AsrflowError` naming the URI and the local fallback."""
     from_env = tracking_uri is None and bool(os.environ.get("MLFLOW_TRACKING_URI"))
     uri = resolve_tracking_uri(tracking_uri or default_tracking_uri())
     origin = " (from MLFLOW_TRACKING_URI)" if from_env else ""
     if uri.startswith(("http://", "https://")):
         try:
             probe = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
-            with urllib.request.urlopen(probe, timeout=PROBE_TIMEOUT_S):
-                pass
+            urllib.request.urlopen(probe, timeout=PROBE_TIMEOUT_S).close()
         except urllib.error.HTTPError:
             pass  # it answered: authentication and the like are MLflow's to report
         except (urllib.error.URLError, OSError) as error:
@@ -81,9 +67,7 @@ def check_tracking_uri(tracking_uri: str | None = None) -> str:
                 f"start the server, or unset MLFLOW_TRACKING_URI to log to the local store {DEFAULT_TRACKING_URI} "
                 f"(browse it with `mlflow ui --backend-store-uri {DEFAULT_TRACKING_URI}`)"
             ) from None
-        return uri
-    db = sqlite_path(uri)
-    if db is not None:
+    elif (db := sqlite_path(uri)) is not None:
         try:
             db.resolve().parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -95,11 +79,8 @@ def check_tracking_uri(tracking_uri: str | None = None) -> str:
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:
-    """The UI's page of an experiment's runs, and how to open it.
-
-    A server's own address; for a local store, ``mlflow ui``'s default address and the command that
-    serves it. MLflow keeps its GenAI/model-training toggle in the browser (mlflow/mlflow#24498).
-    """
+    """The UI's page of an experiment's runs (a server's own, else ``mlflow ui``'s and the command that serves it);
+    MLflow keeps its GenAI/model-training toggle in the browser."""
     server = tracking_uri.startswith(("http://", "https://"))
     base = tracking_uri.rstrip("/") if server else DEFAULT_UI_URL
     hint = "" if server else f" after `mlflow ui --backend-store-uri {tracking_uri}`"

@@ -23,7 +23,6 @@ from asrflow.data.features import FeatureConfig
 from asrflow.data.workers import unpack_batch
 from asrflow.logs import TerminalProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
-from asrflow.params import flatten
 from asrflow.tracking.run import MlflowRun, NullTracker, start_training_run
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
@@ -271,7 +270,6 @@ class Trainer:
         self.checkpoints.register(tracker=self.tracker)
         if state is None:
             logger.info("starting a fresh run")
-            self.tracker.log_params(flatten(self.all_params))
             tags = {"precision": self.precision.name, "precision_reason": self.precision.reason, **init_tags}
             self.tracker.set_tags(tags)
             self._save(0)  # a rollback target, and the MLflow run id on disk

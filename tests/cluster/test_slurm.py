@@ -25,8 +25,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from pipeline.helpers import ToolError, git_init, kill_group, run, set_params, tail, tool_env
+from pipeline.helpers import ToolError, git_init, run, set_params, tail, tool_env
 
+from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import copy_repo
 
 from .slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install
@@ -161,14 +162,14 @@ def test_the_whole_pipeline_runs_as_slurm_jobs_and_trains_the_same_model(slurm, 
     assert_same_weights(copy, reference)
 
 
-def wait_for(condition, what: str, process: subprocess.Popen, console: Path):
+def wait_for(condition, what: str, child: ChildProcess, console: Path):
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        if process.poll() is not None:
-            raise ToolError(f"Snakemake exited {process.returncode} before {what}:\n{tail(console.read_text())}")
+        if child.process.poll() is not None:
+            raise ToolError(f"Snakemake exited {child.process.returncode} before {what}:\n{tail(console.read_text())}")
         time.sleep(0.5)
     raise ToolError(f"no {what} within {WAIT_S} s:\n{tail(console.read_text())}")
 
@@ -187,15 +188,7 @@ def cancel_train_during_training(cluster: LocalSlurm, copy: Path, *scancel_optio
     train_log = copy / "logs/train.log"
     train_log.unlink(missing_ok=True)
     console = copy.parent / f"snakemake-scancel{''.join(scancel_options)}.log"
-    with open(console, "wb") as out:
-        process = subprocess.Popen(
-            list(SLURM_COMMAND),
-            cwd=copy,
-            env=slurm_env(cluster, copy),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = ChildProcess(list(SLURM_COMMAND), log_path=console, env=slurm_env(cluster, copy), cwd=copy)
     try:
 
         def past_step():
@@ -207,8 +200,8 @@ def cancel_train_during_training(cluster: LocalSlurm, copy: Path, *scancel_optio
         cluster.client("scancel", *scancel_options, job)
         returncode = process.wait(timeout=WAIT_S)
     finally:
-        if process.poll() is None:
-            kill_group(process)
+        if process.process.poll() is None:
+            process.kill()
     output = console.read_text(errors="replace")
     assert returncode != 0, f"Snakemake succeeded although its train job was cancelled:\n{tail(output)}"
     assert f"SLURM-job '{job}' failed" in output, tail(output)
@@ -285,15 +278,8 @@ def test_a_train_job_over_its_time_limit_ends_timeout_and_the_rerun_resumes_to_t
     copy = fresh_copy(tmp_path_factory, "slurm-timeout")
     train_log = copy / "logs/train.log"
     console = copy.parent / "snakemake-timeout.log"
-    with open(console, "wb") as out:
-        process = subprocess.Popen(
-            [*SLURM_COMMAND, "--set-resources", "train:runtime=1"],
-            cwd=copy,
-            env=slurm_env(slurm, copy),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    command = [*SLURM_COMMAND, "--set-resources", "train:runtime=1"]
+    process = ChildProcess(command, log_path=console, env=slurm_env(slurm, copy), cwd=copy)
     paused: list[psutil.Process] = []
     try:
 
@@ -312,8 +298,8 @@ def test_a_train_job_over_its_time_limit_ends_timeout_and_the_rerun_resumes_to_t
         for stage in paused:
             with contextlib.suppress(psutil.NoSuchProcess):
                 stage.resume()
-        if process.poll() is None:
-            kill_group(process)
+        if process.process.poll() is None:
+            process.kill()
     output = console.read_text(errors="replace")
     assert returncode != 0, tail(output)
     assert job_state(slurm, job) == "TIMEOUT", job_state(slurm, job)

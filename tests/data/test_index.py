@@ -248,21 +248,19 @@ def test_a_killed_builders_folder_is_removed_and_a_killed_users_store_reused(tmp
 def test_the_mlflow_dataset_takes_the_indexed_manifests_digest_without_reading_it(tmp_path, monkeypatch):
     """The train manifest is read once at start-up: its decompressed-bytes digest and profile come
     from the index's pass over it, and equal what reading it gives."""
-    import asrflow.tracking.datasets as mlflow_dataset
+    import asrflow.data.index as index_module
 
     manifest, root = tmp_path / "train_cuts.jsonl.gz", tmp_path / "tmp"
     _write(manifest, _entries(400))
-    expected = (mlflow_dataset.manifest_digest(manifest), mlflow_dataset.manifest_profile(manifest))
-    assert manifest_facts(manifest) is None
+    expected = manifest_facts(manifest)  # read: no index yet
     index = shared_index(manifest, root)
 
     def unread(*_args, **_kwargs):
         raise AssertionError("the manifest was read again")
 
-    monkeypatch.setattr(mlflow_dataset.gzip, "open", unread)
-    monkeypatch.setattr("lhotse.CutSet.from_jsonl_lazy", unread)
-    assert (mlflow_dataset.manifest_digest(manifest), mlflow_dataset.manifest_profile(manifest)) == expected
-    assert index.manifest_digest == expected[0]
+    monkeypatch.setattr(index_module.gzip, "open", unread)
+    assert manifest_facts(manifest) == expected
+    assert index.manifest_digest == expected["digest"] and expected["utterances"] == 400
 
 
 def test_plans_are_compact_and_their_digest_is_computed_once(big_index, monkeypatch):

@@ -6,20 +6,20 @@ copy's own MLflow store, so nothing hangs and nothing touches the working reposi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
+from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import tool_env
 
 VENV_BIN = Path(sys.executable).parent
@@ -51,40 +51,22 @@ class ToolError(AssertionError):
 def run(
     copy: Path, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``args`` in ``copy``; stdout and stderr come back together in ``.stdout``.
-
-    The command gets its own process group, killed whole on timeout: the stage a tool runs
-    (and its data-loader workers) would otherwise hold the output pipe open and hang us.
-    """
-    process = subprocess.Popen(
-        list(args),
-        cwd=copy,
-        env=env or tool_env(copy),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(process)
-        output, _ = process.communicate()
-        raise ToolError(f"{' '.join(args)} ran past {timeout} s in {copy}:\n{tail(output)}") from None
-    except BaseException:  # Ctrl-C in pytest: do not leave the tool running on its own
-        kill_group(process)
-        raise
-    result = subprocess.CompletedProcess(list(args), process.returncode, output)
+    """Run ``args`` in ``copy`` as a :class:`ChildProcess` (a session of its own, killed whole on timeout, on
+    Ctrl-C, and of what is left when it exits: a stage's data-loader workers); stdout and stderr come back
+    together in ``.stdout``."""
+    with tempfile.TemporaryDirectory(prefix="asrflow-tool-") as logs:
+        child = ChildProcess(list(args), log_path=Path(logs) / "output.log", env=env or tool_env(copy), cwd=copy)
+        try:
+            code = child.wait(timeout=timeout)
+        except TimeoutError:
+            raise ToolError(f"{' '.join(args)} ran past {timeout} s in {copy}:\n{tail(child.log())}") from None
+        except BaseException:  # Ctrl-C in pytest: do not leave the tool running on its own
+            child.kill()
+            raise
+        result = subprocess.CompletedProcess(list(args), code, child.log())
     if check and result.returncode != 0:
         raise ToolError(f"{' '.join(args)} exited {result.returncode} in {copy}:\n{tail(result.stdout)}")
     return result
-
-
-def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the process group that ``process`` leads (started with ``start_new_session``)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=60)
 
 
 def tail(text: str | bytes | None, lines: int = 60) -> str:

@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,7 +22,9 @@ import psutil
 import pytest
 import yaml
 
-from .helpers import ToolError, dvc_ran_stages, kill_group, run, set_params, snakemake_jobs, tail, tool_env
+from asrflow.testing.processes import ChildProcess
+
+from .helpers import ToolError, dvc_ran_stages, run, set_params, snakemake_jobs, tail, tool_env
 
 pytestmark = pytest.mark.pipeline
 
@@ -49,22 +50,22 @@ def _group_alive(pgid: int) -> list[psutil.Process]:
     return alive
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the process group ``process`` leads, and wait (bounded) until none of it runs."""
-    kill_group(process)
+def _kill_group(child: ChildProcess) -> None:
+    """SIGKILL the child's process group, and wait (bounded) until none of it runs."""
+    child.kill()
     deadline = time.monotonic() + 30
-    while _group_alive(process.pid) and time.monotonic() < deadline:
+    while _group_alive(child.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _group_alive(process.pid), f"processes outlived SIGKILL: {_group_alive(process.pid)}"
+    assert not _group_alive(child.pid), f"processes outlived SIGKILL: {_group_alive(child.pid)}"
 
 
-def _interrupt_group(process: subprocess.Popen) -> None:
+def _interrupt_group(child: ChildProcess) -> None:
     """Ctrl-C in a terminal: SIGINT to the whole group; then wait (bounded) for the tool to exit."""
-    os.killpg(process.pid, signal.SIGINT)
+    child.signal(signal.SIGINT)
     try:
-        process.wait(timeout=120)
+        child.process.wait(timeout=120)
     finally:
-        _kill_group(process)  # whatever is left (nothing, normally)
+        _kill_group(child)  # whatever is left (nothing, normally)
 
 
 def interrupt_during_training(
@@ -73,10 +74,7 @@ def interrupt_during_training(
     """Start ``command`` in a new process group; once ``watched_log`` shows a checkpoint at step
     :data:`KILL_AFTER_STEP` or later, send ``how`` (SIGKILL or SIGINT) to the whole group.
     Returns the newest step saved when it saw that checkpoint."""
-    with open(console, "wb") as out:
-        process = subprocess.Popen(
-            command, cwd=copy, env=tool_env(copy), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    process = ChildProcess(command, log_path=console, env=tool_env(copy), cwd=copy)
     try:
         deadline = time.monotonic() + WAIT_FOR_CHECKPOINT_S
         while True:
@@ -85,9 +83,9 @@ def interrupt_during_training(
             steps = [int(step) for step in CHECKPOINT_SAVED.findall(text)]
             if any(step >= KILL_AFTER_STEP for step in steps):
                 break
-            if process.poll() is not None:
+            if process.process.poll() is not None:
                 raise ToolError(
-                    f"{' '.join(command)} ended (exit {process.returncode}) before a checkpoint at step "
+                    f"{' '.join(command)} ended (exit {process.process.returncode}) before a checkpoint at step "
                     f"{KILL_AFTER_STEP}:\n{tail(console.read_text(errors='replace'))}"
                 )
             if time.monotonic() > deadline:
