@@ -191,13 +191,13 @@ def _log_to_training_run(
     """
     from mlflow.tracking import MlflowClient
 
-    from asrflow.tracking.datasets import ManifestDataset
     from asrflow.tracking.run import MlflowRun
 
     tracker = MlflowRun.start(run_id=run_id, tracking_uri=tracking_uri, create_if_missing=True, run_name="evaluate")
     try:
         datasets = tracker.log_datasets(
-            {dataset_context(name): ManifestDataset(path, name=name) for name, path in test_manifests.items()}
+            {dataset_context(name): path for name, path in test_manifests.items()},
+            {dataset_context(name): name for name in test_manifests},
         )
         by_set = {name: datasets[dataset_context(name)] for name in test_manifests}
         model_ids = tracker.model_ids()

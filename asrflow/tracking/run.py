@@ -335,13 +335,13 @@ class MlflowRun:
         if self.flush(through=recorded) and self.metrics.logged_through < recorded:
             self._write_watermark(recorded)  # a flush died before its tag
 
-    def log_datasets(self, manifests: Mapping[str, str | os.PathLike]) -> dict[str, Any]:
-        """Log cut manifests (context -> path) as the run's datasets, named by their context; the train and dev
-        digests give the tag ``asrflow.data_digest``. Returns context -> MLflow dataset entity."""
+    def log_datasets(self, manifests: Mapping[str, str | os.PathLike], names: Mapping | None = None) -> dict:
+        """Log cut manifests (context -> path) as the run's datasets, named by ``names`` (context -> name; default
+        the context); the train and dev digests give the tag ``asrflow.data_digest``. Returns context -> entity."""
         self._ready()
-        return self._log_datasets(manifests)
+        return self._log_datasets(manifests, names)
 
-    def _log_datasets(self, manifests: Mapping[str, str | os.PathLike]) -> dict[str, Any]:
+    def _log_datasets(self, manifests: Mapping[str, str | os.PathLike], names: Mapping | None = None) -> dict:
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         datasets, inputs = {}, []  # the store keeps one input per dataset and run
@@ -350,7 +350,9 @@ class MlflowRun:
                 raise AsrflowError(f"manifest {path} not found: run the stage that writes it first")
             facts, source = manifest_facts(path), json.dumps({"uri": str(path.resolve())})
             profile = json.dumps({"utterances": facts["utterances"], "hours": facts["hours"]})
-            datasets[context] = Dataset(context, facts["digest"], "local", source, profile=profile)
+            datasets[context] = Dataset(
+                (names or {}).get(context, context), facts["digest"], "local", source, profile=profile
+            )
             inputs.append(DatasetInput(datasets[context], [InputTag(DATASET_CONTEXT_TAG, context)]))
         if inputs:
             self._client.log_inputs(self._run_id, inputs)
