@@ -179,8 +179,15 @@ class TrainData:
         keeps the iterator alive, and a worker still running holds the process at exit."""
         iterator, self._open = self._open, None
         shutdown = getattr(iterator, "_shutdown_workers", None)  # what DataLoader's own __del__ calls
-        if shutdown is not None:
+        if shutdown is None:
+            return
+        try:
             shutdown()
+        except RuntimeError as error:  # a worker that crashes while exiting took no batch with it
+            logger.warning("a data worker ended abnormally while shutting down, after its last batch: %s", error)
+            for worker in getattr(iterator, "_workers", []):
+                if worker.is_alive():
+                    worker.terminate()
 
 
 #: Free heap pages go back to the system every this many batches (see :mod:`asrflow.allocator`).

@@ -1,0 +1,170 @@
+"""GPU checks (shared/GPU_CHECKS.md items 2-4) on CUDA: the real-corpus preset's Trainer in bf16 with
+precomputed and on-the-fly features, SpeechBrain's model of the same shape on the same batches, and
+fp16 / bf16 runs of a few hundred steps.
+
+Records ``gpu_matmul`` (bf16 peak measured), ``gpu_train`` per feature mode (audio-s/s over steps
+2..N, MFU against the measured peak, peak allocated memory, data-wait share), ``gpu_peer`` (bare
+steps of both models on the same batches in bf16), ``gpu_precision`` (finite steps, lowest loss).
+
+Usage: ``python -m bench.gpu_checks [--quick] [--workdir DIR] [--seconds S] [--utterances N]``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from asrflow.testing.corpora import data_features, generated_data
+from asrflow.testing.repo import REPO
+from bench.common import emit, machine, parse_args, rounded, train_config, workdir
+from bench.train_throughput import PlannedBatches, build, model_flops
+
+
+def bf16_peak(size: int = 8192, repeat: int = 10) -> float:
+    """Measured bf16 FLOP/s of ``torch.mm`` on two ``size`` x ``size`` matrices (the mean of ``repeat``)."""
+    import torch
+
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        torch.mm(a, b)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        torch.mm(a, b)
+    torch.cuda.synchronize()
+    return 2 * size**3 * repeat / (time.perf_counter() - start)
+
+
+def on_device(batch: dict) -> dict:
+    """``batch`` with its tensors on the GPU."""
+    return {key: value.cuda() if hasattr(value, "cuda") else value for key, value in batch.items()}
+
+
+def trainer_run(data: Path, exp: Path, config, features, *, seconds: float, max_steps: int) -> list:
+    """The Trainer as the train stage runs it, stopped after ``seconds`` or ``max_steps``; its StepResults."""
+    from asrflow.params import load_params
+    from asrflow.training.config import TrainPaths
+    from asrflow.training.observers import TrainObserver
+    from asrflow.training.trainer import Trainer
+
+    results = []
+
+    class Stopper(TrainObserver):
+        def after_step(self, run, result):
+            results.append(result)
+            if len(results) >= max_steps - 1 or sum(r.elapsed_s for r in results[1:]) > seconds:
+                run.stop.request()
+
+    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
+    params = load_params(REPO / "presets" / "real-corpus.yaml")
+    Trainer(config, features, seed=0, all_params=params, paths=paths, tracking_uri=f"sqlite:///{exp / 'mlflow.db'}",
+            observers=[Stopper()]).run()  # fmt: skip
+    return results
+
+
+def train_record(results: list, *, flops_per_audio_s: float, peak: float) -> dict:
+    """Throughput, MFU, data wait and peak memory of a Trainer's steps (step 1 not timed)."""
+    import torch
+
+    timed = results[1:]
+    audio, elapsed = sum(r.audio_seconds for r in timed), sum(r.elapsed_s for r in timed)
+    rate = audio / elapsed
+    record = {"steps": len(results), "audio_s_per_s": rounded(rate), "mfu": rounded(flops_per_audio_s * rate / peak)}
+    record |= {"data_wait_fraction": rounded(sum(r.data_wait_s for r in timed) / elapsed)}
+    record |= {"peak_allocated_gb": rounded(torch.cuda.max_memory_allocated() / 1e9)}
+    record |= {"all_finite": all(r.finite for r in results), "min_loss": rounded(min(r.loss for r in results))}
+    return record
+
+
+def bare_rate(model, optimizer, steps: list[list[dict]], precision) -> tuple[float, float]:
+    """Audio-s/s and peak allocated GB of forward + CTC + backward + AdamW on ``steps`` (first one untimed)."""
+    import torch
+
+    from bench.train_throughput import bare_step
+
+    bare_step(model, optimizer, steps[0], precision)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    seconds = 0.0
+    for batches in steps[1:]:
+        seconds += bare_step(model, optimizer, batches, precision)
+        torch.cuda.synchronize()
+    audio = sum(float(b["durations"].sum()) for batches in steps[1:] for b in batches)
+    return audio / seconds, torch.cuda.max_memory_allocated() / 1e9
+
+
+def peer_record(data: Path, config, features, *, num_steps: int) -> dict:
+    """asrflow's model and SpeechBrain's of the same shape, bf16 autocast, bare steps on the same batches."""
+    import torch
+
+    from asrflow.training.precision import resolve_precision
+    from bench.peer.speechbrain_side import speechbrain_model
+
+    planned = PlannedBatches(data, config, features, seed=0)
+    steps = [[on_device(b) for b in planned.next_step()] for _ in range(num_steps)]
+    precision = resolve_precision("bf16", "cuda", torch.cuda.get_device_capability(), ())
+    model = build(config, features, 0, planned.tokenizer.vocab_size)[0].cuda()
+    ours = bare_rate(model, torch.optim.AdamW(model.parameters(), lr=config.lr, fused=True), steps, precision)
+    peer = speechbrain_model(asdict(config), features.num_mel_bins, planned.tokenizer.vocab_size).cuda()
+    theirs = bare_rate(peer, torch.optim.AdamW(peer.parameters(), lr=config.lr, fused=True), steps, precision)
+    record = {"asrflow_audio_s_per_s": rounded(ours[0]), "speechbrain_audio_s_per_s": rounded(theirs[0])}
+    record |= {"ratio": rounded(ours[0] / theirs[0]), "asrflow_peak_gb": rounded(ours[1])}
+    record |= {"speechbrain_peak_gb": rounded(theirs[1]), "memory_ratio": rounded(ours[1] / theirs[1])}
+    record["params"] = [sum(p.numel() for p in m.parameters()) for m in (model, peer)]
+    return record
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    import torch
+
+    from asrflow.params import load_params
+
+    def configure(parser) -> None:
+        parser.add_argument("--seconds", type=float, default=60.0, help="timed training per feature mode")
+        parser.add_argument("--utterances", type=int, default=3000, help="size of the generated corpus")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
+    peak = bf16_peak()
+    matmul = {"benchmark": "gpu_matmul", "device": torch.cuda.get_device_name(0), "bf16_flops": rounded(peak)}
+    out = [emit({**matmul, "machine": machine()})]
+    with workdir(args.workdir) as work:
+        data = generated_data(work, 200 if args.quick else args.utterances)
+        features = data_features(data)
+        preset = train_config(load_params(REPO / "presets" / "real-corpus.yaml"), quick=args.quick, epochs=1000)
+        timing = {"checkpoint_every_steps": 10**6, "validate_every_steps": 10**6}  # steps only; stop saves
+        config = replace(preset, precision="bf16", warmup_steps=200, **timing)
+        planned = PlannedBatches(data, config, features, seed=0)
+        model = build(config, features, 0, planned.tokenizer.vocab_size)[0].cuda()
+        batch = on_device(planned.next_step()[0])
+        flops = model_flops(model, batch) / float(batch["durations"].sum())
+        del model, planned
+        # precomputed, then on-the-fly features
+        for on_the_fly, scale in ((False, 1), (True, 1)):
+            torch.cuda.reset_peak_memory_stats()
+            mode, batch_config = (
+                replace(features, on_the_fly=on_the_fly),
+                replace(config, max_duration_s=config.max_duration_s * scale),
+            )
+            exp = work / f"exp-{on_the_fly}-{scale}"
+            results = trainer_run(data, exp, batch_config, mode, seconds=args.seconds, max_steps=10**6)
+            record = {"benchmark": "gpu_train", "on_the_fly": on_the_fly, "precision": "bf16"}
+            record |= {"flops_per_audio_s": rounded(flops), "max_duration_s": batch_config.max_duration_s}
+            out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
+        out.append(emit({"benchmark": "gpu_peer", **peer_record(data, config, features, num_steps=30)}))
+        for precision in ("fp16", "bf16"):
+            torch.cuda.reset_peak_memory_stats()
+            config = replace(preset, precision=precision, warmup_steps=100, **timing)
+            steps = 20 if args.quick else 300
+            results = trainer_run(data, work / f"exp-{precision}", config, features, seconds=1e9, max_steps=steps)
+            record = {
+                "benchmark": "gpu_precision",
+                "precision": precision,
+                "nonfinite_steps": sum(not r.finite for r in results),
+            }
+            out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
+    return out
+
+
+if __name__ == "__main__":
+    main()
