@@ -149,9 +149,10 @@ def check_compatible(init: InitModel, model_config: ModelConfig, features: Featu
         )
 
 
-def apply_init(model: nn.Module, init: InitModel, pieces: list[str]) -> bool:
+def apply_init(model: nn.Module, init: InitModel, pieces: list[str]) -> dict[str, str]:
     """Load ``init``'s encoder into ``model``, and its CTC head when its tokenizer has the same ``pieces`` (in
-    id order); returns whether the head was loaded. Draws nothing from the RNG; ``init.weights`` is emptied."""
+    id order); returns the run's tags naming the start model. Draws nothing from the RNG; ``init.weights`` is
+    emptied."""
     same_vocabulary = init.pieces == pieces
     weights = {
         name: value for name, value in init.weights.items() if same_vocabulary or not name.startswith(HEAD_PREFIX)
@@ -172,7 +173,8 @@ def apply_init(model: nn.Module, init: InitModel, pieces: list[str]) -> bool:
             init.source,
             _vocabulary_difference(init.pieces, pieces),
         )
-    return same_vocabulary
+    head = "loaded" if same_vocabulary else "drawn (other tokenizer)"
+    return {INIT_FROM_TAG: init.source, "asrflow.init_digest": init.digest, "asrflow.init_head": head}
 
 
 def _vocabulary_difference(theirs: list[str], ours: list[str]) -> str:

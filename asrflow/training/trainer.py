@@ -3,9 +3,8 @@ the data (``TrainData``), checkpoints (``CheckpointManager``: when to save, best
 resume), validation (``Validator``), the non-finite guard, the run state (counters, plan position, loss
 history, random state), the tracker (MLflow on rank 0) and observers, the one extension point.
 
-The order inside a step is what makes resume exact: the stop flag is read right before the
-step's all-reduce, no checkpoint is taken inside a non-finite streak, and MLflow is flushed
-only after the checkpoint is on disk.
+The order inside a step makes resume exact: the stop flag is read right before the step's all-reduce,
+no checkpoint is taken inside a non-finite streak, and MLflow is flushed only after the checkpoint is saved.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig, TrainPaths
 from asrflow.training.distributed import check_same_everywhere, data_parallel, init_distributed, shutdown_distributed
 from asrflow.training.final_model import write_final_model
-from asrflow.training.init_model import INIT_FROM_TAG, apply_init, check_compatible, encoder_parameters, load_init_model
+from asrflow.training.init_model import apply_init, check_compatible, encoder_parameters, load_init_model
 from asrflow.training.monitoring import StallWatchdog, report_step
 from asrflow.training.nonfinite import NonFiniteGuard, RollbackNeeded
 from asrflow.training.observers import ObservedRun, StopFlag, TrainObserver
@@ -80,7 +79,7 @@ class Trainer:
         self.model_config = config.model(features.num_mel_bins, self.data.tokenizer.vocab_size)
         self.model = build_model(self.model_config).to(self.device)
         self.init_model = load_init_model(config.init_from, tracking_uri=tracking_uri) if config.init_from else None
-        if self.init_model is not None:
+        if self.init_model is not None:  # refused before any step: a shape or feature that differs
             check_compatible(self.init_model, self.model_config, features)
         self.frozen = encoder_parameters(self.model) if config.freeze_encoder_steps else []
         self.ddp_model: torch.nn.Module = self.model  # wrapped in DDP once the model is restored
@@ -100,12 +99,9 @@ class Trainer:
         check_same_everywhere(self.dist, content_digest([fingerprint, self.train_params]), "params, code or data")
         facts = {"fingerprint": fingerprint, "train_params": self.train_params, "precision": self.precision.name}
         self.checkpoints = CheckpointManager.for_run(config, self.paths.checkpoint_dir, dist=self.dist, facts=facts)
-        self.checkpoints.register(
-            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler
-        )
-        self.checkpoints.register(
-            rng=RandomState(), counters=self.counters, position=self.position, history=self.history, guard=self.guard
-        )
+        self.checkpoints.register(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.checkpoints.register(scaler=self.scaler, rng=RandomState(), counters=self.counters)
+        self.checkpoints.register(position=self.position, history=self.history, guard=self.guard)
         self.observed = ObservedRun(dist=self.dist, data=self.data, scaler=self.scaler, stop=self.stop)
         data, precision = self.data, self.precision
         logger.info(
@@ -241,12 +237,7 @@ class Trainer:
         decision, state, path = self.checkpoints.resume(self.checkpoints.facts["fingerprint"], self.train_params)
         init_tags = {}
         if state is None and self.init_model is not None:  # a resumed run's weights are its checkpoint's
-            head = apply_init(self.model, self.init_model, self.data.tokenizer.pieces)
-            init_tags = {
-                INIT_FROM_TAG: self.init_model.source,
-                "asrflow.init_digest": self.init_model.digest,
-                "asrflow.init_head": "loaded" if head else "drawn (other tokenizer)",
-            }
+            init_tags = apply_init(self.model, self.init_model, self.data.tokenizer.pieces)
         if state is not None:
             self.checkpoints.restore(state)  # the tracker is not registered yet: it starts below
             position = self.position
