@@ -1,20 +1,22 @@
 """A corpus folder's listing: every file's path, size and modification time, without reading it.
 
-The ``corpus_listing`` stage writes it, and ``prepare`` depends on the listing instead of
-the corpus folder: DVC and Snakemake then compare one small file, not hours of audio,
-yet any file added, removed, replaced or touched changes the listing and re-runs prepare.
+The ``corpus_listing`` stage writes it (``always_changed`` for DVC; for Snakemake, run
+while the workflow is read), and ``prepare`` depends on the listing instead of the corpus
+folder: DVC and Snakemake then compare one small file, not hours of audio, yet any file
+added, removed, replaced or touched changes the listing and re-runs prepare.
 A file edited in place with its size and mtime kept (``touch -r``) goes unseen: force
 ``dvc repro -f prepare`` / ``snakemake -R prepare`` then.
 
 Format: one line per file, ``<path relative to the corpus folder>\\t<bytes>\\t<mtime in ns>``,
-sorted by path (byte order); symlinks are listed with their target's size and mtime.
+sorted by path (byte order); symlinks are listed with their target's size and mtime. The
+file :func:`write_listing` writes holds a ``# <folder>`` line before each folder's lines.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from asrflow.errors import AsrflowError
@@ -59,19 +61,24 @@ def corpus_fingerprint(corpus_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-def write_listing(corpus_dir: str | Path, path: str | Path) -> bool:
-    """Write the listing to ``path`` when it differs from what is there; returns whether it did.
+def write_listing(corpus_dirs: Sequence[str | Path], path: str | Path) -> bool:
+    """Write the listing of ``corpus_dirs`` to ``path`` when it differs from what is there; returns whether it did.
 
     An unchanged listing keeps its file (and its modification time), so Snakemake sees no
     newer input. The new file replaces the old one whole (written aside, then renamed).
+
+    Raises:
+        AsrflowError: when one of ``corpus_dirs`` is not a folder (nothing is written).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
-            for line in corpus_listing(corpus_dir):
-                handle.write(line + "\n")
+            for folder in corpus_dirs:
+                handle.write(f"# {_escape(str(folder))}\n")
+                for line in corpus_listing(folder):
+                    handle.write(line + "\n")
         if path.is_file() and _same_bytes(tmp, path):
             return False
         os.replace(tmp, path)

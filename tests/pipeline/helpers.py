@@ -24,6 +24,10 @@ from asrflow.testing.repo import tool_env
 
 VENV_BIN = Path(sys.executable).parent
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
+# DVC's always_changed stage, run before the others every time; Snakemake runs its command while
+# reading the workflow (workflow/rules/common.smk), so it is no rule there.
+LISTING = "corpus_listing"
+LISTING_FILE = "data/corpus_listing.tsv"
 
 # Every file the pipeline must leave behind, whichever tool ran it.
 EXPECTED_OUTPUTS = (
@@ -128,15 +132,23 @@ def dvc_ran_stages(output: str) -> set[str]:
 
 
 def dvc_dry_run(copy: Path) -> set[str]:
-    """The stages ``dvc repro`` would run now: ``dvc repro --dry --force-downstream``.
+    """The stages ``dvc repro`` would run now, besides the listing it always runs.
 
-    A dry run cannot know that a stage it would run changes its outputs, so without
-    ``--force-downstream`` it leaves out the stages whose only change is upstream's outputs;
-    a real ``dvc repro`` runs them, as their deps' hashes then differ. So this set is the
-    changed stages plus everything downstream of them in DVC's graph; :func:`dvc_status`
+    The listing stage runs first, for real, as every ``dvc repro`` runs it (it is cheap and
+    rewrites its output only when the corpus changed). Then ``dvc repro --dry`` names the
+    stages changed themselves, and ``dvc repro --dry --force-downstream --downstream`` those
+    and everything downstream of them in DVC's graph: a dry run cannot know that a stage it
+    would run changes its outputs, so without ``--force-downstream`` it leaves out the stages
+    whose only change is upstream's outputs, which a real ``dvc repro`` runs. (Forcing
+    downstream of the always-changed listing would name every stage.) :func:`dvc_status`
     tells which stages themselves changed.
     """
-    return dvc_ran_stages(run(copy, "dvc", "repro", "--dry", "--force-downstream", timeout=180).stdout)
+    run(copy, "dvc", "repro", "--single-item", LISTING, timeout=180)
+    changed = dvc_ran_stages(run(copy, "dvc", "repro", "--dry", timeout=180).stdout) - {LISTING}
+    if not changed:
+        return set()
+    forced = run(copy, "dvc", "repro", "--dry", "--force-downstream", "--downstream", *sorted(changed), timeout=180)
+    return dvc_ran_stages(forced.stdout)
 
 
 def dvc_json(copy: Path, *command: str) -> dict:
@@ -154,11 +166,14 @@ def dvc_status(copy: Path) -> dict[str, set[str]]:
     A changed dep appears as its path as dvc.yaml lists it (a folder dep, not the file in
     it), a params entry as ``params.yaml:<key or section>``, a changed output as
     ``out:<path>``, anything else as DVC's own words. Stages that are only downstream of
-    a change are not listed: their deps are unchanged until upstream runs.
+    a change are not listed: their deps are unchanged until upstream runs; nor is the listing
+    stage, which DVC finds "always changed" (the listing itself is refreshed by :func:`dvc_dry_run`).
     """
     report = dvc_json(copy, "status")
     status: dict[str, set[str]] = {}
     for stage, entries in report.items():
+        if stage == LISTING and entries == ["always changed"]:
+            continue
         changes = status.setdefault(stage, set())
         for entry in entries:
             if not isinstance(entry, dict):
@@ -252,6 +267,7 @@ with Repo(str(Path.cwd()), uninitialized=True) as repo:
             "deps": [dep.def_path for dep in stage.deps if not isinstance(dep, ParamsDependency)],
             "params": {dep.def_path: list(dep.params) for dep in stage.deps if isinstance(dep, ParamsDependency)},
             "outs": {out.def_path: {"persist": out.persist, "cache": out.use_cache} for out in stage.outs},
+            "always_changed": stage.always_changed,
         }
 Path(sys.argv[1]).write_text(json.dumps(view))
 """

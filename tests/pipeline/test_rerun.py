@@ -10,16 +10,25 @@ Only dry runs: each edit is undone (bytes and file times), so the copies stay up
 
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+import yaml
 
 from .helpers import (
+    LISTING,
+    LISTING_FILE,
     STAGES,
     appended_comment,
     dvc_dry_run,
+    dvc_ran_stages,
     dvc_status,
     edited_params,
+    restored,
     run,
     snakemake_dry_run,
     tool_env,
@@ -39,12 +48,65 @@ def would_run(snakemake_run, dvc_run) -> dict[str, set[str]]:
 
 
 def test_a_second_run_has_nothing_to_do(snakemake_run, dvc_run):
+    """Only the corpus listing runs again (DVC: always; Snakemake: while reading the workflow)."""
     snakemake = run(snakemake_run.copy, "snakemake", "--dry-run", "--cores", "1", timeout=180).stdout
     assert "Nothing to be done" in snakemake, snakemake
     status = run(dvc_run.copy, "dvc", "status", timeout=180).stdout
-    assert "Data and pipelines are up to date." in status, status
+    assert f"{LISTING}:" in status and "always changed" in status, status
     assert dvc_status(dvc_run.copy) == {}
     assert dvc_dry_run(dvc_run.copy) == set()
+
+
+def test_a_no_op_run_runs_nothing_but_the_listing(snakemake_run, dvc_run):
+    snakemake = run(snakemake_run.copy, "snakemake", "--cores", "all", timeout=180).stdout
+    assert "Nothing to be done" in snakemake, snakemake
+    dvc = run(dvc_run.copy, "dvc", "repro", timeout=180).stdout
+    assert dvc_ran_stages(dvc) == {LISTING}, dvc
+    assert "Stage 'prepare' didn't change, skipping" in dvc, dvc
+
+
+@contextmanager
+def corpus_edit(copy: Path, edit: str) -> Iterator[None]:
+    """One audio file of the copy's corpus touched, replaced (same size, other bytes), added or
+    removed; undone after, times included."""
+    corpus = copy / yaml.safe_load((copy / "params.yaml").read_text())["prepare"]["corpus_dir"]
+    audio = sorted(corpus.glob("*.wav"))[0]
+    if edit == "added":
+        extra = audio.with_name("extra.wav")
+        shutil.copy2(audio, extra)
+        try:
+            yield
+        finally:
+            extra.unlink()
+        return
+    if edit == "removed":
+        aside = copy / "removed.wav"
+        audio.rename(aside)
+        try:
+            yield
+        finally:
+            aside.rename(audio)
+        return
+    with restored(audio):
+        stat = audio.stat()
+        if edit == "replaced":
+            data = audio.read_bytes()
+            audio.write_bytes(data[:-2] + bytes(b ^ 0xFF for b in data[-2:]))
+        os.utime(audio, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+        yield
+
+
+@pytest.mark.parametrize("edit", ["touched", "replaced", "added", "removed"])
+def test_a_corpus_change_reruns_prepare_and_downstream(snakemake_run, dvc_run, *, edit):
+    """prepare depends on the corpus listing (path, size, modification time of every file),
+    not on the corpus folder: any file touched, replaced, added or removed re-runs it; undone,
+    nothing. (The listing is a param of Snakemake's prepare rule, a dep of DVC's stage.)"""
+    with corpus_edit(snakemake_run.copy, edit), corpus_edit(dvc_run.copy, edit):
+        seen = would_run(snakemake_run, dvc_run)
+        changed = dvc_status(dvc_run.copy)
+    assert seen == {"snakemake": ALL, "dvc": ALL}, f"after a corpus file was {edit}"
+    assert changed == {"prepare": {LISTING_FILE}}, f"dvc status after a corpus file was {edit}"
+    assert would_run(snakemake_run, dvc_run) == {"snakemake": set(), "dvc": set()}, f"{edit}, then undone"
 
 
 # Values no default is likely to have: each must differ from params.yaml's. ``readers``: the

@@ -8,6 +8,7 @@ from it; these tests hold the two tools to that, from what each tool itself repo
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -16,7 +17,18 @@ import pytest
 import torch
 import yaml
 
-from .helpers import EXPECTED_OUTPUTS, STAGES, dvc_stages, run, snakemake_dry_run_rules, snakemake_rule_params
+from asrflow.data.listing import corpus_listing
+
+from .helpers import (
+    EXPECTED_OUTPUTS,
+    LISTING,
+    LISTING_FILE,
+    STAGES,
+    dvc_stages,
+    run,
+    snakemake_dry_run_rules,
+    snakemake_rule_params,
+)
 
 pytestmark = pytest.mark.pipeline
 
@@ -126,19 +138,31 @@ def _value(params: dict, dotted_key: str):
 
 
 def test_snakemake_rules_are_the_dvc_stages(snakemake_run):
-    """Per stage: the same command (minus the log redirect), deps, non-persisted outs and params."""
+    """Per stage: the same command (minus the log redirect), deps, non-persisted outs and params.
+
+    DVC's always-changed listing stage is no rule: Snakemake runs its command while reading the
+    workflow, and the rule that depends on its output has the output's SHA-256 as a param instead.
+    """
     copy = snakemake_run.copy
     stages = dvc_stages(copy)
     rules = snakemake_dry_run_rules(copy)
     rule_params = snakemake_rule_params(copy)
     params_yaml = yaml.safe_load((copy / "params.yaml").read_text())
 
-    assert list(stages) == list(STAGES)
+    assert list(stages) == [LISTING, *STAGES]
+    assert [name for name, stage in stages.items() if stage["always_changed"]] == [LISTING]
+    assert list(stages[LISTING]["outs"]) == [LISTING_FILE]
     assert set(rules) == set(STAGES) | {"all"}, f"Snakemake's rules: {sorted(rules)}"
     assert set(rule_params) == set(rules)
     produced = {out for stage in stages.values() for out in stage["outs"]}
+    corpus_dir = params_yaml["prepare"]["corpus_dir"]
+    listing = "".join(f"{line}\n" for line in [f"# {corpus_dir}", *corpus_listing(copy / corpus_dir)])
+    assert (copy / LISTING_FILE).read_text() == listing, "Snakemake did not write the corpus listing"
+    digest = {re.sub(r"\W", "_", LISTING_FILE): hashlib.sha256(listing.encode()).hexdigest()}
 
     for name, stage in stages.items():
+        if name == LISTING:
+            continue
         rule = rules[name]
         assert rule["log"] == [f"logs/{name}.log"], f"rule {name}'s log: {rule['log']}"
         assert _without_log_redirect(rule["shell"], name) == stage["cmd"], f"rule {name}'s shell: {rule['shell']!r}"
@@ -146,6 +170,8 @@ def test_snakemake_rules_are_the_dvc_stages(snakemake_run):
         expected_inputs = set()
         for dep in stage["deps"]:
             path = copy / dep
+            if dep == LISTING_FILE:
+                continue  # a param
             if dep in produced or not path.is_dir():
                 expected_inputs.add(dep)
             else:  # code or corpus folder: Snakemake lists its files, so that editing one re-runs the rule
@@ -167,4 +193,6 @@ def test_snakemake_rules_are_the_dvc_stages(snakemake_run):
         keys = [key for keys in stage["params"].values() for key in keys]
         assert list(stage["params"]) == ["params.yaml"], f"stage {name} reads params from {list(stage['params'])}"
         expected_params = {re.sub(r"\W", "_", key): _value(params_yaml, key) for key in keys}
+        if LISTING_FILE in stage["deps"]:
+            expected_params |= digest
         assert rule_params[name] == expected_params, f"rule {name}'s params differ from dvc.yaml's {keys}"

@@ -17,6 +17,31 @@ def _outs(stage):
 
 PRODUCED = {path for stage in DVC_STAGES for path, _ in _outs(stage)}
 
+# DVC runs an ``always_changed`` stage (corpus_listing) every time and re-runs the stages that
+# depend on it only when its output changed. Snakemake has no such rule: it runs the stage's
+# command here, while reading the workflow, and gives each dependent rule the output's SHA-256
+# as a param, so that a changed output (and only that) re-runs it; a file's time would not do,
+# as one rewritten with the same content is newer.
+ALWAYS_RUN = [stage for stage, spec in DVC_STAGES.items() if spec.get("always_changed")]
+ALWAYS_RUN_OUTS = {path for stage in ALWAYS_RUN for path, _ in _outs(stage)}
+
+
+def _run_always_changed():
+    import hashlib
+    import subprocess
+
+    from snakemake.exceptions import WorkflowError
+
+    digests = {}
+    for stage in ALWAYS_RUN:
+        done = subprocess.run(_resolve(DVC_STAGES[stage]["cmd"]), shell=True, capture_output=True, text=True)
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise WorkflowError(f"asrflow: stage {stage} exited {done.returncode}: {said}")
+        for path, _ in _outs(stage):
+            digests[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return digests
+
 
 def _resolve(text):
     """Replace dvc.yaml's ${section.key} templates with values from params.yaml."""
@@ -39,6 +64,8 @@ def stage_inputs(stage):
     for dep in DVC_STAGES[stage]["deps"]:
         dep = _resolve(dep)
         path = Path(dep)
+        if dep in ALWAYS_RUN_OUTS:
+            continue  # a param: stage_params
         if dep in PRODUCED or not path.is_dir():
             inputs[_name(dep)] = dep
         else:
@@ -79,7 +106,12 @@ def every_output():
     is not needed: with metrics.json alone as the target, a train stage that failed or was
     stopped (Snakemake removes its model first) left "Nothing to be done" and no model.
     DVC checks every stage's outs the same way."""
-    return [path for stage in DVC_STAGES for path, options in _outs(stage) if not options.get("persist")]
+    return [
+        path
+        for stage in DVC_STAGES
+        for path, options in _outs(stage)
+        if not options.get("persist") and stage not in ALWAYS_RUN
+    ]
 
 
 def _param(dotted):
@@ -91,8 +123,12 @@ def _param(dotted):
 
 def stage_params(stage):
     """The params.yaml sections and keys the stage declares (``train.optim``: one nested
-    section), so a change re-runs it."""
-    return {_name(key): _param(key) for key in DVC_STAGES[stage]["params"]}
+    section), so a change re-runs it; and the SHA-256 of each dep an always-run stage writes."""
+    params = {_name(key): _param(key) for key in DVC_STAGES[stage]["params"]}
+    for dep in DVC_STAGES[stage]["deps"]:
+        if dep in ALWAYS_RUN_OUTS:
+            params[_name(dep)] = ALWAYS_RUN_DIGESTS[dep]
+    return params
 
 
 def stage_shell(stage):
@@ -152,6 +188,7 @@ def clear_stale_locks():
 
 
 clear_stale_locks()
+ALWAYS_RUN_DIGESTS = _run_always_changed()
 
 
 # Under `snakemake --executor slurm`: before anything is submitted, Slurm must answer and every
