@@ -135,16 +135,15 @@ def dvc_dry_run(copy: Path) -> set[str]:
     """The stages ``dvc repro`` would run now, besides the listing it always runs.
 
     The listing stage runs first, for real, as every ``dvc repro`` runs it (it is cheap and
-    rewrites its output only when the corpus changed). Then ``dvc repro --dry`` names the
+    rewrites its output only when the corpus changed). Then :func:`dvc_status` names the
     stages changed themselves, and ``dvc repro --dry --force-downstream --downstream`` those
     and everything downstream of them in DVC's graph: a dry run cannot know that a stage it
     would run changes its outputs, so without ``--force-downstream`` it leaves out the stages
     whose only change is upstream's outputs, which a real ``dvc repro`` runs. (Forcing
-    downstream of the always-changed listing would name every stage.) :func:`dvc_status`
-    tells which stages themselves changed.
+    downstream of the always-changed listing would name every stage.)
     """
     run(copy, "dvc", "repro", "--single-item", LISTING, timeout=180)
-    changed = dvc_ran_stages(run(copy, "dvc", "repro", "--dry", timeout=180).stdout) - {LISTING}
+    changed = set(dvc_status(copy))
     if not changed:
         return set()
     forced = run(copy, "dvc", "repro", "--dry", "--force-downstream", "--downstream", *sorted(changed), timeout=180)
