@@ -36,7 +36,7 @@ from lhotse import CutSet
 from lhotse.dataset import GlobalMVN, OnTheFlyFeatures
 from lhotse.dataset.collation import collate_features
 
-from asrflow.data.index import CutIndex, EpochPlan, plan_epoch_index
+from asrflow.data.index import CorpusMix, CutIndex, EpochPlan, plan_epoch_index
 from asrflow.data.manifests import cut_text
 from asrflow.tokenizer import Tokenizer
 
@@ -60,10 +60,21 @@ def as_index(cuts: CutSet | CutIndex) -> CutIndex:
     return cuts if isinstance(cuts, CutIndex) else CutIndex.from_cuts(cuts)
 
 
-def plan_epoch(cuts: CutSet | CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int) -> EpochPlan:
+def plan_epoch(
+    cuts: CutSet | CutIndex,
+    epoch: int,
+    *,
+    seed: int,
+    max_duration_s: float,
+    num_buckets: int,
+    mix: CorpusMix | None = None,
+) -> EpochPlan:
     """The global batches of ``epoch``; identical on every rank and for any order of ``cuts``
-    (see :func:`asrflow.data.index.plan_positions`)."""
-    return plan_epoch_index(as_index(cuts), epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets)
+    (see :func:`asrflow.data.index.plan_positions`); ``mix`` weighs several corpora
+    (:func:`asrflow.data.index.mix_positions`)."""
+    return plan_epoch_index(
+        as_index(cuts), epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets, mix=mix
+    )
 
 
 def plan_digest(plan: EpochPlan) -> str:
@@ -262,7 +273,7 @@ class TrainingBatches:
     """This rank's micro-batches from ``(start_epoch, start_step)`` to the last epoch.
 
     Iterable, so one ``DataLoader`` (and one set of workers) serves the whole run; each
-    epoch's plan is made when the loader first reaches it.
+    epoch's plan is made when the loader first reaches it. ``mix`` weighs several corpora.
     """
 
     def __init__(
@@ -278,8 +289,10 @@ class TrainingBatches:
         start_epoch: int,
         start_step: int,
         num_epochs: int,
+        mix: CorpusMix | None = None,
     ):
         self.cuts = as_index(cuts)
+        self.mix = mix
         self.seed = seed
         self.max_duration_s = max_duration_s
         self.num_buckets = num_buckets
@@ -302,7 +315,12 @@ class TrainingBatches:
             if len(self._cached) >= PLAN_CACHE_SIZE:
                 del self._cached[next(iter(self._cached))]
             self._cached[epoch] = plan_epoch(
-                self.cuts, epoch, seed=self.seed, max_duration_s=self.max_duration_s, num_buckets=self.num_buckets
+                self.cuts,
+                epoch,
+                seed=self.seed,
+                max_duration_s=self.max_duration_s,
+                num_buckets=self.num_buckets,
+                mix=self.mix,
             )
         return self._cached[epoch]
 

@@ -42,7 +42,14 @@ from lhotse.lazy import Dillable, LazySlicer
 from lhotse.utils import fastcopy
 
 from asrflow.data.audio import mono_samples
-from asrflow.data.manifests import cuts_path, list_test_sets, load_cuts, split_names, write_test_set_list
+from asrflow.data.manifests import (
+    cuts_path,
+    list_corpora,
+    list_test_sets,
+    load_cuts,
+    split_names,
+    write_test_set_list,
+)
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
 from asrflow.logs import progress
@@ -129,8 +136,8 @@ def compute_features(
     """Compute fbank for the train, dev and every test set's cuts of ``manifests_dir`` into ``output_dir``.
 
     Writes ``{split}_cuts.jsonl.gz`` (cuts pointing at ``output_dir/{split}_feats``),
-    ``cmvn.json`` from the train split, and the list of test sets as ``manifests_dir`` has it
-    (:func:`asrflow.data.manifests.list_test_sets`). With ``on_the_fly`` the cuts are written
+    ``cmvn.json`` from the train split, and the lists of test sets and corpora as ``manifests_dir``
+    has them (:func:`asrflow.data.manifests.list_test_sets`). With ``on_the_fly`` the cuts are written
     without features and the statistics are computed from up to 1,000 train cuts.
     The whole folder appears at once. Returns the number of cuts per split.
 
@@ -160,7 +167,7 @@ def compute_features(
         )
     with one_torch_thread(), atomic_path(output_dir) as tmp_dir, ExtractionWorkers() as workers:
         tmp_dir.mkdir(parents=True)
-        write_test_set_list(tmp_dir, list_test_sets(manifests_dir))
+        write_test_set_list(tmp_dir, list_test_sets(manifests_dir), list_corpora(manifests_dir))
         for split in scans:
             _split_features(
                 manifests_dir,

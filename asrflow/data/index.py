@@ -26,7 +26,9 @@ worker reads the cuts of a batch from ``store`` by offset (one ``seek`` + ``read
 5. the batches of all buckets are put in an order drawn from the same generator.
 
 So every stretch of an epoch holds cuts from the whole corpus (global shuffle), and
-padding stays that of ``num_buckets`` buckets.
+padding stays that of ``num_buckets`` buckets. With several weighted corpora
+(:class:`CorpusMix`), step 1 first picks the cuts the epoch takes (:func:`mix_positions`):
+the same planning then runs over them.
 
 The content digest (:attr:`CutIndex.digest`) hashes every cut's manifest entry, less the
 feature storage location (``storage_path``, ``storage_key``: they depend on how many
@@ -46,6 +48,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -733,10 +736,64 @@ class EpochPlan:
         return self._digest
 
 
-def plan_epoch_index(index: CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int) -> EpochPlan:
-    """:func:`plan_positions` over ``index``, as an :class:`EpochPlan`."""
-    batches = plan_positions(index.durations, epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets)
-    return EpochPlan.from_batches(index, batches)
+@dataclass(frozen=True, kw_only=True)
+class CorpusMix:
+    """How an epoch mixes the corpora of a train split (see :func:`mix_positions`).
+
+    Attributes:
+        corpus_of: ``(N,)`` int64, the corpus of each cut of the id-sorted index (an index into ``weights``).
+        weights: each corpus' weight, > 0: an epoch takes ``round(weight x its cuts)`` of its cuts.
+        names: the corpora's names, for messages.
+    """
+
+    corpus_of: np.ndarray
+    weights: tuple[float, ...]
+    names: tuple[str, ...]
+
+    def counts(self) -> list[int]:
+        """Cuts of each corpus in the index."""
+        return np.bincount(self.corpus_of, minlength=len(self.weights)).tolist()
+
+    def epoch_counts(self) -> list[int]:
+        """Cuts of each corpus an epoch takes: ``round(weight x count)``, at least 1 of a corpus that has any."""
+        return [max(1 if count else 0, round(w * count)) for w, count in zip(self.weights, self.counts(), strict=True)]
+
+
+def mix_positions(mix: CorpusMix, seed: int, epoch: int) -> np.ndarray:
+    """The cuts an epoch takes, as sorted positions into the index (a position repeats for a weight above 1).
+
+    Corpus ``i`` with ``N_i`` cuts and weight ``w_i`` gives ``k_i = round(w_i x N_i)`` cuts: every
+    cut ``floor(k_i / N_i)`` times, and ``k_i mod N_i`` more drawn without replacement, from
+    ``numpy.random.default_rng([seed, epoch, i])``. Deterministic for ``(seed, epoch)``, and the
+    draw of the extra cuts changes with the epoch, so over epochs each cut is seen in proportion.
+    """
+    chosen = []
+    for number, take in enumerate(mix.epoch_counts()):
+        members = np.flatnonzero(mix.corpus_of == number)
+        if not len(members):
+            continue
+        whole, extra = divmod(take, len(members))
+        chosen.extend([members] * whole)
+        if extra:
+            rng = np.random.default_rng([seed, epoch, number])
+            chosen.append(np.sort(rng.choice(members, size=extra, replace=False)))
+    return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
+
+
+def plan_epoch_index(
+    index: CutIndex, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int, mix: CorpusMix | None = None
+) -> EpochPlan:
+    """:func:`plan_positions` over ``index`` (or over the cuts ``mix`` takes this epoch), as an :class:`EpochPlan`."""
+    if mix is None:
+        batches = plan_positions(
+            index.durations, epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets
+        )
+        return EpochPlan.from_batches(index, batches)
+    taken = mix_positions(mix, seed, epoch)
+    batches = plan_positions(
+        index.durations[taken], epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets
+    )
+    return EpochPlan.from_batches(index, [taken[batch] for batch in batches])
 
 
 def data_digest(index: CutIndex, *paths: str | Path) -> str:

@@ -5,7 +5,10 @@ and a ``dev`` split and one or more *test sets*, each a split of its own with a 
 ``test`` when the corpus has one test split, else the names ``prepare.splits.test``
 gives (``test-clean``, ``test-other``). A name is one or more ``/``-separated parts of
 letters, digits, ``.``, ``_`` and ``-`` (``librispeech/test-clean``: a sub-folder).
-:data:`SPLITS_FILE` lists the test sets when they are other than the one ``test``.
+:data:`SPLITS_FILE` lists the test sets when they are other than the one ``test``, and
+the corpora when ``prepare.corpora`` names several: then every cut and recording id starts
+with its corpus' name and ``/`` (:func:`corpus_of_ids`), train and dev hold every corpus'
+utterances, and each corpus' test sets are named ``<corpus>/<test set>``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 from lhotse import CutSet
 
 from asrflow.errors import AsrflowError
@@ -23,10 +27,13 @@ from asrflow.errors import AsrflowError
 SPLITS = ("train", "dev", "test")
 #: The test sets of a folder that has no :data:`SPLITS_FILE`: the one split ``test``.
 DEFAULT_TEST_SETS = ("test",)
-#: ``{"test": [names]}`` beside the manifests, written when the test sets are not :data:`DEFAULT_TEST_SETS`.
+#: ``{"test": [names], "corpora": [names]}`` beside the manifests, written when the test sets are not
+#: :data:`DEFAULT_TEST_SETS` or there are named corpora (``corpora`` left out when there are none).
 SPLITS_FILE = "splits.json"
 #: What a test set's name may be (see the module docstring).
 TEST_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+#: What a corpus' name may be: one part of a test set's name (it prefixes ids and test sets with ``/``).
+CORPUS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 T = TypeVar("T")
 
@@ -65,11 +72,38 @@ def list_test_sets(directory: str | Path) -> list[str]:
     return [check_test_set_name(name, str(path)) for name in names]
 
 
-def write_test_set_list(directory: str | Path, names: Iterable[str]) -> None:
-    """Record the test sets of ``directory`` for :func:`list_test_sets` (nothing to write for the one ``test``)."""
-    names = list(names)
-    if tuple(names) != DEFAULT_TEST_SETS:
-        (Path(directory) / SPLITS_FILE).write_text(json.dumps({"test": names}, indent=2) + "\n")
+def write_test_set_list(directory: str | Path, names: Iterable[str], corpora: Iterable[str] = ()) -> None:
+    """Record the test sets (and named corpora) of ``directory`` for :func:`list_test_sets` and
+    :func:`list_corpora` (nothing to write for the one ``test`` of one unnamed corpus)."""
+    names, corpora = list(names), list(corpora)
+    if tuple(names) != DEFAULT_TEST_SETS or corpora:
+        listing = {"test": names, **({"corpora": corpora} if corpora else {})}
+        (Path(directory) / SPLITS_FILE).write_text(json.dumps(listing, indent=2) + "\n")
+
+
+def list_corpora(directory: str | Path) -> list[str]:
+    """The named corpora of a manifests or features folder (``[]``: one corpus, ids unprefixed)."""
+    path = Path(directory) / SPLITS_FILE
+    if not path.is_file():
+        return []
+    return list(json.loads(path.read_text()).get("corpora", []))
+
+
+def corpus_of_ids(ids: np.ndarray, corpora: list[str]) -> np.ndarray:
+    """``(N,)`` int64: the index in ``corpora`` of each id's corpus (its prefix before ``/``).
+
+    Args:
+        ids: ``(N,)`` UTF-8 bytes, ids of cuts of a folder with named ``corpora``.
+    Raises:
+        AsrflowError: an id with no listed corpus' prefix (the folder was not written by prepare).
+    """
+    owner = np.full(len(ids), -1, dtype=np.int64)
+    for number, name in enumerate(corpora):
+        owner[np.char.startswith(ids, f"{name}/".encode())] = number
+    if len(ids) and owner.min() < 0:
+        stray = ids[int(np.argmin(owner))].decode()
+        raise AsrflowError(f"cut {stray!r} belongs to none of the corpora {corpora}: run the prepare stage again")
+    return owner
 
 
 def split_names(directory: str | Path) -> list[str]:

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from lhotse import SupervisionSegment
+from lhotse.utils import fastcopy
 
 from asrflow.data.carving import GroupCounter, plan_carving
 from asrflow.data.importers import (
@@ -77,7 +78,7 @@ from asrflow.data.importers import (
     stream_kaldi,
     stream_recipe_split,
 )
-from asrflow.data.manifests import check_test_set_name, write_test_set_list
+from asrflow.data.manifests import CORPUS_NAME, check_test_set_name, write_test_set_list
 from asrflow.data.split_writer import SplitWriter, cut_dict, portable, recording_dict
 from asrflow.data.spool import DEFAULT_CHUNK_LINES, SortedSpool
 from asrflow.data.text import TextConfig
@@ -95,6 +96,8 @@ SPLITS = ("train", "dev", "test")
 LONG_UTTERANCE_MODES = ("drop", "split")
 #: Values of ``prepare.corpus`` that are not Lhotse recipes.
 OWN_FORMATS = ("folder", "kaldi")
+#: features settings, which one entry of ``prepare.corpora`` may not set (every corpus shares them).
+FEATURE_KEYS = frozenset({"sampling_rate", "num_mel_bins", "frame_shift_s", "frame_length_s", "on_the_fly"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +118,8 @@ class PrepareConfig:
         channel: ``mix`` or a channel index for multi-channel audio.
         max_rejected_fraction: the stage fails above this share of rejected items.
         text: transcript normalisation settings.
+        corpora: several corpora, prepared together (:meth:`corpus_configs`), or ``None`` for the one
+            the keys above describe.
     """
 
     corpus: str = "yesno"
@@ -129,6 +134,7 @@ class PrepareConfig:
     channel: str | int = "mix"
     max_rejected_fraction: float = 0.05
     text: TextConfig = field(default_factory=TextConfig)
+    corpora: list[Any] | None = None
 
     @classmethod
     def from_section(cls, section: dict[str, Any] | None) -> PrepareConfig:
@@ -139,7 +145,9 @@ class PrepareConfig:
         """
         section = dict(require_mapping(section, "prepare"))
         section["text"] = build_config(TextConfig, section.pop("text", None), "prepare.text")
-        return build_config(cls, section, "prepare")
+        config = build_config(cls, section, "prepare")
+        config.corpus_configs()  # checks prepare.corpora
+        return config
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> AsrflowError:
@@ -231,6 +239,64 @@ class PrepareConfig:
             return {name: [name] for name in names}
         return {"test": _source_names(value, "prepare.splits.test")}
 
+    def corpus_configs(self) -> list[tuple[str | None, PrepareConfig]]:
+        """Each corpus to prepare: its name (``None`` for the one corpus of the plain form) and its config.
+
+        ``prepare.corpora`` lists corpora as mappings with a ``name`` and any keys of the
+        ``prepare`` section (``corpus``, ``corpus_dir``, ``splits``, ``text``, ...); a key left
+        out takes the section's value. Each ``corpus_dir`` must lie inside ``prepare.corpus_dir``:
+        that folder is the stage's declared dependency in dvc.yaml and the Snakefile.
+
+        Raises:
+            AsrflowError: a name that is missing, repeats or cannot prefix ids, a weight or a
+            features setting in an entry, a corpus_dir outside ``prepare.corpus_dir``, or a bad value.
+        """
+        if not self.corpora:
+            return [(None, self)]
+        base = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("corpora", "text")}
+        root = Path(os.path.normpath(Path.cwd() / self.corpus_dir))
+        configs: list[tuple[str | None, PrepareConfig]] = []
+        for number, entry in enumerate(self.corpora):
+            where = f"params.yaml: prepare.corpora[{number}]"
+            if not isinstance(entry, dict):
+                raise AsrflowError(f"{where} = {entry!r} must be a mapping with a name and the keys of prepare")
+            entry = dict(entry)
+            name = entry.pop("name", None)
+            if not isinstance(name, str) or not CORPUS_NAME.fullmatch(name):
+                raise AsrflowError(
+                    f"{where}: name = {name!r}; each corpus needs a name of letters, digits, '.', '_' and '-'"
+                )
+            where = f"{where} ({name})"
+            if name in dict(configs):
+                raise AsrflowError(f"params.yaml: prepare.corpora names {name!r} twice; give each corpus its own name")
+            if "weight" in entry:
+                raise AsrflowError(
+                    f"{where}: weight belongs to training, where a change re-runs only the train stage: "
+                    f"set train.data.corpus_weights: {{{name}: {entry['weight']!r}}}"
+                )
+            shared = sorted(set(entry) & FEATURE_KEYS)
+            if shared:
+                raise AsrflowError(
+                    f"{where}: {', '.join(shared)} is a features setting, shared by every corpus (each is "
+                    f"resampled to features.sampling_rate); set it in the features section"
+                )
+            if "corpora" in entry:
+                raise AsrflowError(f"{where}: a corpus cannot list corpora")
+            text = entry.pop("text", None)
+            if text is not None:
+                text = {**dataclasses.asdict(self.text), **require_mapping(text, f"{where}.text")}
+            text = build_config(TextConfig, text, f"prepare.corpora[{number}].text") if text else self.text
+            config = build_config(PrepareConfig, {**base, **entry, "text": text}, f"prepare.corpora[{number}]")
+            corpus_dir = Path(os.path.normpath(Path.cwd() / config.corpus_dir))
+            if not corpus_dir.is_relative_to(root):
+                raise AsrflowError(
+                    f"{where}: corpus_dir {config.corpus_dir} is not inside prepare.corpus_dir {self.corpus_dir}, "
+                    "the prepare stage's declared dependency (dvc.yaml, the Snakefile): move or link the corpus "
+                    "there, or set prepare.corpus_dir to a folder that holds every corpus"
+                )
+            configs.append((name, config))
+        return configs
+
 
 def _source_names(value: Any, key: str, *, required: bool = False) -> list[str]:
     """A ``prepare.splits`` value as the list of corpus split names it merges (``[]``: null, carve it)."""
@@ -318,7 +384,7 @@ def recipe_cache_dir(output_dir: Path) -> Path:
 
 
 def _streams(
-    config: PrepareConfig, corpus_dir: Path, sources: dict[str, list[str]], output_dir: Path
+    config: PrepareConfig, corpus_dir: Path, sources: dict[str, list[str]], cache_dir: Path
 ) -> dict[str, list[Callable[[], Iterator[Item]]]]:
     """Our split -> the streams of the corpus' splits it merges (opened when called)."""
     if config.corpus in OWN_FORMATS:
@@ -328,7 +394,7 @@ def _streams(
             for split, names in sources.items()
             if names
         }
-    folders = cached_recipe(config.corpus, corpus_dir, dict(config.recipe_args), recipe_cache_dir(output_dir))
+    folders = cached_recipe(config.corpus, corpus_dir, dict(config.recipe_args), cache_dir)
     for split, names in sources.items():
         for name in names:
             if name in folders:
@@ -387,13 +453,14 @@ def _check_fractions(carved: list[str], config: PrepareConfig) -> None:
             )
 
 
-def _check_carvable(counter: GroupCounter, carved: list[str]) -> None:
+def _check_carvable(counter: GroupCounter, carved: list[str], name: str | None = None) -> None:
     """Refuse a carve that would leave a split empty (before any manifest is written)."""
     groups = counter.groups()
     if carved and groups < len(carved) + 1:
+        which = f"corpus {name}'s " if name else ""
         raise AsrflowError(
-            f"cannot carve {' and '.join(carved)} from train: train holds {counter.utterances} usable utterance(s) "
-            f"in {groups} group(s), and each carved split needs one group with one left for train "
+            f"cannot carve {' and '.join(carved)} from {which}train: train holds {counter.utterances} usable "
+            f"utterance(s) in {groups} group(s), and each carved split needs one group with one left for train "
             f"(at least {len(carved) + 1}); add data, or name the corpus' {' and '.join(carved)} split(s) "
             "in prepare.splits"
         )
@@ -454,10 +521,13 @@ def _log_summary(summary: PrepareSummary, rejections: _RejectionLog) -> None:
         logger.warning("... and %d more rejected items, see rejected.jsonl", rejections.total - len(rejections.first))
 
 
-def _check_rejected(rejections: _RejectionLog, kept: int, config: PrepareConfig, report: Path) -> None:
-    """Fail above ``max_rejected_fraction``, leaving the full report at ``report``."""
-    items = kept + rejections.total
-    fraction = rejections.total / items if items else 0.0
+def _check_rejected(
+    rejections: _RejectionLog, *, kept: int, rejected: int, config: PrepareConfig, report: Path
+) -> None:
+    """Fail when ``rejected`` of a corpus' items exceed its ``max_rejected_fraction``, leaving the full report
+    at ``report``."""
+    items = kept + rejected
+    fraction = rejected / items if items else 0.0
     if fraction <= config.max_rejected_fraction:
         return
     rejections.close()
@@ -465,7 +535,7 @@ def _check_rejected(rejections: _RejectionLog, kept: int, config: PrepareConfig,
     top = ", ".join(f"{reason}: {count}" for reason, count in rejections.by_reason.most_common(3))
     examples = "; ".join(f"{r.split}/{r.id}: {r.detail}" for r in rejections.first[:2])
     raise AsrflowError(
-        f"{rejections.total} of {items} items rejected "
+        f"{rejected} of {items} items rejected "
         f"({100 * fraction:.1f}% > max_rejected_fraction "
         f"{100 * config.max_rejected_fraction:.1f}%); top reasons: {top}; e.g. {examples}. "
         f"Every rejected item is listed in {report}: fix the corpus, or raise "
@@ -485,8 +555,10 @@ def _validate_into_spool(
     rejections: _RejectionLog,
     counter: GroupCounter | None,
     cwd: Path,
+    prefix: str = "",
 ) -> int:
-    """Read, check and spool one split's cuts (JSON keyed by id); returns how many were kept."""
+    """Read, check and spool one split's cuts (JSON keyed by id, ``prefix`` put before every id);
+    returns how many were kept."""
     kept = 0
     items = progress(itertools.chain.from_iterable(stream() for stream in streams), f"prepare: reading {split}")
     for chunk in chunked(items, PROBE_CHUNK):
@@ -501,7 +573,11 @@ def _validate_into_spool(
                 rejections.add(outcome)
                 continue
             recording = recording_dict(portable(outcome.recording, cwd))
+            if prefix:
+                recording["id"] = prefix + recording["id"]
             for piece in outcome.pieces:
+                if prefix:
+                    piece = fastcopy(piece, id=prefix + piece.id, recording_id=recording["id"])
                 spool.add(piece.id, json.dumps(cut_dict(recording, piece), ensure_ascii=False))
                 if counter is not None:
                     counter.add(piece.id, piece.recording_id, piece.speaker)
@@ -509,15 +585,73 @@ def _validate_into_spool(
     return kept
 
 
+@dataclass(kw_only=True)
+class _Corpus:
+    """One corpus being prepared: its name (``None``: the one corpus of the plain form), its
+    config, its splits (train, dev, its test sets) -> the corpus' split names, and its carving."""
+
+    name: str | None
+    config: PrepareConfig
+    sources: dict[str, list[str]]
+    carved: list[str]
+    streams: dict[str, list[Callable[[], Iterator[Item]]]]
+    counter: GroupCounter = field(default_factory=GroupCounter)
+    plan: Any = None
+
+    @classmethod
+    def open(cls, name: str | None, config: PrepareConfig, output_dir: Path) -> _Corpus:
+        """Check the corpus folder and splits, and open the streams (a recipe runs here, or is read from its cache)."""
+        corpus_dir = Path(config.corpus_dir)
+        if not corpus_dir.is_dir():
+            key = "prepare.corpus_dir" if name is None else f"corpus_dir of prepare.corpora {name}"
+            raise AsrflowError(
+                f"corpus_dir {corpus_dir} does not exist or is not a folder ({key} in params.yaml); "
+                "point it at the folder that holds the corpus"
+            )
+        sources = config.split_sources()
+        carved = [split for split in ("dev", "test") if split in sources and not sources[split]]
+        cache = recipe_cache_dir(output_dir)
+        cache = cache if name is None else cache.with_name(f"{cache.name}.{name}")
+        streams = _streams(config, corpus_dir, sources, cache)
+        _check_fractions(carved, config)
+        return cls(name=name, config=config, sources=sources, carved=carved, streams=streams)
+
+    @property
+    def prefix(self) -> str:
+        """What this corpus' cut, recording and test set names start with (nothing for the plain form)."""
+        return f"{self.name}/" if self.name else ""
+
+    def target(self, split: str) -> str:
+        """The split we write this corpus' ``split`` into: train and dev are shared, a test set is its own."""
+        return split if split in ("train", "dev") else self.prefix + split
+
+    def label(self, split: str) -> str:
+        """``split`` as rejected.jsonl names it (``<corpus>/train`` when there are several corpora)."""
+        return self.prefix + split
+
+    def rules(self) -> ValidationRules:
+        return ValidationRules(
+            min_duration_s=self.config.min_duration_s,
+            max_duration_s=self.config.max_duration_s,
+            long_utterances=self.config.long_utterances,
+            channel=self.config.channel,
+            text=self.config.text,
+        )
+
+
 def prepare_corpus(
     config: PrepareConfig, output_dir: Path, seed: int, *, chunk_lines: int = DEFAULT_CHUNK_LINES
 ) -> PrepareSummary:
-    """Read, check and split the corpus; write the manifests into ``output_dir``.
+    """Read, check and split the corpus (or each of ``prepare.corpora``); write the manifests into ``output_dir``.
 
     The corpus streams through: memory holds one sort chunk of ``chunk_lines`` manifest
     lines, the ids kept so far (duplicate check), and per-group counts for carving
     (:mod:`asrflow.data.carving`); the manifests are sorted on disk
     (:class:`~asrflow.data.spool.SortedSpool`) inside the output's temporary folder.
+
+    Several corpora (:meth:`PrepareConfig.corpus_configs`) are each read, checked and carved
+    with their own settings; every id gets the corpus' name and ``/`` in front; train and dev
+    hold every corpus' utterances, and each corpus' test sets are named ``<corpus>/<test set>``.
 
     Args:
         config: the ``prepare`` section of ``params.yaml``.
@@ -533,68 +667,65 @@ def prepare_corpus(
         recipe, a split left empty, or too many rejected items.
     """
     output_dir = Path(output_dir)
-    corpus_dir = Path(config.corpus_dir)
-    if not corpus_dir.is_dir():
-        raise AsrflowError(
-            f"corpus_dir {corpus_dir} does not exist or is not a folder (prepare.corpus_dir in params.yaml); "
-            "point it at the folder that holds the corpus"
-        )
-    sources = config.split_sources()
-    carved = [split for split in ("dev", "test") if split in sources and not sources[split]]
-    streams = _streams(config, corpus_dir, sources, output_dir)
-    _check_fractions(carved, config)
-    rules = ValidationRules(
-        min_duration_s=config.min_duration_s,
-        max_duration_s=config.max_duration_s,
-        long_utterances=config.long_utterances,
-        channel=config.channel,
-        text=config.text,
-    )
+    corpora = [_Corpus.open(name, sub, output_dir) for name, sub in config.corpus_configs()]
+    by_name = {corpus.name: corpus for corpus in corpora}
+    written = list(dict.fromkeys(corpus.target(split) for corpus in corpora for split in corpus.sources))
+    carved_into = {corpus.target(split) for corpus in corpora for split in corpus.carved}
     report = output_dir.with_name(output_dir.name + ".rejected.jsonl")
     cwd = Path.cwd()
-    seen: set[str] = set()
-    counter = GroupCounter()
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
         work = tmp / ".work"
         work.mkdir()
         rejections = _RejectionLog(tmp / "rejected.jsonl")
+        streamed = list(dict.fromkeys(corpus.target(split) for corpus in corpora for split in corpus.streams))
         spools = {
-            split: SortedSpool(work, f"{index}_cuts", chunk_lines=chunk_lines) for index, split in enumerate(streams)
+            target: SortedSpool(work, f"{index}_cuts", chunk_lines=chunk_lines) for index, target in enumerate(streamed)
         }
-        kept = 0
-        for split in streams:
-            # Only train is filtered by duration: a corpus' own dev and test stay as published.
-            validator = SplitValidator(split, rules, seen, duration_limits=split == "train")
-            kept += _validate_into_spool(
-                split,
-                streams[split],
-                validator=validator,
-                spool=spools[split],
-                rejections=rejections,
-                counter=counter if split == "train" else None,
-                cwd=cwd,
-            )
-        seen.clear()
-        _check_rejected(rejections, kept, config, report)
+        kept_in_all = 0
+        for corpus in corpora:
+            seen: set[str] = set()
+            kept = 0
+            for split in corpus.streams:
+                # Only train is filtered by duration: a corpus' own dev and test stay as published.
+                validator = SplitValidator(corpus.label(split), corpus.rules(), seen, duration_limits=split == "train")
+                kept += _validate_into_spool(
+                    corpus.label(split),
+                    corpus.streams[split],
+                    validator=validator,
+                    spool=spools[corpus.target(split)],
+                    rejections=rejections,
+                    counter=corpus.counter if split == "train" else None,
+                    cwd=cwd,
+                    prefix=corpus.prefix,
+                )
+            rejected = sum(rejections.by_split[corpus.label(split)] for split in corpus.streams)
+            _check_rejected(rejections, kept=kept, rejected=rejected, config=corpus.config, report=report)
+            kept_in_all += kept
         rejections.close()
-        _check_carvable(counter, carved)
-        fractions = {"dev": config.dev_fraction, "test": config.test_fraction}
-        plan = plan_carving(counter, {split: fractions[split] for split in carved}, seed)
+        for corpus in corpora:
+            _check_carvable(corpus.counter, corpus.carved, corpus.name)
+            fractions = {"dev": corpus.config.dev_fraction, "test": corpus.config.test_fraction}
+            corpus.plan = plan_carving(corpus.counter, {split: fractions[split] for split in corpus.carved}, seed)
 
-        writers = {split: SplitWriter(tmp, split, work, chunk_lines=chunk_lines) for split in sources}
-        for split, spool in spools.items():
+        writers = {split: SplitWriter(tmp, split, work, chunk_lines=chunk_lines) for split in written}
+        for target, spool in spools.items():
             for _, line in spool.drain():
                 cut = json.loads(line)
-                target = split
-                if split == "train" and carved:
+                destination = target
+                corpus = corpora[0] if len(corpora) == 1 else by_name[cut["id"].split("/", 1)[0]]
+                if target == "train" and corpus.carved:
                     speaker = cut["supervisions"][0].get("speaker")
-                    target = plan.split_of(cut["id"], cut["recording"]["id"], speaker)
-                writers[target].write(line, cut)
+                    destination = corpus.target(corpus.plan.split_of(cut["id"], cut["recording"]["id"], speaker))
+                writers[destination].write(line, cut)
         for writer in writers.values():
             writer.close()
         work.rmdir()
 
+        labels = Counter()
+        for corpus in corpora:
+            for split in corpus.streams:
+                labels[corpus.target(split)] += rejections.by_split[corpus.label(split)]
         summaries = {
             split: SplitSummary(
                 utterances=writer.utterances,
@@ -602,30 +733,33 @@ def prepare_corpus(
                 hours=round(writer.seconds / 3600, 6),
                 sampling_rates=sorted(writer.sampling_rates),
                 multichannel_recordings=writer.multichannel,
-                rejected=rejections.by_split[split],
-                carved_from_train=split in carved,
+                rejected=labels[split],
+                carved_from_train=split in carved_into,
             )
             for split, writer in writers.items()
         }
         summary = PrepareSummary(
             output_dir=output_dir,
-            corpus=config.corpus,
+            corpus=", ".join(f"{c.name}: {c.config.corpus}" if c.name else c.config.corpus for c in corpora),
             channel=config.channel,
             splits=summaries,
             total_hours=round(sum(s.hours for s in summaries.values()), 6),
             rejected_by_reason=dict(rejections.by_reason),
             rejected_total=rejections.total,
-            items_total=kept + rejections.total,
+            items_total=kept_in_all + rejections.total,
         )
         _log_summary(summary, rejections)
-        for split in sources:
+        for split in written:
             if not summaries[split].utterances:
-                how = "carving from train left it empty (train too small?)" if split in carved else "no usable items"
+                how = (
+                    "carving from train left it empty (train too small?)" if split in carved_into else "no usable items"
+                )
                 raise AsrflowError(
                     f"split {split!r} is empty after preparation ({how}); add data, fix prepare.splits, "
                     "or look at the rejected items in the log"
                 )
-        write_test_set_list(tmp, config.test_sources())
+        tests = [split for split in written if split not in ("train", "dev")]
+        write_test_set_list(tmp, tests, [corpus.name for corpus in corpora if corpus.name])
         (tmp / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2, sort_keys=True) + "\n")
     report.unlink(missing_ok=True)
     logger.info("prepare: manifests written to %s", output_dir)

@@ -55,6 +55,7 @@ TRAIN_LAYOUT: dict[str, tuple[str, ...]] = {
         "speed_perturb",
         "noise_dir",
         "noise_snr_db",
+        "corpus_weights",
     ),
     "train.optim": (
         "epochs",
@@ -120,6 +121,7 @@ class TrainConfig:
     speed_perturb: bool = False
     noise_dir: str | None = None
     noise_snr_db: list[float] = field(default_factory=lambda: [10.0, 20.0])
+    corpus_weights: dict[str, float] = field(default_factory=dict)
     epochs: int = 40
     lr: float = 0.003
     weight_decay: float = 0.001
@@ -192,6 +194,12 @@ class TrainConfig:
             raise param_error(
                 KEY_SECTION, "noise_snr_db", snr, "must be two numbers [low, high] with low <= high, e.g. [10, 20]"
             )
+        for name, weight in self.corpus_weights.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise AsrflowError(
+                    f"params.yaml: train.data.corpus_weights.{name} = {weight!r} must be a number > 0 "
+                    "(a corpus' share of an epoch is its weight x its utterances; one left out has weight 1)"
+                )
 
     def _check_optimisation(self) -> None:
         check_positive(self, KEY_SECTION, "lr", "max_grad_norm")

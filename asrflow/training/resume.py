@@ -64,6 +64,8 @@ def build_fingerprint(
     fingerprint["train.max_duration_s"] = config.max_duration_s
     fingerprint["train.num_buckets"] = config.num_buckets
     fingerprint["train.accum_grad"] = config.accum_grad
+    if config.corpus_weights:  # they change every epoch's plan; left out when none is set
+        fingerprint["train.corpus_weights"] = dict(sorted(config.corpus_weights.items()))
     if init is not None:
         fingerprint.update(init)
         fingerprint["train.encoder_lr_scale"] = config.encoder_lr_scale

@@ -18,8 +18,8 @@ from asrflow.allocator import release_free_memory
 from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, steps_in_plan
 from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, load_cmvn
 from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
-from asrflow.data.index import data_digest, shared_index
-from asrflow.data.manifests import cuts_path, load_cuts
+from asrflow.data.index import CorpusMix, CutIndex, data_digest, shared_index
+from asrflow.data.manifests import corpus_of_ids, cuts_path, list_corpora, load_cuts
 from asrflow.data.workers import init_worker, pack_batch
 from asrflow.errors import AsrflowError
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
@@ -108,6 +108,7 @@ class TrainData:
             start_epoch=0,
             start_step=0,
             num_epochs=config.epochs,
+            mix=corpus_mix(train_cuts, list_corpora(fbank_dir), config.corpus_weights),
         )
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
@@ -203,6 +204,35 @@ def _handed_over(batches: Iterator[dict], epoch: int, step_in_epoch: int) -> Ite
         elif count % RELEASE_EVERY_BATCHES == 0:
             release_free_memory()
         yield batch
+
+
+def corpus_mix(index: CutIndex, corpora: list[str], weights: dict[str, float]) -> CorpusMix | None:
+    """How each epoch weighs the named ``corpora`` of the train cuts ``index`` (``None``: every cut once,
+    as with one corpus; all weights 1 plan the same epochs).
+
+    Raises:
+        AsrflowError: ``weights`` names a corpus the features folder does not hold.
+    """
+    unknown = sorted(set(weights) - set(corpora))
+    if unknown:
+        held = f"the corpora are {', '.join(corpora)}" if corpora else "there is one corpus, unnamed"
+        raise AsrflowError(
+            f"params.yaml: train.data.corpus_weights names {', '.join(unknown)}, but {held}; "
+            "name corpora of prepare.corpora"
+        )
+    if all(weights.get(name, 1.0) == 1.0 for name in corpora):
+        return None
+    mix = CorpusMix(
+        corpus_of=corpus_of_ids(index.ids, corpora),
+        weights=tuple(float(weights.get(name, 1.0)) for name in corpora),
+        names=tuple(corpora),
+    )
+    shares = zip(corpora, mix.weights, mix.counts(), mix.epoch_counts(), strict=True)
+    logger.info(
+        "corpus mix per epoch: %s",
+        ", ".join(f"{name} {taken} of {count} cuts (weight {weight:g})" for name, weight, count, taken in shares),
+    )
+    return mix
 
 
 def _check_options(config: TrainConfig, features: FeatureConfig) -> None:

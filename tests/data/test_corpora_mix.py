@@ -1,0 +1,196 @@
+"""Several corpora in one run (``prepare.corpora``, ``train.data.corpus_weights``): two generated folder
+corpora through prepare, features and tokenizer; their test sets named per corpus; epoch plans that take
+each corpus in proportion to its weight, the same for a seed and after a restart; a few real training
+steps and an evaluation that scores each corpus' test set on its own."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asrflow.data.batches import TrainingBatches, plan_epoch
+from asrflow.data.features import FeatureConfig
+from asrflow.data.index import CorpusMix, CutIndex, mix_positions
+from asrflow.data.manifests import cuts_path, list_corpora, list_test_sets, load_cuts
+from asrflow.data.prepare import PrepareConfig
+from asrflow.errors import AsrflowError
+from asrflow.testing.corpora import generate_corpus, prepare_features_tokenizer, torch_threads
+from asrflow.testing.tiny_config import tiny_train_config
+from asrflow.tokenizer import TokenizerConfig
+from asrflow.training.train_data import TrainData, corpus_mix
+
+SEED = 42
+#: Utterances generated per corpus (train, dev and test TSVs of :func:`generate_corpus`).
+SIZES = {"small": 12, "big": 24}
+
+
+def two_corpora_config(root: Path) -> PrepareConfig:
+    """``small`` keeps its own dev and test; ``big`` has both carved from its train."""
+    return PrepareConfig.from_section(
+        {
+            "corpus_dir": str(root / "corpora"),
+            "corpora": [
+                {
+                    "name": "small",
+                    "corpus": "folder",
+                    "corpus_dir": str(root / "corpora" / "small"),
+                    "splits": {"train": "train", "dev": "dev", "test": "test"},
+                },
+                {
+                    "name": "big",
+                    "corpus": "folder",
+                    "corpus_dir": str(root / "corpora" / "big"),
+                    "splits": {"train": "train", "dev": None, "test": None},
+                    "dev_fraction": 0.15,
+                    "test_fraction": 0.15,
+                },
+            ],
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("two-corpora")
+    for seed, (name, size) in enumerate(SIZES.items()):
+        generate_corpus(root / "corpora" / name, size, seed=seed, min_s=1.0, max_s=3.0, dev_fraction=0.2)
+    with torch_threads(1):
+        prepare_features_tokenizer(
+            root, two_corpora_config(root), FeatureConfig(num_jobs=1), TokenizerConfig(), seed=SEED
+        )
+    return root
+
+
+def corpus_counts(ids) -> Counter:
+    return Counter(cut_id.split("/", 1)[0] for cut_id in ids)
+
+
+def test_each_corpus_keeps_its_test_set_and_every_id_names_its_corpus(two_corpora):
+    for folder in ("manifests", "fbank"):
+        assert list_corpora(two_corpora / folder) == ["small", "big"]
+        assert list_test_sets(two_corpora / folder) == ["small/test", "big/test"]
+    manifests = two_corpora / "manifests"
+    train = [cut.id for cut in load_cuts(manifests, "train")]
+    assert train == sorted(train)
+    assert set(corpus_counts(train)) == {"small", "big"}
+    assert set(corpus_counts(cut.id for cut in load_cuts(manifests, "dev"))) == {"small", "big"}
+    for name in SIZES:
+        test = list(load_cuts(manifests, f"{name}/test"))
+        assert test and all(cut.id.startswith(f"{name}/") and cut.recording.id.startswith(f"{name}/") for cut in test)
+    summary = json.loads((manifests / "summary.json").read_text())
+    assert (
+        summary["splits"]["big/test"]["carved_from_train"] and not summary["splits"]["small/test"]["carved_from_train"]
+    )
+    # every utterance read once: the generated corpora's ids repeat (utt00000 ...), their prefixed ids do not
+    read = [two_corpora / "corpora" / "small" / f"{split}.tsv" for split in ("train", "dev", "test")]
+    read.append(two_corpora / "corpora" / "big" / "train.tsv")
+    assert summary["items_total"] == sum(len(path.read_text().splitlines()) for path in read)
+    assert sum(split["utterances"] for split in summary["splits"].values()) == summary["items_total"]
+
+
+def _train_data(data: Path, **weights: float) -> TrainData:
+    config = tiny_train_config(corpus_weights=weights, max_duration_s=8.0, num_buckets=2)
+    return TrainData.build(config, FeatureConfig(), seed=SEED, fbank_dir=data / "fbank", lang_dir=data / "lang")
+
+
+def test_an_epoch_takes_each_corpus_in_proportion_to_its_weight(two_corpora):
+    data = _train_data(two_corpora, small=2.0, big=0.5)
+    held = corpus_counts(data.batches.cuts.id_list())
+    plans = [data.batches.plan(epoch) for epoch in (0, 1)]
+    for plan in plans:
+        taken = [cut_id for batch in plan for cut_id in batch]
+        assert corpus_counts(taken) == {"small": 2 * held["small"], "big": round(0.5 * held["big"])}
+        small = Counter(cut_id for cut_id in taken if cut_id.startswith("small/"))
+        assert set(small.values()) == {2}  # weight 2: every cut of small twice
+        assert len({cut_id for cut_id in taken if cut_id.startswith("big/")}) == round(0.5 * held["big"])
+    assert {c for b in plans[0] for c in b if c.startswith("big/")} != {
+        c for b in plans[1] for c in b if c.startswith("big/")
+    }
+    again = _train_data(two_corpora, small=2.0, big=0.5)
+    assert [again.batches.plan(epoch).digest for epoch in (0, 1)] == [plan.digest for plan in plans]
+    other_seed = plan_epoch(
+        data.batches.cuts, 0, seed=SEED + 1, max_duration_s=8.0, num_buckets=2, mix=data.batches.mix
+    )
+    assert other_seed.digest != plans[0].digest
+
+
+def test_weights_of_one_plan_what_one_corpus_plans(two_corpora):
+    index = _train_data(two_corpora).batches.cuts
+    assert _train_data(two_corpora).batches.mix is None
+    ones = corpus_mix(index, ["small", "big"], {"small": 1.0})
+    assert ones is None
+    mix = CorpusMix(corpus_of=np.repeat([0, 1], [3, len(index) - 3]), weights=(1.0, 1.0), names=("x", "y"))
+    assert np.array_equal(mix_positions(mix, SEED, 0), np.arange(len(index)))
+    plain = plan_epoch(index, 3, seed=SEED, max_duration_s=8.0, num_buckets=2)
+    assert plan_epoch(index, 3, seed=SEED, max_duration_s=8.0, num_buckets=2, mix=mix) == plain
+
+
+def test_a_restart_plans_the_same_batches_from_any_step(two_corpora):
+    data = _train_data(two_corpora, small=3.0, big=0.7)
+    options = {
+        "seed": SEED,
+        "max_duration_s": 8.0,
+        "num_buckets": 2,
+        "accum_grad": 1,
+        "world_size": 1,
+        "rank": 0,
+        "num_epochs": 3,
+        "mix": data.batches.mix,
+    }
+    whole = list(TrainingBatches(data.batches.cuts, start_epoch=0, start_step=0, **options))
+    start = next(i for i, item in enumerate(whole) if item.epoch == 1) + 2
+    restarted = TrainingBatches(data.batches.cuts, start_epoch=1, start_step=2, **options)
+    assert list(restarted) == whole[start:]
+
+
+def test_weights_must_name_corpora_that_were_prepared(two_corpora, yesno_data):
+    index = CutIndex.build(cuts_path(two_corpora / "fbank", "train"), two_corpora / "lines.jsonl")
+    with pytest.raises(AsrflowError, match="corpus_weights names tiny, but the corpora are small, big"):
+        corpus_mix(index, ["small", "big"], {"tiny": 2.0})
+    with pytest.raises(AsrflowError, match="corpus_weights names yesno, but there is one corpus, unnamed"):
+        _train_data(yesno_data, yesno=2.0)
+
+
+def test_a_few_steps_train_on_both_and_evaluate_scores_each_test_set(two_corpora, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
+    from asrflow.testing.mlflow_store import fresh_mlflow_store
+    from asrflow.testing.tiny_config import train_paths
+    from asrflow.training.trainer import Trainer
+
+    config = tiny_train_config(corpus_weights={"small": 2.0}, max_duration_s=8.0, num_buckets=2, epochs=1)
+    uri = fresh_mlflow_store(tmp_path)
+    with torch_threads(1):
+        Trainer(
+            config,
+            FeatureConfig(),
+            seed=SEED,
+            all_params={"seed": SEED},
+            paths=train_paths(two_corpora, tmp_path),
+            tracking_uri=uri,
+        ).run()
+        metrics = evaluate(
+            tmp_path / "model.pt", two_corpora / "fbank", tmp_path / "eval", EvaluateConfig(), tracking_uri=uri
+        )
+    assert list(metrics["test_sets"]) == ["small/test", "big/test"]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(config.experiment).experiment_id])
+    assert {"test/small/test/wer", "test/big/test/wer"} <= set(run.data.metrics)
+
+
+def test_an_interrupted_run_with_other_weights_is_refused(tmp_path):
+    from asrflow.training.resume import build_fingerprint, decide
+
+    def fingerprint(**weights: float) -> dict:
+        config = tiny_train_config(corpus_weights=weights)
+        return build_fingerprint({}, {}, data_digest="d", seed=SEED, config=config)
+
+    unfinished = {"fingerprint": fingerprint(small=2.0), "train_params": {}, "complete": False, "step": 7}
+    assert decide(unfinished, fingerprint(small=2.0), {}, tmp_path) == "resume"
+    with pytest.raises(AsrflowError, match=r"train.corpus_weights: \{'small': 2.0\} -> \{'small': 3.0\}"):
+        decide(unfinished, fingerprint(small=3.0), {}, tmp_path)
