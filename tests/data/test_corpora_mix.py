@@ -194,3 +194,43 @@ def test_an_interrupted_run_with_other_weights_is_refused(tmp_path):
     assert decide(unfinished, fingerprint(small=2.0), {}, tmp_path) == "resume"
     with pytest.raises(AsrflowError, match=r"train.corpus_weights: \{'small': 2.0\} -> \{'small': 3.0\}"):
         decide(unfinished, fingerprint(small=3.0), {}, tmp_path)
+
+
+def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_path):
+    """A real training process on the two corpora (weights 2 and 0.5, a data worker), killed in its second
+    epoch and run again, ends with the same weights and the same loss at every step as an uninterrupted run."""
+    import torch
+
+    from asrflow.testing.train_entry import TrainingProcess, run_training
+    from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
+
+    overrides = {
+        "corpus_weights": {"small": 2.0, "big": 0.5},
+        "max_duration_s": 8.0,
+        "num_buckets": 2,
+        "epochs": 2,
+        "checkpoint_every_steps": 2,
+        "validate_every_steps": 4,
+        "num_workers": 1,
+    }
+    data = _train_data(two_corpora, small=2.0, big=0.5)
+    steps, total = data.steps_per_epoch(0), data.steps_per_epoch(0) + data.steps_per_epoch(1)
+
+    def final(exp: Path) -> tuple[dict, dict]:
+        bundle = torch.load(exp / "model.pt", map_location="cpu", weights_only=True)
+        return bundle["model"], load_checkpoint(list_checkpoints(exp / "checkpoints")[0])["history"]
+
+    run_training(two_corpora, tmp_path / "reference", overrides, log_path=tmp_path / "reference.log")
+    process = TrainingProcess(two_corpora, tmp_path / "killed", overrides, pause_after_step=steps + 3)
+    process.wait_paused()
+    process.kill()
+    log = run_training(two_corpora, tmp_path / "killed", overrides, log_path=tmp_path / "resumed.log")
+    assert f"step {steps + 2}" in log and "resuming from" in log
+    (weights, history), (reference_weights, reference_history) = (
+        final(tmp_path / "killed"),
+        final(tmp_path / "reference"),
+    )
+    assert history["step"] == reference_history["step"] == list(range(1, total + 1))
+    assert history["loss"] == reference_history["loss"]  # float for float
+    for name, tensor in reference_weights.items():
+        assert torch.equal(weights[name], tensor), name
