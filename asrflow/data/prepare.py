@@ -709,7 +709,7 @@ def prepare_corpus(
             corpus.plan = plan_carving(corpus.counter, {split: fractions[split] for split in corpus.carved}, seed)
 
         writers = {split: SplitWriter(tmp, split, work, chunk_lines=chunk_lines) for split in written}
-        for target, spool in spools.items():
+        for target, spool in spools.items():  # train first, so that what it carves can join a spool read later
             for _, line in spool.drain():
                 cut = json.loads(line)
                 destination = target
@@ -717,7 +717,11 @@ def prepare_corpus(
                 if target == "train" and corpus.carved:
                     speaker = cut["supervisions"][0].get("speaker")
                     destination = corpus.target(corpus.plan.split_of(cut["id"], cut["recording"]["id"], speaker))
-                writers[destination].write(line, cut)
+                if destination != target and destination in spools:
+                    # dev carved from one corpus and read from another: sorted together, as one split
+                    spools[destination].add(cut["id"], line)
+                else:
+                    writers[destination].write(line, cut)
         for writer in writers.values():
             writer.close()
         work.rmdir()

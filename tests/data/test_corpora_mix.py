@@ -25,25 +25,26 @@ from asrflow.training.train_data import TrainData, corpus_mix
 
 SEED = 42
 #: Utterances generated per corpus (train, dev and test TSVs of :func:`generate_corpus`).
-SIZES = {"small": 12, "big": 24}
+SIZES = {"published": 12, "scraped": 24}
 
 
 def two_corpora_config(root: Path) -> PrepareConfig:
-    """``small`` keeps its own dev and test; ``big`` has both carved from its train."""
+    """``published`` keeps its own dev and test; ``scraped`` has both carved from its train (and its
+    name sorts after the other's: its carved dev cuts come first yet must be sorted in among them)."""
     return PrepareConfig.from_section(
         {
             "corpus_dir": str(root / "corpora"),
             "corpora": [
                 {
-                    "name": "small",
+                    "name": "published",
                     "corpus": "folder",
-                    "corpus_dir": str(root / "corpora" / "small"),
+                    "corpus_dir": str(root / "corpora" / "published"),
                     "splits": {"train": "train", "dev": "dev", "test": "test"},
                 },
                 {
-                    "name": "big",
+                    "name": "scraped",
                     "corpus": "folder",
-                    "corpus_dir": str(root / "corpora" / "big"),
+                    "corpus_dir": str(root / "corpora" / "scraped"),
                     "splits": {"train": "train", "dev": None, "test": None},
                     "dev_fraction": 0.15,
                     "test_fraction": 0.15,
@@ -71,23 +72,26 @@ def corpus_counts(ids) -> Counter:
 
 def test_each_corpus_keeps_its_test_set_and_every_id_names_its_corpus(two_corpora):
     for folder in ("manifests", "fbank"):
-        assert list_corpora(two_corpora / folder) == ["small", "big"]
-        assert list_test_sets(two_corpora / folder) == ["small/test", "big/test"]
+        assert list_corpora(two_corpora / folder) == ["published", "scraped"]
+        assert list_test_sets(two_corpora / folder) == ["published/test", "scraped/test"]
     manifests = two_corpora / "manifests"
+    for split in ("train", "dev", "published/test", "scraped/test"):
+        ids = [cut.id for cut in load_cuts(manifests, split)]
+        assert ids == sorted(ids), split
     train = [cut.id for cut in load_cuts(manifests, "train")]
-    assert train == sorted(train)
-    assert set(corpus_counts(train)) == {"small", "big"}
-    assert set(corpus_counts(cut.id for cut in load_cuts(manifests, "dev"))) == {"small", "big"}
+    assert set(corpus_counts(train)) == {"published", "scraped"}
+    assert set(corpus_counts(cut.id for cut in load_cuts(manifests, "dev"))) == {"published", "scraped"}
     for name in SIZES:
         test = list(load_cuts(manifests, f"{name}/test"))
         assert test and all(cut.id.startswith(f"{name}/") and cut.recording.id.startswith(f"{name}/") for cut in test)
     summary = json.loads((manifests / "summary.json").read_text())
     assert (
-        summary["splits"]["big/test"]["carved_from_train"] and not summary["splits"]["small/test"]["carved_from_train"]
+        summary["splits"]["scraped/test"]["carved_from_train"]
+        and not summary["splits"]["published/test"]["carved_from_train"]
     )
     # every utterance read once: the generated corpora's ids repeat (utt00000 ...), their prefixed ids do not
-    read = [two_corpora / "corpora" / "small" / f"{split}.tsv" for split in ("train", "dev", "test")]
-    read.append(two_corpora / "corpora" / "big" / "train.tsv")
+    read = [two_corpora / "corpora" / "published" / f"{split}.tsv" for split in ("train", "dev", "test")]
+    read.append(two_corpora / "corpora" / "scraped" / "train.tsv")
     assert summary["items_total"] == sum(len(path.read_text().splitlines()) for path in read)
     assert sum(split["utterances"] for split in summary["splits"].values()) == summary["items_total"]
 
@@ -98,19 +102,19 @@ def _train_data(data: Path, **weights: float) -> TrainData:
 
 
 def test_an_epoch_takes_each_corpus_in_proportion_to_its_weight(two_corpora):
-    data = _train_data(two_corpora, small=2.0, big=0.5)
+    data = _train_data(two_corpora, published=2.0, scraped=0.5)
     held = corpus_counts(data.batches.cuts.id_list())
     plans = [data.batches.plan(epoch) for epoch in (0, 1)]
     for plan in plans:
         taken = [cut_id for batch in plan for cut_id in batch]
-        assert corpus_counts(taken) == {"small": 2 * held["small"], "big": round(0.5 * held["big"])}
-        small = Counter(cut_id for cut_id in taken if cut_id.startswith("small/"))
-        assert set(small.values()) == {2}  # weight 2: every cut of small twice
-        assert len({cut_id for cut_id in taken if cut_id.startswith("big/")}) == round(0.5 * held["big"])
-    assert {c for b in plans[0] for c in b if c.startswith("big/")} != {
-        c for b in plans[1] for c in b if c.startswith("big/")
+        assert corpus_counts(taken) == {"published": 2 * held["published"], "scraped": round(0.5 * held["scraped"])}
+        published = Counter(cut_id for cut_id in taken if cut_id.startswith("published/"))
+        assert set(published.values()) == {2}  # weight 2: every cut of published twice
+        assert len({cut_id for cut_id in taken if cut_id.startswith("scraped/")}) == round(0.5 * held["scraped"])
+    assert {c for b in plans[0] for c in b if c.startswith("scraped/")} != {
+        c for b in plans[1] for c in b if c.startswith("scraped/")
     }
-    again = _train_data(two_corpora, small=2.0, big=0.5)
+    again = _train_data(two_corpora, published=2.0, scraped=0.5)
     assert [again.batches.plan(epoch).digest for epoch in (0, 1)] == [plan.digest for plan in plans]
     other_seed = plan_epoch(
         data.batches.cuts, 0, seed=SEED + 1, max_duration_s=8.0, num_buckets=2, mix=data.batches.mix
@@ -121,7 +125,7 @@ def test_an_epoch_takes_each_corpus_in_proportion_to_its_weight(two_corpora):
 def test_weights_of_one_plan_what_one_corpus_plans(two_corpora):
     index = _train_data(two_corpora).batches.cuts
     assert _train_data(two_corpora).batches.mix is None
-    ones = corpus_mix(index, ["small", "big"], {"small": 1.0})
+    ones = corpus_mix(index, ["published", "scraped"], {"published": 1.0})
     assert ones is None
     mix = CorpusMix(corpus_of=np.repeat([0, 1], [3, len(index) - 3]), weights=(1.0, 1.0), names=("x", "y"))
     assert np.array_equal(mix_positions(mix, SEED, 0), np.arange(len(index)))
@@ -130,7 +134,7 @@ def test_weights_of_one_plan_what_one_corpus_plans(two_corpora):
 
 
 def test_a_restart_plans_the_same_batches_from_any_step(two_corpora):
-    data = _train_data(two_corpora, small=3.0, big=0.7)
+    data = _train_data(two_corpora, published=3.0, scraped=0.7)
     options = {
         "seed": SEED,
         "max_duration_s": 8.0,
@@ -149,8 +153,8 @@ def test_a_restart_plans_the_same_batches_from_any_step(two_corpora):
 
 def test_weights_must_name_corpora_that_were_prepared(two_corpora, yesno_data):
     index = CutIndex.build(cuts_path(two_corpora / "fbank", "train"), two_corpora / "lines.jsonl")
-    with pytest.raises(AsrflowError, match="corpus_weights names tiny, but the corpora are small, big"):
-        corpus_mix(index, ["small", "big"], {"tiny": 2.0})
+    with pytest.raises(AsrflowError, match="corpus_weights names tiny, but the corpora are published, scraped"):
+        corpus_mix(index, ["published", "scraped"], {"tiny": 2.0})
     with pytest.raises(AsrflowError, match="corpus_weights names yesno, but there is one corpus, unnamed"):
         _train_data(yesno_data, yesno=2.0)
 
@@ -163,7 +167,7 @@ def test_a_few_steps_train_on_both_and_evaluate_scores_each_test_set(two_corpora
     from asrflow.testing.tiny_config import train_paths
     from asrflow.training.trainer import Trainer
 
-    config = tiny_train_config(corpus_weights={"small": 2.0}, max_duration_s=8.0, num_buckets=2, epochs=1)
+    config = tiny_train_config(corpus_weights={"published": 2.0}, max_duration_s=8.0, num_buckets=2, epochs=1)
     uri = fresh_mlflow_store(tmp_path)
     with torch_threads(1):
         Trainer(
@@ -177,10 +181,10 @@ def test_a_few_steps_train_on_both_and_evaluate_scores_each_test_set(two_corpora
         metrics = evaluate(
             tmp_path / "model.pt", two_corpora / "fbank", tmp_path / "eval", EvaluateConfig(), tracking_uri=uri
         )
-    assert list(metrics["test_sets"]) == ["small/test", "big/test"]
+    assert list(metrics["test_sets"]) == ["published/test", "scraped/test"]
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name(config.experiment).experiment_id])
-    assert {"test/small/test/wer", "test/big/test/wer"} <= set(run.data.metrics)
+    assert {"test/published/test/wer", "test/scraped/test/wer"} <= set(run.data.metrics)
 
 
 def test_an_interrupted_run_with_other_weights_is_refused(tmp_path):
@@ -190,10 +194,10 @@ def test_an_interrupted_run_with_other_weights_is_refused(tmp_path):
         config = tiny_train_config(corpus_weights=weights)
         return build_fingerprint({}, {}, data_digest="d", seed=SEED, config=config)
 
-    unfinished = {"fingerprint": fingerprint(small=2.0), "train_params": {}, "complete": False, "step": 7}
-    assert decide(unfinished, fingerprint(small=2.0), {}, tmp_path) == "resume"
-    with pytest.raises(AsrflowError, match=r"train.corpus_weights: \{'small': 2.0\} -> \{'small': 3.0\}"):
-        decide(unfinished, fingerprint(small=3.0), {}, tmp_path)
+    unfinished = {"fingerprint": fingerprint(published=2.0), "train_params": {}, "complete": False, "step": 7}
+    assert decide(unfinished, fingerprint(published=2.0), {}, tmp_path) == "resume"
+    with pytest.raises(AsrflowError, match=r"train.corpus_weights: \{'published': 2.0\} -> \{'published': 3.0\}"):
+        decide(unfinished, fingerprint(published=3.0), {}, tmp_path)
 
 
 def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_path):
@@ -205,7 +209,7 @@ def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_
     from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
 
     overrides = {
-        "corpus_weights": {"small": 2.0, "big": 0.5},
+        "corpus_weights": {"published": 2.0, "scraped": 0.5},
         "max_duration_s": 8.0,
         "num_buckets": 2,
         "epochs": 2,
@@ -213,7 +217,7 @@ def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_
         "validate_every_steps": 4,
         "num_workers": 1,
     }
-    data = _train_data(two_corpora, small=2.0, big=0.5)
+    data = _train_data(two_corpora, published=2.0, scraped=0.5)
     steps, total = data.steps_per_epoch(0), data.steps_per_epoch(0) + data.steps_per_epoch(1)
 
     def final(exp: Path) -> tuple[dict, dict]:
