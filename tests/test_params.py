@@ -61,6 +61,7 @@ CASES = [
     ("prepare", "prepare.corpora", [{"name": "a", "sampling_rate": 8000}], "sampling_rate is a features setting"),
     ("prepare", "prepare.corpora", [{"name": "a", "corpus_dir": "/tmp"}], "/tmp is not inside prepare.corpus_dir"),
     ("prepare", "prepare.corpora", {"name": "a"}, "prepare.corpora = .* has the wrong type"),
+    ("prepare", "prepare.corpora", [{"name": "a", "dev_fraction": 2}], r"corpora\[0\] \(a\): prepare.dev_fraction = 2"),
     ("features", "features", "abc", "section features = 'abc' must be a mapping"),
     ("features", "features.num_mel_bins", 0, "features.num_mel_bins = 0 must be at least 4"),
     ("features", "features.sampling_rate", 0, "features.sampling_rate = 0 must be greater than 0"),

@@ -254,7 +254,7 @@ class PrepareConfig:
         if not self.corpora:
             return [(None, self)]
         base = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("corpora", "text")}
-        root = Path(os.path.normpath(Path.cwd() / self.corpus_dir))
+        root = Path(self.corpus_dir).resolve()
         configs: list[tuple[str | None, PrepareConfig]] = []
         for number, entry in enumerate(self.corpora):
             where = f"params.yaml: prepare.corpora[{number}]"
@@ -286,13 +286,17 @@ class PrepareConfig:
             if text is not None:
                 text = {**dataclasses.asdict(self.text), **require_mapping(text, f"{where}.text")}
             text = build_config(TextConfig, text, f"prepare.corpora[{number}].text") if text else self.text
-            config = build_config(PrepareConfig, {**base, **entry, "text": text}, f"prepare.corpora[{number}]")
-            corpus_dir = Path(os.path.normpath(Path.cwd() / config.corpus_dir))
-            if not corpus_dir.is_relative_to(root):
+            try:
+                config = build_config(PrepareConfig, {**base, **entry, "text": text}, f"prepare.corpora[{number}]")
+            except AsrflowError as error:  # a check of PrepareConfig names the key, not the entry
+                raise AsrflowError(f"{where}: {str(error).removeprefix('params.yaml: ')}") from None
+            # Resolved: DVC does not follow a symbolic link inside a dependency folder, so a corpus reached
+            # through one would not re-run the stage when it changes.
+            if not Path(config.corpus_dir).resolve().is_relative_to(root):
                 raise AsrflowError(
-                    f"{where}: corpus_dir {config.corpus_dir} is not inside prepare.corpus_dir {self.corpus_dir}, "
-                    "the prepare stage's declared dependency (dvc.yaml, the Snakefile): move or link the corpus "
-                    "there, or set prepare.corpus_dir to a folder that holds every corpus"
+                    f"{where}: corpus_dir {config.corpus_dir} is not inside prepare.corpus_dir {self.corpus_dir} "
+                    "(symbolic links followed), the prepare stage's declared dependency (dvc.yaml, the Snakefile): "
+                    "move the corpus there, or set prepare.corpus_dir to a folder that holds every corpus"
                 )
             configs.append((name, config))
         return configs

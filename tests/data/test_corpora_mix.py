@@ -238,3 +238,16 @@ def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_
     assert history["loss"] == reference_history["loss"]  # float for float
     for name, tensor in reference_weights.items():
         assert torch.equal(weights[name], tensor), name
+
+
+def test_a_corpus_reached_through_a_link_out_of_corpus_dir_is_refused(tmp_path):
+    """DVC does not follow a link inside a dependency folder: such a corpus would change unseen."""
+    (tmp_path / "corpora").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "corpora" / "inside").mkdir()
+    (tmp_path / "corpora" / "linked").symlink_to(tmp_path / "elsewhere")
+    section = {"corpus": "folder", "corpus_dir": str(tmp_path / "corpora")}
+    entries = [{"name": name, "corpus_dir": str(tmp_path / "corpora" / name)} for name in ("inside", "linked")]
+    assert len(PrepareConfig.from_section({**section, "corpora": entries[:1]}).corpus_configs()) == 1
+    with pytest.raises(AsrflowError, match=r"corpora\[1\] \(linked\): corpus_dir .*linked is not inside"):
+        PrepareConfig.from_section({**section, "corpora": entries})
