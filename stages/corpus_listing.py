@@ -26,11 +26,19 @@ logger = logging.getLogger("stages.corpus_listing")
 
 
 def corpus_dirs(params: dict) -> list[str]:
-    """The folders the ``prepare:`` section reads audio from: its ``corpus_dir``."""
+    """The folders the ``prepare:`` section reads audio from: its ``corpus_dir``, or each of
+    ``prepare.corpora``'s (an entry without one takes the section's), each once."""
     section = require_mapping(params.get("prepare"), "prepare")
-    if section.get("corpus_dir") is None:
-        raise AsrflowError("params.yaml: prepare.corpus_dir is not set; name the folder that holds the corpus")
-    return [str(section["corpus_dir"])]
+    corpora = section.get("corpora") or [{}]
+    if not isinstance(corpora, list):
+        raise AsrflowError(f"params.yaml: prepare.corpora = {corpora!r} must be a list of corpora, or null")
+    folders = []
+    for number, entry in enumerate(corpora):
+        folder = require_mapping(entry, f"prepare.corpora[{number}]").get("corpus_dir", section.get("corpus_dir"))
+        if folder is None:
+            raise AsrflowError("params.yaml: prepare.corpus_dir is not set; name the folder that holds the corpus")
+        folders.append(str(folder))
+    return list(dict.fromkeys(folders))
 
 
 @exit_on_user_error

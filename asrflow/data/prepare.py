@@ -244,17 +244,16 @@ class PrepareConfig:
 
         ``prepare.corpora`` lists corpora as mappings with a ``name`` and any keys of the
         ``prepare`` section (``corpus``, ``corpus_dir``, ``splits``, ``text``, ...); a key left
-        out takes the section's value. Each ``corpus_dir`` must lie inside ``prepare.corpus_dir``:
-        that folder is the stage's declared dependency in dvc.yaml and the Snakefile.
+        out takes the section's value. The ``corpus_listing`` stage lists each entry's ``corpus_dir``
+        (prepare's dependency, ``stages/corpus_listing.py``).
 
         Raises:
             AsrflowError: a name that is missing, repeats or cannot prefix ids, a weight or a
-            features setting in an entry, a corpus_dir outside ``prepare.corpus_dir``, or a bad value.
+            features setting in an entry, or a bad value.
         """
         if not self.corpora:
             return [(None, self)]
         base = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("corpora", "text")}
-        root = Path(self.corpus_dir).resolve()
         configs: list[tuple[str | None, PrepareConfig]] = []
         for number, entry in enumerate(self.corpora):
             where = f"params.yaml: prepare.corpora[{number}]"
@@ -290,14 +289,6 @@ class PrepareConfig:
                 config = build_config(PrepareConfig, {**base, **entry, "text": text}, f"prepare.corpora[{number}]")
             except AsrflowError as error:  # a check of PrepareConfig names the key, not the entry
                 raise AsrflowError(f"{where}: {str(error).removeprefix('params.yaml: ')}") from None
-            # Resolved: DVC does not follow a symbolic link inside a dependency folder, so a corpus reached
-            # through one would not re-run the stage when it changes.
-            if not Path(config.corpus_dir).resolve().is_relative_to(root):
-                raise AsrflowError(
-                    f"{where}: corpus_dir {config.corpus_dir} is not inside prepare.corpus_dir {self.corpus_dir} "
-                    "(symbolic links followed), the prepare stage's declared dependency (dvc.yaml, the Snakefile): "
-                    "move the corpus there, or set prepare.corpus_dir to a folder that holds every corpus"
-                )
             configs.append((name, config))
         return configs
 

@@ -240,14 +240,21 @@ def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_
         assert torch.equal(weights[name], tensor), name
 
 
-def test_a_corpus_reached_through_a_link_out_of_corpus_dir_is_refused(tmp_path):
-    """DVC does not follow a link inside a dependency folder: such a corpus would change unseen."""
-    (tmp_path / "corpora").mkdir()
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "corpora" / "inside").mkdir()
-    (tmp_path / "corpora" / "linked").symlink_to(tmp_path / "elsewhere")
-    section = {"corpus": "folder", "corpus_dir": str(tmp_path / "corpora")}
-    entries = [{"name": name, "corpus_dir": str(tmp_path / "corpora" / name)} for name in ("inside", "linked")]
-    assert len(PrepareConfig.from_section({**section, "corpora": entries[:1]}).corpus_configs()) == 1
-    with pytest.raises(AsrflowError, match=r"corpora\[1\] \(linked\): corpus_dir .*linked is not inside"):
-        PrepareConfig.from_section({**section, "corpora": entries})
+def test_the_corpus_listing_lists_every_corpus_folder(tmp_path):
+    """prepare's dependency: the listing of each entry's corpus_dir (the section's for an entry without one)."""
+    from asrflow.testing.repo import write_shipped_params
+    from stages import corpus_listing
+
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.tsv").write_text("")
+    corpora = [{"name": "one"}, {"name": "two", "corpus_dir": str(tmp_path / "second")}]
+    params = write_shipped_params(tmp_path, {"prepare.corpus_dir": str(tmp_path / "first"), "prepare.corpora": corpora})
+    corpus_listing.main(["--params", str(params), "--out", str(tmp_path / "listing.tsv")])
+    lines = (tmp_path / "listing.tsv").read_text().splitlines()
+    assert [line.split("\t")[0] for line in lines] == [
+        f"# {tmp_path / 'first'}",
+        "first.tsv",
+        f"# {tmp_path / 'second'}",
+        "second.tsv",
+    ]
