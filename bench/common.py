@@ -24,11 +24,20 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def emit(record: dict) -> dict:
-    """Print ``record`` as one JSON line on stdout (``status`` defaults to ``ok``); returns it."""
+    """Print ``record`` as one JSON line on stdout (``status`` defaults to ``ok``, every float :func:`rounded`,
+    nested ones too); returns it as printed."""
     record = dict(record)
-    record = {"benchmark": record.pop("benchmark"), "status": record.pop("status", "ok"), **record}
+    record = _rounded_all({"benchmark": record.pop("benchmark"), "status": record.pop("status", "ok"), **record})
     print(json.dumps(record, default=_jsonable), flush=True)
     return record
+
+
+def _rounded_all(value):
+    if isinstance(value, float):
+        return rounded(value)
+    if isinstance(value, dict):
+        return {key: _rounded_all(item) for key, item in value.items()}
+    return [_rounded_all(item) for item in value] if isinstance(value, list | tuple) else value
 
 
 def _jsonable(value):

@@ -19,15 +19,14 @@ from pathlib import Path
 from asrflow.testing.repo import REPO
 from bench.common import emit, load_average, machine, workdir
 
-#: In-process benchmarks, in the order they run: (name, module).
+#: In-process benchmarks, in the order they run: (name, module and its options).
 MODULES = [
-    ("padding", "bench.padding"),
     ("train_throughput", "bench.train_throughput"),  # also prints matmul_fp32 and data_wait
-    ("cpu_precision", "bench.cpu_precision"),  # fp32 / bf16 / fp16 steps: what precision auto picks on this CPU
+    ("cpu_precision", "bench.train_throughput --precisions"),  # what precision auto picks on this CPU
     ("features_speed", "bench.features_speed"),
     ("decode_rtf", "bench.decode_rtf"),
     ("pipeline_overhead", "bench.pipeline_overhead"),
-    ("scale", "bench.scale"),
+    ("scale", "bench.scale"),  # also prints padding
     ("startup", "bench.startup"),  # the train stage launched as a process: start-up, workers, memory
     ("peer_speed", "bench.peer_speed"),  # trains SpeechBrain beside asrflow, in processes of their own
     ("resume", "bench.resume_cost"),
@@ -37,13 +36,14 @@ DEFAULT_OUTPUT = REPO / "bench" / "results.json"
 logger = logging.getLogger("bench.run_all")  # its import path (run as __main__)
 
 
-def run_module(name: str, module: str, args: list[str]) -> list[dict]:
-    """Import ``module`` and call its ``main(args)``; a failure becomes a ``failed`` record."""
+def run_module(name: str, command: str, args: list[str]) -> list[dict]:
+    """Import ``command``'s module and call its ``main`` with its options and ``args``; a failure becomes a
+    ``failed`` record."""
     import torch
 
-    threads = torch.get_num_threads()
+    threads, (module, *options) = torch.get_num_threads(), command.split()
     try:
-        return list(importlib.import_module(module).main(args))
+        return list(importlib.import_module(module).main([*options, *args]))
     except (Exception, SystemExit) as error:  # one broken benchmark must not stop the others
         traceback.print_exc()
         return [emit({"benchmark": name, "status": f"failed: {type(error).__name__}: {error}"[:500]})]
@@ -52,13 +52,11 @@ def run_module(name: str, module: str, args: list[str]) -> list[dict]:
 
 
 def gpu_bf16() -> list[dict]:
-    """The GPU bf16 item: only measurable where a GPU is present, and not written yet."""
+    """The GPU item: measured by ``python -m bench.gpu_checks`` on a machine with CUDA, not here."""
     import torch
 
-    status = "not measured: no GPU lent to this task"
-    if torch.cuda.is_available():
-        status = f"not measured: {torch.cuda.get_device_name(0)} present, but the bf16 benchmark is not written yet"
-    return [emit({"benchmark": "gpu_bf16", "status": status})]
+    where = f"{torch.cuda.get_device_name(0)} present" if torch.cuda.is_available() else "no GPU here"
+    return [emit({"benchmark": "gpu_bf16", "status": f"not measured: {where}; run python -m bench.gpu_checks"})]
 
 
 def summary(records: list[dict]) -> dict:
