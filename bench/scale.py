@@ -51,7 +51,8 @@ def padding(corpus: str, data: Path, params: dict) -> dict:
     frames = {cut.id: cut.num_frames for cut in cuts}
 
     def planned(buckets: int) -> dict:
-        plans = [plan_epoch(cuts, e, seed=seed, max_duration_s=max_duration, num_buckets=buckets) for e in range(PADDING_EPOCHS)]
+        shape = {"seed": seed, "max_duration_s": max_duration, "num_buckets": buckets}
+        plans = [plan_epoch(cuts, epoch, **shape) for epoch in range(PADDING_EPOCHS)]
         return padding_of([[frames[i] for i in batch] for plan in plans for batch in plan])
 
     sampler = SimpleCutSampler(cuts, max_duration=max_duration, shuffle=True, seed=seed, drop_last=False)
