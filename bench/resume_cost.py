@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import re
+import logging
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from asrflow.testing.corpora import prepare_yesno, torch_threads
@@ -24,9 +22,9 @@ from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.tiny_config import tiny_train_config
 from asrflow.testing.train_entry import TrainingProcess
 from bench.common import emit, load_average, parse_args
+from bench.startup import log_marks
 
 POSITIONS = (0.1, 0.5, 0.9)
-_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \[[^\]]+\] (.*)$", re.MULTILINE)
 
 
 def build_corpus(root: Path, replicas: int) -> Path:
@@ -69,36 +67,29 @@ def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count
         return (time.process_time() - began) / len(batch)
 
 
-def _log_times(log: str) -> dict[str, float]:
-    """Unix time of the first log line starting with each marker of interest."""
-    found = {}
-    markers = {"decision": "resuming from", "fresh": "starting a fresh run", "mlflow": "MLflow run"}
-    for stamp, message in _LOG_TIME.findall(log):
-        for name, marker in markers.items():
-            if name not in found and marker in message:
-                found[name] = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    return found
+#: Log marks of a resume (:func:`bench.startup.log_marks`).
+MARKS = {
+    "decision": ("asrflow.training.trainer", "resuming from"),
+    "fresh": ("asrflow.training.trainer", "starting a fresh run"),
+    "mlflow": ("asrflow.tracking.run", "MLflow run "),
+}
 
 
-def time_first_step(
-    data: Path, exp: Path, *, overrides: dict, uri: str, first_step: int, log: Path, stop_after: int | None = None
-) -> dict:
-    """Launch training in ``exp``, time its first step, SIGKILL it after step ``stop_after`` (default: the first)."""
-    stop_after = stop_after or first_step
-    process = TrainingProcess(data, exp, overrides, log_path=log, pause_after_step=stop_after, tracking_uri=uri)
+def time_first_step(data: Path, exp: Path, *, overrides: dict, uri: str, first: int, stop: int, log: Path) -> dict:
+    """Launch training in ``exp``, time its first step (``first``), SIGKILL it after step ``stop``."""
+    process = TrainingProcess(data, exp, overrides, log_path=log, pause_after_step=stop, tracking_uri=uri)
     process.wait_paused(timeout=400)
     process.kill()
     steps = {step: (at, cpu) for step, at, cpu in process.steps()}
-    assert min(steps) == first_step, f"expected step {first_step} first, got {sorted(steps)}:\n{process.log()}"
-    at, cpu = steps[first_step]
-    marks = _log_times(process.log())
+    assert min(steps) == first, f"expected step {first} first, got {sorted(steps)}:\n{process.log()}"
+    (at, cpu), marks = steps[first], log_marks(process.log(), MARKS)
     decision = marks.get("decision", marks.get("fresh"))
     return {
-        "first_step_s": round(at - process.started, 3),
-        "main_process_cpu_s": round(cpu, 3),
-        "to_resume_decision_s": round(decision - process.started, 3) if decision else None,
-        "decision_to_first_step_s": round(at - decision, 3) if decision else None,
-        "to_mlflow_open_s": round(marks["mlflow"] - process.started, 3) if "mlflow" in marks else None,
+        "first_step_s": at - process.started,
+        "main_process_cpu_s": cpu,
+        "to_resume_decision_s": decision and decision - process.started,
+        "decision_to_first_step_s": decision and at - decision,
+        "to_mlflow_open_s": marks["mlflow"] - process.started if "mlflow" in marks else None,
     }
 
 
@@ -128,12 +119,9 @@ def clone_run(source: Path, target: Path, upto_step: int) -> str:
     return uri
 
 
-def _phase(name: str, began: float) -> None:
-    print(f"resume_cost: {name} ready after {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
-
-
-def _spread(values: list[float]) -> float:
-    return round((max(values) - min(values)) / statistics.fmean(values), 3)
+def _spread(values) -> float:
+    values = list(values)
+    return (max(values) - min(values)) / statistics.fmean(values)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -141,8 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.add_argument("--rounds", type=int, help="launches per position, interleaved, medians (2; quick: 1)")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
-    args.rounds = args.rounds or (1 if args.quick else 2)
-    began = time.perf_counter()
+    rounds, began = args.rounds or (1 if args.quick else 2), time.perf_counter()
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     # A new folder every time: runs found in a reused one would be resumed, not started.
@@ -150,61 +137,55 @@ def main(argv: list[str] | None = None) -> list[dict]:
     replicas, workers = (4, 0) if args.quick else (100, 2)
     try:
         data = build_corpus(workdir / "data", replicas)
-        _phase("corpus", began)
         base = {"epochs": 1, "num_workers": workers, "validate_every_steps": 0, "keep_last": 100, "average_last": 1}
         config = tiny_train_config(**base)
         steps = batches_per_epoch(data, config.max_duration_s, config.num_buckets)
         batch_cpu_s = batch_cpu_seconds(data, config.max_duration_s, config.num_buckets)
         every = max(2, round(steps / 10))  # >= 2: step 1 is never a checkpoint step
         positions = {f"{round(f * 100)}%": every * max(1, round(f * steps / every)) for f in POSITIONS}
-        run_config = {**base, "checkpoint_every_steps": every}
-        trained = workdir / "fresh-0"
+        overrides = {**base, "checkpoint_every_steps": every}
         runs: dict[str, list[dict]] = {name: [] for name in ["fresh", *positions]}
-        for round_index in range(args.rounds):
+        for round_index in range(rounds):
             for name in runs:  # interleaved, so a burst of load hits every position alike
                 target = workdir / f"{name.rstrip('%')}-{round_index}"
-                log = target / "train.log"
-                if name == "fresh":
-                    # The first fresh run trains on past the last position: its checkpoints are resumed.
+                if name == "fresh":  # the first fresh run trains past the last position: its checkpoints are resumed
                     uri, first = fresh_mlflow_store(target), 1
                     stop = max(positions.values()) + 1 if round_index == 0 else 1
                 else:
-                    uri, first = clone_run(trained, target, positions[name]), positions[name] + 1
-                    stop = first
-                times = {"first_step": first, "stop_after": stop, "log": log}
-                runs[name].append(time_first_step(data, target / "exp", overrides=run_config, uri=uri, **times))
-            _phase(f"round {round_index + 1}", began)
+                    uri = clone_run(workdir / "fresh-0", target, positions[name])
+                    first = stop = positions[name] + 1
+                where = {"overrides": overrides, "uri": uri, "log": target / "train.log"}
+                runs[name].append(time_first_step(data, target / "exp", first=first, stop=stop, **where))
+            logging.getLogger(__name__).info("round %d done after %.1f s", round_index + 1, time.perf_counter() - began)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def median(name: str, key: str) -> float:
-        return round(statistics.median(run[key] for run in runs[name]), 3)
+    def median(key: str, names=tuple(positions)) -> dict[str, float]:
+        return {name: statistics.median(run[key] for run in runs[name]) for name in names}
 
-    wall = {name: median(name, "first_step_s") for name in positions}
-    cpu = {name: median(name, "main_process_cpu_s") for name in positions}
-    fresh = median("fresh", "first_step_s")
-    after_decision = {name: median(name, "decision_to_first_step_s") for name in positions}
+    wall, cpu, after = median("first_step_s"), median("main_process_cpu_s"), median("decision_to_first_step_s")
+    fresh = median("first_step_s", ["fresh"])["fresh"]
     result = {
         "benchmark": "resume_cost",
         "quick": args.quick,
-        "rounds": args.rounds,
+        "rounds": rounds,
         "train_cuts": 27 * replicas,
         "batches_per_epoch": steps,
         "num_workers": workers,
         "checkpoint_step": positions,
         "resume_first_step_s": wall,
-        "spread": _spread(list(wall.values())),
+        "spread": _spread(wall.values()),
         "baseline_fresh_start_first_step_s": fresh,
-        "ratio_to_fresh_start": {name: round(value / fresh, 3) for name, value in wall.items()},
-        "main_process_cpu_s": {**cpu, "fresh": median("fresh", "main_process_cpu_s")},
-        "cpu_spread": _spread(list(cpu.values())),
-        "decision_to_first_step_s": after_decision,
-        "decision_to_first_step_spread": _spread(list(after_decision.values())),
-        "replay_estimate_s": {name: round(step * batch_cpu_s, 3) for name, step in positions.items()},
+        "ratio_to_fresh_start": {name: value / fresh for name, value in wall.items()},
+        "main_process_cpu_s": {**cpu, **median("main_process_cpu_s", ["fresh"])},
+        "cpu_spread": _spread(cpu.values()),
+        "decision_to_first_step_s": after,
+        "decision_to_first_step_spread": _spread(after.values()),
+        "replay_estimate_s": {name: step * batch_cpu_s for name, step in positions.items()},
         "runs": runs,
         "load_average": load_average(),
-        "total_s": round(time.perf_counter() - began, 1),
+        "total_s": time.perf_counter() - began,
         "note": "wall and trainer-CPU seconds from launch to the end of the first resumed step; "
         "replay_estimate_s: what replaying the skipped batches would add",
     }

@@ -43,13 +43,16 @@ STEP_LINE = "[asrflow.training.monitoring] step {} epoch"
 GENERATED, STEPS = {"full": 2000, "quick": 40}, {"full": 20, "quick": 10}
 SETTINGS = {"full": [(w, t) for w in (0, 1, 2) for t in (1, 2)], "quick": [(0, 1)]}
 GOAL_S, GOAL_PSS_MB = 5.0, 2000.0
+#: Environment a tool or test may set that the launched stage must not see.
+UNSET = {"MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE", "MALLOC_ARENA_MAX", "DVC_STAGE"}
+UNSET.add("DVC_EXP_NAME")
 
 
-def log_marks(text: str) -> dict[str, float]:
-    """Unix time of the first log line of each :data:`MARKERS` entry."""
+def log_marks(text: str, markers: dict[str, tuple[str, str]] = MARKERS) -> dict[str, float]:
+    """Unix time of the first log line of each ``markers`` entry (name -> (logger, text it starts with or holds))."""
     found: dict[str, float] = {}
     for stamp, name, message in _LINE.findall(text):
-        for mark, (logger, needle) in MARKERS.items():
+        for mark, (logger, needle) in markers.items():
             if mark not in found and name == logger and (message.startswith(needle) or needle in message):
                 found[mark] = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return found
@@ -79,16 +82,8 @@ def start_train(
     tree's memory every ``poll_s``)."""
     command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
     command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
-    env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
-    for name in (
-        "MLFLOW_TRACKING_URI",
-        "ASRFLOW_PROGRESS_FD",
-        "ASRFLOW_LOG_FILE",
-        "DVC_STAGE",
-        "DVC_EXP_NAME",
-        "MALLOC_ARENA_MAX",
-    ):
-        env.pop(name, None)
+    env = {key: value for key, value in os.environ.items() if key not in UNSET}
+    env |= {"PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
     return ChildProcess(command, log_path=log, env={**env, **(extra_env or {})}, cwd=run_dir, memory_poll_s=poll_s)
 
 
