@@ -147,6 +147,28 @@ def train_config(params: dict, *, quick: bool, **changes):
     return replace(train, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}), **changes)
 
 
+def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None = None, **info) -> Path:
+    """A model bundle at ``path`` of ``params``' model over ``data`` (``fbank/``, ``lang/``) with ``model_state``
+    (None: initial weights, seed 0) and ``info``."""
+    import torch
+
+    from asrflow.data.features import CMVN_FILE, cmvn_stats, load_cmvn
+    from asrflow.model.conformer_ctc import build_model
+    from asrflow.serving.bundle import save_bundle
+    from asrflow.testing.corpora import data_features
+    from asrflow.tokenizer import MODEL_FILE, Tokenizer
+    from asrflow.training.config import load_train_config
+
+    tokenizer, features = Tokenizer(data / "lang" / MODEL_FILE), data_features(data)
+    config = load_train_config(params).model(features.num_mel_bins, tokenizer.vocab_size)
+    torch.manual_seed(0)
+    state = model_state if model_state is not None else build_model(config).state_dict()
+    cmvn = cmvn_stats(load_cmvn(data / "fbank" / CMVN_FILE))
+    bundle = {"model_config": config, "tokenizer": tokenizer, "features": features, "cmvn": cmvn, "run_id": None}
+    save_bundle(path, model_state=state, **bundle, info=info or None)
+    return path
+
+
 def timed_run(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     """Run ``command`` in ``cwd``; wall seconds and its output. Raises on a non-zero exit."""
     start = time.perf_counter()

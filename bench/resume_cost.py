@@ -95,7 +95,7 @@ def time_first_step(data: Path, exp: Path, *, overrides: dict, uri: str, first: 
 
 def clone_run(source: Path, target: Path, upto_step: int) -> str:
     """A copy of the run in ``source`` (exp + MLflow store) cut back to its checkpoint at ``upto_step``."""
-    from asrflow.training.checkpoint import checkpoint_path, list_checkpoints, step_of
+    from asrflow.training.checkpoint import list_checkpoints, step_of
 
     shutil.copytree(source / "exp" / "checkpoints", target / "exp" / "checkpoints")
     for path in list_checkpoints(target / "exp" / "checkpoints"):
@@ -104,16 +104,14 @@ def clone_run(source: Path, target: Path, upto_step: int) -> str:
     (target / "exp" / "checkpoints" / "best.pt").unlink(missing_ok=True)
     shutil.copyfile(source / "mlflow.db", target / "mlflow.db")
     uri = f"sqlite:///{(target / 'mlflow.db').resolve()}"
-    # Make the MLflow run look as a crash after that checkpoint leaves it: RUNNING, points
-    # flushed through ``upto_step``. (The later points stay in the table; the resume never reads
-    # them, as its watermark tag says they are not there.)
+    # The store's one run as a crash after that checkpoint leaves it: RUNNING, points flushed through
+    # ``upto_step`` (the later ones stay in the table; the resume trusts the watermark tag, not them).
     from mlflow.tracking import MlflowClient
 
     from asrflow.tracking.run import LOGGED_THROUGH_TAG
-    from asrflow.training.checkpoint import load_checkpoint
 
-    run_id = load_checkpoint(checkpoint_path(target / "exp" / "checkpoints", upto_step))["tracker"]["run_id"]
     client = MlflowClient(tracking_uri=uri)
+    run_id = client.search_runs([e.experiment_id for e in client.search_experiments()])[0].info.run_id
     client.update_run(run_id, status="RUNNING")
     client.set_tag(run_id, LOGGED_THROUGH_TAG, str(upto_step))
     return uri

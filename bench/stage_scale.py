@@ -37,6 +37,7 @@ from bench.common import (
     stage_peaks,
     timed_run,
     workdir,
+    write_bundle,
 )
 from bench.startup import STEP_LINE, launch
 
@@ -122,30 +123,12 @@ def in_process(params: Path, out: Path) -> dict:
 
 def bundle_from_checkpoint(root: Path) -> Path:
     """``root/exp/model.pt`` from the newest checkpoint (what the train stage writes at its end, not averaged)."""
-    from asrflow.data.features import CMVN_FILE, cmvn_stats, load_cmvn
     from asrflow.params import load_params
-    from asrflow.serving.bundle import save_bundle
-    from asrflow.tokenizer import MODEL_FILE, Tokenizer
     from asrflow.training import checkpoint as ckpt
-    from asrflow.training.config import load_train_config
 
     state, _ = ckpt.load_latest(root / "exp" / "checkpoints")
-    tokenizer, features = Tokenizer(root / "lang" / MODEL_FILE), corpora.data_features(root)
-    config = load_train_config(load_params(root / "params.yaml")).model(features.num_mel_bins, tokenizer.vocab_size)
-    cmvn = cmvn_stats(load_cmvn(root / "fbank" / CMVN_FILE))
-    path = root / "exp" / "model.pt"
-    info = {"made_by": "bench.stage_scale from the last checkpoint"}
-    save_bundle(
-        path,
-        model_state=state["model"],
-        model_config=config,
-        tokenizer=tokenizer,
-        features=features,
-        cmvn=cmvn,
-        run_id=None,
-        info=info,
-    )
-    return path
+    params, made_by = load_params(root / "params.yaml"), "bench.stage_scale from the last checkpoint"
+    return write_bundle(root / "exp" / "model.pt", root, params, state["model"], made_by=made_by)
 
 
 def train(root: Path, steps: int) -> dict:
