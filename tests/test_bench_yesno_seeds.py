@@ -1,33 +1,12 @@
-"""bench.front_end and bench.yesno_seeds: the parts that decide what they report (no timing)."""
+"""bench.yesno_seeds: the part that decides what it reports (no timing)."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from asrflow.model.conformer_ctc import ModelConfig, build_model
 from asrflow.testing.repo import REPO
-from bench.front_end import _front_end_flops
 from bench.yesno_seeds import seeded_params
-
-
-def test_front_end_flops_count_the_subsampling_convolutions():
-    def flops(channels):
-        config = ModelConfig(
-            input_dim=80,
-            vocab_size=9,
-            d_model=64,
-            num_heads=2,
-            ffn_dim=64,
-            num_layers=1,
-            subsampling_channels=channels,
-            subsampling_norm=True,
-        )
-        return _front_end_flops(build_model(config).subsampling, 200)
-
-    wide, narrow = flops((64, 64)), flops((16, 32))
-    # the second convolution dominates: 9 * c1 * c2 multiply-adds per output point
-    assert narrow < wide / 4
 
 
 def test_seeded_params_set_the_seed_and_overrides_and_refuse_unknown_keys():
