@@ -1,12 +1,9 @@
-"""GPU checks (shared/GPU_CHECKS.md items 2-4) on CUDA: the real-corpus preset's Trainer in bf16 with
-precomputed and on-the-fly features, SpeechBrain's model of the same shape on the same batches, and
-fp16 / bf16 runs of a few hundred steps.
+"""GPU checks on CUDA: the real-corpus preset's Trainer in bf16, SpeechBrain's same-shape model, fp16 / bf16 runs.
 
-Records ``gpu_matmul`` (bf16 peak measured), ``gpu_train`` per feature mode (audio-s/s over steps
-2..N, MFU against the measured peak, peak allocated memory, data-wait share), ``gpu_peer`` (bare
-steps of both models on the same batches in bf16), ``gpu_precision`` (finite steps, lowest loss).
-
-Usage: ``python -m bench.gpu_checks [--quick] [--workdir DIR] [--seconds S] [--utterances N]``.
+``python -m bench.gpu_checks [--quick] [--workdir DIR] [--seconds S] [--utterances N]``. Records ``gpu_matmul``
+(bf16 peak measured), ``gpu_train`` per feature mode, precomputed and on the fly (audio-s/s over steps 2..N, MFU
+against the measured peak, peak allocated memory, data-wait share), ``gpu_peer`` (bare steps of both models on the
+same batches in bf16), ``gpu_precision`` (fp16 and bf16 runs of a few hundred steps: finite steps, lowest loss).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from pathlib import Path
 
 from asrflow.testing.corpora import data_features, generated_data
 from asrflow.testing.repo import REPO
-from bench.common import emit, machine, parse_args, rounded, train_config, workdir
+from bench.common import emit, machine, parse_args, train_config, workdir
 from bench.train_throughput import PlannedBatches, build, model_flops
 
 
@@ -70,11 +67,10 @@ def train_record(results: list, *, flops_per_audio_s: float, peak: float) -> dic
     timed = results[1:]
     audio, elapsed = sum(r.audio_seconds for r in timed), sum(r.elapsed_s for r in timed)
     rate = audio / elapsed
-    record = {"steps": len(results), "audio_s_per_s": rounded(rate), "mfu": rounded(flops_per_audio_s * rate / peak)}
-    record |= {"data_wait_fraction": rounded(sum(r.data_wait_s for r in timed) / elapsed)}
-    record |= {"peak_allocated_gb": rounded(torch.cuda.max_memory_allocated() / 1e9)}
-    record |= {"all_finite": all(r.finite for r in results), "min_loss": rounded(min(r.loss for r in results))}
-    return record
+    record = {"steps": len(results), "audio_s_per_s": rate, "mfu": flops_per_audio_s * rate / peak}
+    record |= {"data_wait_fraction": sum(r.data_wait_s for r in timed) / elapsed}
+    record |= {"peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}
+    return record | {"all_finite": all(r.finite for r in results), "min_loss": min(r.loss for r in results)}
 
 
 def bare_rate(model, optimizer, steps: list[list[dict]], precision) -> tuple[float, float]:
@@ -108,11 +104,9 @@ def peer_record(data: Path, config, features, *, num_steps: int) -> dict:
     ours = bare_rate(model, torch.optim.AdamW(model.parameters(), lr=config.lr, fused=True), steps, precision)
     peer = speechbrain_model(asdict(config), features.num_mel_bins, planned.tokenizer.vocab_size).cuda()
     theirs = bare_rate(peer, torch.optim.AdamW(peer.parameters(), lr=config.lr, fused=True), steps, precision)
-    record = {"asrflow_audio_s_per_s": rounded(ours[0]), "speechbrain_audio_s_per_s": rounded(theirs[0])}
-    record |= {"ratio": rounded(ours[0] / theirs[0]), "asrflow_peak_gb": rounded(ours[1])}
-    record |= {"speechbrain_peak_gb": rounded(theirs[1]), "memory_ratio": rounded(ours[1] / theirs[1])}
-    record["params"] = [sum(p.numel() for p in m.parameters()) for m in (model, peer)]
-    return record
+    record = {"asrflow_audio_s_per_s": ours[0], "speechbrain_audio_s_per_s": theirs[0], "ratio": ours[0] / theirs[0]}
+    record |= {"asrflow_peak_gb": ours[1], "speechbrain_peak_gb": theirs[1], "memory_ratio": ours[1] / theirs[1]}
+    return record | {"params": [sum(p.numel() for p in m.parameters()) for m in (model, peer)]}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -126,7 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     peak = bf16_peak()
-    matmul = {"benchmark": "gpu_matmul", "device": torch.cuda.get_device_name(0), "bf16_flops": rounded(peak)}
+    matmul = {"benchmark": "gpu_matmul", "device": torch.cuda.get_device_name(0), "bf16_flops": peak}
     out = [emit({**matmul, "machine": machine()})]
     with workdir(args.workdir) as work:
         data = generated_data(work, 200 if args.quick else args.utterances)
@@ -139,17 +133,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         batch = on_device(planned.next_step()[0])
         flops = model_flops(model, batch) / float(batch["durations"].sum())
         del model, planned
-        # precomputed, then on-the-fly features
-        for on_the_fly, scale in ((False, 1), (True, 1)):
+        for on_the_fly in (False, True):
             torch.cuda.reset_peak_memory_stats()
-            mode, batch_config = (
-                replace(features, on_the_fly=on_the_fly),
-                replace(config, max_duration_s=config.max_duration_s * scale),
-            )
-            exp = work / f"exp-{on_the_fly}-{scale}"
-            results = trainer_run(data, exp, batch_config, mode, seconds=args.seconds, max_steps=10**6)
+            mode, exp = replace(features, on_the_fly=on_the_fly), work / f"exp-{on_the_fly}-1"
+            results = trainer_run(data, exp, config, mode, seconds=args.seconds, max_steps=10**6)
             record = {"benchmark": "gpu_train", "on_the_fly": on_the_fly, "precision": "bf16"}
-            record |= {"flops_per_audio_s": rounded(flops), "max_duration_s": batch_config.max_duration_s}
+            record |= {"flops_per_audio_s": flops, "max_duration_s": config.max_duration_s}
             out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
         out.append(emit({"benchmark": "gpu_peer", **peer_record(data, config, features, num_steps=30)}))
         for precision in ("fp16", "bf16"):
@@ -157,11 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             config = replace(preset, precision=precision, warmup_steps=100, **timing)
             steps = 20 if args.quick else 300
             results = trainer_run(data, work / f"exp-{precision}", config, features, seconds=1e9, max_steps=steps)
-            record = {
-                "benchmark": "gpu_precision",
-                "precision": precision,
-                "nonfinite_steps": sum(not r.finite for r in results),
-            }
+            record = {"benchmark": "gpu_precision", "precision": precision}
+            record["nonfinite_steps"] = sum(not r.finite for r in results)
             out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
     return out
 
