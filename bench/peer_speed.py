@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 from asrflow.testing.corpora import data_features, generated_data, yesno_data
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO
-from bench.common import emit, machine, parse_args, ratio, rounded, train_config, workdir
+from bench.common import emit, machine, parse_args, ratio, train_config, workdir
 from bench.peer.batches import cached_batches, dump_batches
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
 from bench.peer.sweep import SWEEP_STEPS, median_step_rate, sweep
@@ -49,26 +48,17 @@ def run_side(side: str, options: dict, log: Path) -> dict:
     code = process.wait()
     if code != 0 or not report.is_file():
         raise RuntimeError(f"{side} training exited {code}; log {log}:\n{process.tail()}")
-    return {**json.loads(report.read_text()), "peak_tree_pss_mb": rounded(process.peak_pss / 2**20)}
+    return {**json.loads(report.read_text()), "peak_tree_pss_mb": process.peak_pss / 2**20}
 
 
 def summary(result: dict) -> dict:
     """The printed figures of one side."""
     steps = result["steps"]
-    wall = steps[-1]["t"] - steps[0]["t"] if len(steps) > 1 else math.nan
-    median = median_step_rate(steps)
-    return {
-        "audio_s_per_s": rounded(sum(s["audio_s"] for s in steps[1:]) / wall) if len(steps) > 1 else None,
-        "median_step_audio_s_per_s": rounded(median) if median is not None else None,
-        "steps": len(steps),
-        "start_to_first_step_s": rounded(steps[0]["t"] - result["launched"]),
-        "peak_tree_pss_mb": result["peak_tree_pss_mb"],
-        "flops_per_audio_s": rounded(result["flops_per_audio_s"]),
-        "flops_by_part": {k: rounded(v) for k, v in result["flops_by_part"].items()},
-        "dev_loss": rounded(result["dev_loss"]) if result.get("dev_loss") is not None else None,
-        "params": result["params"],
-        "settings": result["settings"],
-    }
+    rate = sum(s["audio_s"] for s in steps[1:]) / (steps[-1]["t"] - steps[0]["t"]) if len(steps) > 1 else None
+    figures = {"audio_s_per_s": rate, "median_step_audio_s_per_s": median_step_rate(steps), "steps": len(steps)}
+    figures["start_to_first_step_s"] = steps[0]["t"] - result["launched"]
+    keys = ("peak_tree_pss_mb", "flops_per_audio_s", "flops_by_part", "dev_loss", "params", "settings")
+    return figures | {key: result.get(key) for key in keys}
 
 
 def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, settings, params_file) -> tuple[dict, dict]:
@@ -98,10 +88,8 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
 
         settings, sweep_figures = sweep(rate, peer=peer_problem is None)
     if settings is None:  # --quick: the shipped settings, and the peer at 2 threads
-        settings = {
-            "asrflow": {"num_threads": config.num_threads, "num_workers": config.num_workers},
-            "speechbrain": {"num_threads": 2, "num_workers": 0},
-        }
+        ours = {"num_threads": config.num_threads, "num_workers": config.num_workers}
+        settings = {"asrflow": ours, "speechbrain": {"num_threads": 2, "num_workers": 0}}
     record: dict = {"benchmark": "peer_speed", "corpus": corpus, "params_file": params_file.name, "epochs": epochs}
     record |= {"steps_per_run": info["steps"], "max_steps": max_steps}
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
@@ -120,8 +108,8 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
     a, s = record["asrflow"], record["speechbrain"]
     speed, size = ratio(a["audio_s_per_s"], s["audio_s_per_s"]), ratio(a["params"], s["params"])
     record |= {
-        "ratio": rounded(speed),
-        "params_ratio": rounded(size),
+        "ratio": speed,
+        "params_ratio": size,
         "dev_loss_no_worse": a["dev_loss"] <= s["dev_loss"],
         "goal": "ratio >= 1.5 on the generated corpus, dev loss no worse, params within 10 %",
         "meets_goal": speed >= 1.5 and a["dev_loss"] <= s["dev_loss"] and abs(size - 1) <= 0.1,
@@ -149,12 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         add("--epochs", type=int, help="epochs per corpus (default: 1 of generated, 30 of yesno)")
         add("--corpora", nargs="+", choices=("generated", "yesno"), help="only these (default: both; quick: generated)")
         add("--params", type=Path, default=REPO / "params.yaml", help="its train: section shapes both models")
-        add(
-            "--settings",
-            nargs=2,
-            metavar=("ASRFLOW", "SPEECHBRAIN"),
-            help="THREADSxWORKERS each, e.g. 2x0 2x0: no sweep",
-        )
+        add("--settings", nargs=2, metavar=("ASRFLOW", "SPEECHBRAIN"), help="THREADSxWORKERS each (2x0 2x0): no sweep")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"

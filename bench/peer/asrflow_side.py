@@ -30,15 +30,10 @@ def train(options: dict, launched: float) -> dict:
             if max_steps is not None and len(steps) >= max_steps - 1:
                 run.stop.request()
 
-    trainer = Trainer(
-        config,
-        FeatureConfig(**options["features"]),
-        seed=options["seed"],
-        all_params=load_params(options["params_file"]),
-        paths=TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang"),
-        tracking_uri=f"sqlite:///{exp / 'mlflow.db'}",
-        observers=[Timing()],
-    )
+    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
+    where = {"paths": paths, "tracking_uri": f"sqlite:///{exp / 'mlflow.db'}", "observers": [Timing()]}
+    params, features = load_params(options["params_file"]), FeatureConfig(**options["features"])
+    trainer = Trainer(config, features, seed=options["seed"], all_params=params, **where)
     trainer.run()  # returns when finished or stopped
     model = trainer.model
     loss = None

@@ -11,13 +11,8 @@ from asrflow.testing.repo import REPO
 
 PEER_VERSION = "1.1.2"
 #: ``ASRFLOW_PEER_REQUIREMENT`` replaces the pinned requirement (the tests name one that cannot install).
-PEER_PACKAGES = (
-    os.environ.get("ASRFLOW_PEER_REQUIREMENT", f"speechbrain=={PEER_VERSION}"),
-    "hyperpyyaml",
-    "ruamel.yaml",
-    "joblib",
-    "huggingface_hub",
-)
+PEER = os.environ.get("ASRFLOW_PEER_REQUIREMENT", f"speechbrain=={PEER_VERSION}")
+PEER_PACKAGES = (PEER, "hyperpyyaml", "ruamel.yaml", "joblib", "huggingface_hub")
 PEER_DIR = REPO / "bench" / ".peer" / PEER_PACKAGES[0].replace("==", "-")
 
 

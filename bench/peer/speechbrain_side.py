@@ -15,32 +15,14 @@ def speechbrain_model(config: dict, input_dim: int, vocab_size: int):
     from speechbrain.lobes.models.convolution import ConvolutionFrontEnd
     from speechbrain.lobes.models.transformer.TransformerASR import TransformerASR
 
-    cnn = ConvolutionFrontEnd(
-        input_shape=(8, 10, input_dim),
-        num_blocks=2,
-        num_layers_per_block=1,
-        out_channels=(64, 32),
-        kernel_sizes=(3, 3),
-        strides=(2, 2),
-        residuals=(False, False),
-    )
+    blocks = {"num_blocks": 2, "num_layers_per_block": 1, "out_channels": (64, 32), "kernel_sizes": (3, 3)}
+    cnn = ConvolutionFrontEnd(input_shape=(8, 10, input_dim), strides=(2, 2), residuals=(False, False), **blocks)
     freq = cnn(torch.zeros(1, 16, input_dim)).shape[-2:]  # (F', C)
-    transformer = TransformerASR(
-        input_size=freq[0] * freq[1],
-        tgt_vocab=vocab_size,
-        d_model=config["d_model"],
-        nhead=config["num_heads"],
-        num_encoder_layers=config["num_layers"],
-        num_decoder_layers=0,
-        d_ffn=config["ffn_dim"],
-        dropout=config["dropout"],
-        activation=torch.nn.GELU,
-        encoder_module="conformer",
-        attention_type="regularMHA",
-        normalize_before=True,
-        causal=False,
-        kernel_size=config["conv_kernel_size"],
-    )
+    shape = {"d_model": config["d_model"], "nhead": config["num_heads"], "num_encoder_layers": config["num_layers"]}
+    shape |= {"d_ffn": config["ffn_dim"], "dropout": config["dropout"], "kernel_size": config["conv_kernel_size"]}
+    kind = {"encoder_module": "conformer", "attention_type": "regularMHA", "normalize_before": True, "causal": False}
+    kind |= {"num_decoder_layers": 0, "activation": torch.nn.GELU}
+    transformer = TransformerASR(input_size=freq[0] * freq[1], tgt_vocab=vocab_size, **shape, **kind)
 
     class SpeechBrainCtc(torch.nn.Module):
         def __init__(self):
@@ -78,10 +60,8 @@ def train(options: dict, launched: float) -> dict:
 
     def loss_sum(batch):
         log_probs, out_lens = model(batch["features"], batch["feature_lens"])
-        targets, target_lens = batch["targets"], batch["target_lens"]
-        return F.ctc_loss(
-            log_probs.transpose(0, 1), targets, out_lens, target_lens, reduction="sum", zero_infinity=True
-        )
+        targets, lens = batch["targets"], batch["target_lens"]
+        return F.ctc_loss(log_probs.transpose(0, 1), targets, out_lens, lens, reduction="sum", zero_infinity=True)
 
     steps: list[dict] = []
     total = len(list(folder.glob("step-*.pt")))
