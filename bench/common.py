@@ -198,11 +198,11 @@ def noop_runs(repo: Path, commands: dict[str, list[str]], repeats: int, *, versi
         times = [elapsed for elapsed, _ in runs]
         idle = all(IDLE[name](out) for _, out in runs)
         record = {"tool": name, "status": "ok" if idle else "failed: the no-op run did work", "nothing_to_do": idle}
-        record |= {"command": " ".join(command), "noop_s": rounded(statistics.median(times))}
-        record |= {"noop_s_all": [rounded(t) for t in times], "repeats": repeats, "load_average": load_average()}
+        record |= {"command": " ".join(command), "noop_s": statistics.median(times), "noop_s_all": times}
+        record |= {"repeats": repeats, "load_average": load_average()}
         if version:
-            record |= {"startup_s": rounded(statistics.median(startup))}
-            record["ratio"] = rounded(ratio(statistics.median(times), statistics.median(startup)))
+            record |= {"startup_s": statistics.median(startup)}
+            record["ratio"] = ratio(record["noop_s"], record["startup_s"])
         records.append(record)
     return records
 
@@ -226,12 +226,8 @@ def stage_peaks(module: str, argv: list[str], log_path: Path, *, repo: Path | No
     code, elapsed = process.wait(), time.perf_counter() - start
     if code != 0 or not report.is_file():
         raise RuntimeError(f"python -m {module} exited {code}; log {log_path}:\n{process.tail(15)}")
-    return {
-        "elapsed_s": rounded(elapsed),
-        "peak_rss_mb": rounded(json.loads(report.read_text())["vm_hwm_kb"] / 1024),
-        "peak_tree_pss_mb": rounded(process.peak_pss / 2**20) if process.peak_pss else None,
-        "peak_tree_rss_mb": rounded(process.peak_rss / 2**20) if process.peak_rss else None,
-    }
+    found = {"elapsed_s": elapsed, "peak_rss_mb": json.loads(report.read_text())["vm_hwm_kb"] / 1024}
+    return found | {f"peak_tree_{kind}_mb": getattr(process, f"peak_{kind}") / 2**20 or None for kind in ("pss", "rss")}
 
 
 def _stage_child(report: Path, module: str, argv: list[str]) -> None:

@@ -4,10 +4,9 @@
 
 KIND, its sizes, and its stages (corpora cached in ``W``): ``spoken`` (hours of espeak-ng speech: all five
 stages, train stopped by SIGTERM after ``--steps`` and resumed, evaluate with its last checkpoint; then the
-no-op ``snakemake`` and ``dvc repro`` of the data stages at the largest size), ``short`` (utterances of
-0.5-1.5 s: prepare, features), ``folder`` (utterances copied from 8) and ``kaldi`` (segments of 10 long
-recordings): prepare; ``segments`` (hours of 2-7 s cuts of 16 recordings): features. ``--repo`` runs another
-checkout's stages; ``--in-process`` runs prepare here for its CPU seconds.
+no-op ``snakemake`` and ``dvc repro`` of the data stages at the largest size), ``folder`` (utterances copied
+from 8) and ``kaldi`` (segments of 10 long recordings): prepare; ``segments`` (hours of 2-7 s cuts of 16
+recordings): features. ``--repo`` runs another checkout's stages; ``--in-process`` runs prepare here (CPU s).
 
 Records: ``stage_scale`` per stage and size (``elapsed_s``; ``peak_rss_mb``, the stage's ``VmHWM``;
 ``peak_tree_pss_mb``, it and its workers), ``stage_scale_baseline`` (the stage's ``--help``),
@@ -33,7 +32,6 @@ from bench.common import (
     noop_runs,
     parse_args,
     ratio,
-    rounded,
     stage_peaks,
     timed_run,
     workdir,
@@ -44,7 +42,6 @@ from bench.startup import STEP_LINE, launch
 #: Per corpus: (sizes, quick sizes, the stages run).
 KINDS = {
     "spoken": ((5.0, 15.0, 50.0), (0.02,), ("prepare", "features", "tokenizer", "train", "evaluate")),
-    "short": ((2500, 10000), (100, 400), ("prepare", "features")),
     "folder": ((2000, 20000), (200, 800), ("prepare",)),
     "kaldi": ((100_000, 1_000_000), (2000, 8000), ("prepare",)),
     "segments": ((5.0, 50.0), (0.1, 0.4), ("features",)),
@@ -64,40 +61,28 @@ def corpus(kind: str, size: float, work: Path, args) -> tuple[Path, dict]:
         if not (folder / spoken_corpus.INFO_FILE).is_file():
             start = time.perf_counter()
             spoken_corpus.generate(folder, hours=size, seed=args.seed, voices=args.voices, progress=True)
-            emit(
-                {"benchmark": "stage_scale_corpus", "hours": size, "synthesis_s": rounded(time.perf_counter() - start)}
-            )
+            emit({"benchmark": "stage_scale_corpus", "hours": size, "synthesis_s": time.perf_counter() - start})
         info = spoken_corpus.read_info(folder)
         return folder, {"utterances": info.utterances, "audio_s": info.audio_s}
     if kind == "segments":
         cuts = int(size * 3600 / 4.5)
         split = {"train": cuts - 2 * max(1, cuts // 100), "dev": max(1, cuts // 100), "test": max(1, cuts // 100)}
         folder = work / f"manifests-{size:g}h"
-        audio_s = corpora.write_segment_manifests(
-            folder, work / "audio", split, min_s=2.0, max_s=7.0, recordings=16, recording_s=120.0
-        )
-        return folder, {"utterances": cuts, "audio_s": rounded(audio_s)}
-    if kind == "short":
-        folder = work / f"short-{size:g}" / "corpus"
-        if not (folder / ".done").is_file():
-            info = corpora.generate_corpus(folder, int(size), seed=0, min_s=0.5, max_s=1.5)
-            (folder / ".done").write_text(f"{info['audio_s']}")
-        return folder, {"utterances": int(size), "audio_s": rounded(float((folder / ".done").read_text()))}
+        shape = {"min_s": 2.0, "max_s": 7.0, "recordings": 16, "recording_s": 120.0}
+        audio_s = corpora.write_segment_manifests(folder, work / "audio", split, **shape)
+        return folder, {"utterances": cuts, "audio_s": audio_s}
     build = corpora.copied_folder_corpus if kind == "folder" else corpora.kaldi_corpus
     return build(work, int(size)), {"utterances": int(size)}
 
 
-def write_params(root: Path, kind: str, corpus_dir: Path, *, quick: bool) -> Path:
-    """params.yaml in ``root``: the repository's, pointed at ``corpus_dir`` (16 kHz features but for ``short``)."""
+def write_params(root: Path, kind: str, corpus_dir: Path) -> Path:
+    """params.yaml in ``root``: the repository's, pointed at ``corpus_dir``, with 16 kHz features."""
     from asrflow.training.config import set_train_keys
 
     params = repo_params()
     splits = {"train": "train", "dev": None if kind == "kaldi" else "dev", "test": None if kind == "kaldi" else "test"}
     params["prepare"].update(corpus="kaldi" if kind == "kaldi" else "folder", corpus_dir=str(corpus_dir), splits=splits)
-    if kind != "short":
-        params["features"] = corpora.generated_features()
-    elif quick:
-        params["features"]["num_jobs"] = 1  # no extraction workers to start
+    params["features"] = corpora.generated_features()
     if kind == "spoken":
         params["tokenizer"].update(model_type="bpe", vocab_size=VOCAB_SIZE)
         set_train_keys(params, TRAIN)
@@ -114,11 +99,7 @@ def in_process(params: Path, out: Path) -> dict:
     wall, cpu = time.perf_counter(), time.process_time()
     summary = prepare_corpus(config, out, seed=0)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return {
-        "elapsed_s": rounded(wall),
-        "cpu_s": rounded(cpu),
-        "utterances_per_cpu_s": rounded(summary.items_total / cpu),
-    }
+    return {"elapsed_s": wall, "cpu_s": cpu, "utterances_per_cpu_s": summary.items_total / cpu}
 
 
 def bundle_from_checkpoint(root: Path) -> Path:
@@ -137,16 +118,11 @@ def train(root: Path, steps: int) -> dict:
     fresh = launch(root, root, stop_when=STEP_LINE.format(steps), log=root / "train.log", timeout_s=3600)
     elapsed = time.perf_counter() - start
     resumed = launch(root, root, stop_when="[asrflow.progress] step ", log=root / "resumed.log", timeout_s=600)
-    return {
-        "steps": steps,
-        "elapsed_s": rounded(elapsed),
-        "peak_tree_pss_mb": fresh["peak_tree_pss_mb"],
-        "launch_to_first_step_s": fresh["marks"].get("first_step"),
-        "breakdown_s": fresh["marks"],
-        "resumed_launch_to_first_step_s": resumed["marks"].get("first_step"),
-        "resumed_peak_tree_pss_mb": resumed["peak_tree_pss_mb"],
-        "exit_codes": [fresh["exit_code"], resumed["exit_code"]],
-    }
+    record = {"steps": steps, "elapsed_s": elapsed, "peak_tree_pss_mb": fresh["peak_tree_pss_mb"]}
+    record |= {"launch_to_first_step_s": fresh["marks"].get("first_step"), "breakdown_s": fresh["marks"]}
+    record |= {"resumed_launch_to_first_step_s": resumed["marks"].get("first_step")}
+    record |= {"resumed_peak_tree_pss_mb": resumed["peak_tree_pss_mb"]}
+    return record | {"exit_codes": [fresh["exit_code"], resumed["exit_code"]]}
 
 
 def run_stages(kind: str, size: float, work: Path, args) -> dict[str, dict]:
@@ -154,7 +130,7 @@ def run_stages(kind: str, size: float, work: Path, args) -> dict[str, dict]:
     folder, facts = corpus(kind, size, work, args)
     root = work / f"run-{kind}-{size:g}"
     shutil.rmtree(root, ignore_errors=True)
-    params = str(write_params(root, kind, folder, quick=args.quick))
+    params = str(write_params(root, kind, folder))
     manifests, fbank, lang = (folder if kind == "segments" else root / "manifests"), root / "fbank", root / "lang"
     argv = {
         "prepare": ["--params", params, "--out", str(manifests)],
@@ -175,14 +151,11 @@ def run_stages(kind: str, size: float, work: Path, args) -> dict[str, dict]:
             if stage == "evaluate":
                 bundle_from_checkpoint(root)
             found = stage_peaks(f"stages.{stage}", argv[stage] + extra, root / f"{stage}.log", repo=args.repo)
-        rates = {"utterances_per_s": rounded(facts["utterances"] / found["elapsed_s"])}
+        rates = {"utterances_per_s": facts["utterances"] / found["elapsed_s"]}
         if facts.get("audio_s"):
-            rates["audio_s_per_s_per_core"] = rounded(
-                facts["audio_s"] / found["elapsed_s"] / len(os.sched_getaffinity(0))
-            )
-        figures[stage] = emit(
-            {**base, "stage": stage, **found, **rates, "load_before": load, "load_after": load_average()}
-        )
+            rates["audio_s_per_s_per_core"] = facts["audio_s"] / found["elapsed_s"] / len(os.sched_getaffinity(0))
+        rates |= {"load_before": load, "load_after": load_average()}
+        figures[stage] = emit({**base, "stage": stage, **found, **rates})
     if kind != "spoken":  # only the stage's outputs are large; the corpus stays cached
         shutil.rmtree(root, ignore_errors=True)
     return figures
@@ -195,10 +168,10 @@ def growth(stage: str, sizes: list[float], figures: dict, baseline: dict) -> dic
     for key, short in (("peak_rss_mb", "rss"), ("peak_tree_pss_mb", "tree_pss"), ("elapsed_s", "elapsed")):
         if lo.get(key) and hi.get(key):
             record[key] = [lo[key], hi[key]]
-            record[f"{short}_ratio"] = rounded(ratio(hi[key], lo[key]))
-            record[f"{short}_growth_per_unit"] = rounded((hi[key] - lo[key]) / (max(sizes) - min(sizes)))
+            record[f"{short}_ratio"] = ratio(hi[key], lo[key])
+            record[f"{short}_growth_per_unit"] = (hi[key] - lo[key]) / (max(sizes) - min(sizes))
     if stage in baseline and lo.get("peak_rss_mb"):
-        record["rss_above_baseline_mb"] = [rounded(f["peak_rss_mb"] - baseline[stage]["peak_rss_mb"]) for f in (lo, hi)]
+        record["rss_above_baseline_mb"] = [f["peak_rss_mb"] - baseline[stage]["peak_rss_mb"] for f in (lo, hi)]
     return record
 
 
@@ -219,9 +192,7 @@ def noop(work: Path, root: Path, size: float) -> list[dict]:
     commands = {"snakemake": ["snakemake", "--cores", "all", *targets], "dvc": ["dvc", "repro", "tokenizer"]}
     found = noop_runs(repo, commands, 3)
     shutil.rmtree(repo, ignore_errors=True)
-    return [
-        emit({"benchmark": "stage_scale_noop", "size": size, **r, "dvc_commit_s": rounded(commit_s)}) for r in found
-    ]
+    return [emit({"benchmark": "stage_scale_noop", "size": size, **r, "dvc_commit_s": commit_s}) for r in found]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
