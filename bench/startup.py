@@ -1,23 +1,28 @@
-"""Start-up and memory of the train stage, launched as ``dvc repro`` and Snakemake launch it.
+"""The train stage launched as ``dvc repro`` and Snakemake launch it: start-up, workers, and at scale.
 
-``python -m bench.startup [--quick] [--workdir W] [--repeat N] [--parts startup,workers] [--code DIR]``
-
-``startup``: launch to the end of step 1 on yesno (median of ``--repeat``) for a fresh run with a new or an
-existing ``mlflow.db`` and a resumed one, with a breakdown from the stage's log (:data:`MARKERS`).
-``startup_workers``: ``num_workers`` x ``num_threads`` one launch each: first step, audio s/s from the run's
-MLflow points, data wait, peak PSS of the process tree.
+``python -m bench.startup [--quick] [--workdir W] [--parts startup,workers,scale] [--repeat N] [--settings W/T,..]
+[--cuts N ...] [--steps S]``. ``startup`` (record ``startup``): launch to the end of step 1 on yesno (median of
+``--repeat``) for a fresh run with a new or an existing ``mlflow.db`` and a resumed one, with a breakdown from the
+stage's log (:data:`MARKERS`). ``workers`` (``startup_workers``): ``num_workers`` x ``num_threads``, one launch each:
+first step, audio s/s from the run's MLflow points, data wait, peak PSS of the process tree. ``scale``
+(``trainer_scale``, not by default): a generated corpus's train cuts repeated to N cuts, two launches (the first
+builds the node's line store, the second reuses it) stopped after step S: first step, peak PSS, ``step_s``,
+``checkpoint_s`` (excess of the step after a checkpoint), the temporary folder's size; in process, the plan's size
+and a checkpoint's plan-position cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import os
 import re
 import shutil
 import signal
 import statistics
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -25,7 +30,7 @@ from asrflow.testing.corpora import generated_data, params_for, yesno_data
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO, repo_params
 from asrflow.training.outcome import Outcome, exit_code
-from bench.common import emit, load_average, parse_args, rounded, workdir
+from bench.common import emit, load_average, parse_args, workdir
 
 #: Log markers of the breakdown: name -> (logger, text the message starts with or holds).
 MARKERS = {
@@ -43,6 +48,8 @@ STEP_LINE = "[asrflow.training.monitoring] step {} epoch"
 GENERATED, STEPS = {"full": 2000, "quick": 40}, {"full": 20, "quick": 10}
 SETTINGS = {"full": [(w, t) for w in (0, 1, 2) for t in (1, 2)], "quick": [(0, 1)]}
 GOAL_S, GOAL_PSS_MB = 5.0, 2000.0
+#: The scale part: corpus sizes per mode; a checkpoint every this many steps.
+CUTS, CHECKPOINT_EVERY = {"full": [100_000, 1_000_000], "quick": [2_000]}, 5
 #: Environment a tool or test may set that the launched stage must not see.
 UNSET = {"MLFLOW_TRACKING_URI", "ASRFLOW_PROGRESS_FD", "ASRFLOW_LOG_FILE", "MALLOC_ARENA_MAX", "DVC_STAGE"}
 UNSET.add("DVC_EXP_NAME")
@@ -58,47 +65,33 @@ def log_marks(text: str, markers: dict[str, tuple[str, str]] = MARKERS) -> dict[
     return found
 
 
-def write_params(run_dir: Path, train: dict, code: Path = REPO, data: Path | None = None) -> Path:
-    """params.yaml of the repository ``code`` with ``train`` keys overridden, in ``run_dir``;
-    with ``data``, its features section is the one ``data`` was computed with."""
+def write_params(run_dir: Path, train: dict, data: Path) -> None:
+    """params.yaml in ``run_dir``: the repository's with ``train`` keys overridden and ``data``'s features section."""
     import yaml
 
-    from asrflow.params import load_params
     from asrflow.training.config import set_train_keys
 
-    params = load_params(code / "params.yaml") if code != REPO else repo_params()
-    if data is not None:
-        params = params_for(data, params)
+    params = params_for(data, repo_params())
     set_train_keys(params, train)
-    path = run_dir / "params.yaml"
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
-    return path
+    (run_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def start_train(
-    run_dir: Path, data: Path, *, log: Path, code: Path = REPO, extra_env=None, poll_s: float | None = 0.25
-):
-    """The train stage of checkout ``code`` on ``data`` in ``run_dir``, as a :class:`ChildProcess` (polling its
-    tree's memory every ``poll_s``)."""
+def launch(run_dir: Path, data: Path, *, stop_when: str, log: Path, timeout_s: float = 600.0, env=None) -> dict:
+    """The train stage on ``data`` in ``run_dir`` (``env`` added) until ``stop_when`` is logged, then SIGTERM (the
+    step in flight is saved: exit 75). Returns the marks (seconds after launch), the exit code, the tree's peak PSS."""
     command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
     command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
-    env = {key: value for key, value in os.environ.items() if key not in UNSET}
-    env |= {"PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
-    return ChildProcess(command, log_path=log, env={**env, **(extra_env or {})}, cwd=run_dir, memory_poll_s=poll_s)
-
-
-def launch(run_dir: Path, data: Path, *, stop_when: str, log: Path, timeout_s: float = 600.0, **start) -> dict:
-    """:func:`start_train` until ``stop_when`` is logged, then SIGTERM (the step in flight is saved: exit 75).
-    Returns the marks (seconds after launch), the exit code and the process tree's peak PSS in MB."""
-    process = start_train(run_dir, data, log=log, **start)
+    env = {key: value for key, value in os.environ.items() if key not in UNSET} | (env or {})
+    env |= {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    process = ChildProcess(command, log_path=log, env=env, cwd=run_dir, memory_poll_s=0.25)
     with contextlib.suppress(RuntimeError):  # it ended first: its exit code tells
         process.wait_for(stop_when, timeout_s)
         process.process.send_signal(signal.SIGTERM)
     status = process.wait(timeout_s)
     if status not in (0, exit_code(Outcome.STOPPED)):
         raise RuntimeError(f"train stage exited {status} in {run_dir}; log {log}:\n{process.tail(15)}")
-    marks = {name: round(at - process.started, 3) for name, at in log_marks(process.log()).items()}
-    return {"marks": marks, "exit_code": status, "peak_tree_pss_mb": rounded(process.peak_pss / 2**20)}
+    marks = {name: at - process.started for name, at in log_marks(process.log()).items()}
+    return {"marks": marks, "exit_code": status, "peak_tree_pss_mb": process.peak_pss / 2**20}
 
 
 def metric_points(db: Path, key: str) -> dict[int, tuple[float, float]]:
@@ -121,65 +114,61 @@ def throughput(run_dir: Path) -> dict:
 
     def rate(window: list[int]) -> float:
         audio = sum(rates[s][1] * (rates[s][0] - rates[p][0]) for p, s in zip(window, window[1:], strict=False))
-        return rounded(audio / (rates[window[-1]][0] - rates[window[0]][0]))
+        return audio / (rates[window[-1]][0] - rates[window[0]][0])
 
-    return {
-        "audio_s_per_s": rate(steps),
-        "audio_s_per_s_second_half": rate(steps[len(steps) // 2 :]),
-        "data_wait_fraction_median": rounded(statistics.median(waits)),
-        "steps": len(steps),
-    }
+    found = {"audio_s_per_s": rate(steps), "audio_s_per_s_second_half": rate(steps[len(steps) // 2 :])}
+    return found | {"data_wait_fraction_median": statistics.median(waits), "steps": len(steps)}
 
 
 def _median_marks(results: list[dict]) -> dict[str, float | None]:
     names = sorted({name for result in results for name in result["marks"]}, key=list(MARKERS).index)
     values = {name: [r["marks"][name] for r in results if name in r["marks"]] for name in names}
-    return {name: rounded(statistics.median(v)) if len(v) == len(results) else None for name, v in values.items()}
+    return {name: statistics.median(v) if len(v) == len(results) else None for name, v in values.items()}
 
 
-def measure_startup(work: Path, repeat: int, code: Path = REPO) -> list[dict]:
-    """The three start-up cases on yesno with the train stage of checkout ``code``, interleaved, ``repeat`` each."""
-    data, root = yesno_data(work), work / ("startup-runs" if code == REPO else f"startup-runs-{code.name}")
+def measure_startup(work: Path, repeat: int) -> list[dict]:
+    """The three start-up cases on yesno, interleaved, ``repeat`` each."""
+    data, root = yesno_data(work), work / "startup-runs"
     shutil.rmtree(root, ignore_errors=True)
     results: dict[str, list[dict]] = {"fresh_new_db": [], "fresh_existing_db": [], "resumed": []}
     for round_ in range(repeat):
         run_dir = root / f"round{round_}"
         run_dir.mkdir(parents=True)
-        write_params(run_dir, {"epochs": 100}, code)
+        write_params(run_dir, {"epochs": 100}, data)
         for case in ("fresh_new_db", "resumed", "fresh_existing_db"):
             if case == "fresh_existing_db":
                 shutil.rmtree(run_dir / "exp")
             stop = "[asrflow.progress] step "  # the progress line after this process's first step
-            results[case].append(launch(run_dir, data, stop_when=stop, log=run_dir / f"{case}.log", code=code))
+            results[case].append(launch(run_dir, data, stop_when=stop, log=run_dir / f"{case}.log"))
     records = []
     for case, runs in results.items():
         first_step = [r["marks"].get("first_step") for r in runs]
         median = statistics.median(first_step) if all(first_step) else None
-        record = {"benchmark": "startup", "case": case, "corpus": "yesno", "code": str(code)}
-        record |= {"launch_to_first_step_s": median and rounded(median), "runs_s": first_step}
-        record |= {"breakdown_median_s": _median_marks(runs), "goal": "launch to the end of step 1 <= 5 s (median)"}
-        record |= {"peak_tree_pss_mb": rounded(statistics.median(r["peak_tree_pss_mb"] for r in runs))}
-        records.append(
-            emit({**record, "meets_goal": bool(median and median <= GOAL_S), "load_average": load_average()})
-        )
+        record = {"benchmark": "startup", "case": case, "corpus": "yesno", "launch_to_first_step_s": median}
+        record |= {"runs_s": first_step, "breakdown_median_s": _median_marks(runs)}
+        record |= {
+            "goal": "launch to the end of step 1 <= 5 s (median)",
+            "meets_goal": bool(median and median <= GOAL_S),
+        }
+        record |= {"peak_tree_pss_mb": statistics.median(r["peak_tree_pss_mb"] for r in runs)}
+        records.append(emit({**record, "load_average": load_average()}))
     return records
 
 
-def measure_workers(work: Path, *, quick: bool, corpora: list[str], settings: list | None, train: dict) -> list[dict]:
-    """``settings`` (num_workers, num_threads) one launch each per corpus; ``train``: more ``train:`` overrides."""
+def measure_workers(work: Path, *, quick: bool, settings: list | None) -> list[dict]:
+    """``settings`` (num_workers, num_threads) one launch each per corpus."""
     mode, records = "quick" if quick else "full", []
-    for corpus in corpora:
+    for corpus in ("yesno",) if quick else ("generated", "yesno"):
         data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
         for workers, threads in settings or SETTINGS[mode]:
-            suffix = "".join(f"-{key}{value}" for key, value in train.items())
-            run_dir = work / "startup-workers" / f"{corpus}-w{workers}-t{threads}{suffix}"
+            run_dir = work / "startup-workers" / f"{corpus}-w{workers}-t{threads}"
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            write_params(run_dir, {"epochs": 100, **train, "num_workers": workers, "num_threads": threads}, data=data)
+            write_params(run_dir, {"epochs": 100, "num_workers": workers, "num_threads": threads}, data)
             result = launch(run_dir, data, stop_when=STEP_LINE.format(STEPS[mode]), log=run_dir / "train.log")
             name = f"generated-{GENERATED[mode]}" if corpus == "generated" else corpus
             record = {"benchmark": "startup_workers", "corpus": name, "num_workers": workers, "num_threads": threads}
-            record |= {**train, "launch_to_first_step_s": result["marks"].get("first_step"), **throughput(run_dir)}
+            record |= {"launch_to_first_step_s": result["marks"].get("first_step"), **throughput(run_dir)}
             record["peak_tree_pss_mb"] = pss = result["peak_tree_pss_mb"]
             if corpus == "generated":
                 record |= {"goal": "peak PSS <= 2000 MB", "meets_goal": pss <= GOAL_PSS_MB}
@@ -187,27 +176,120 @@ def measure_workers(work: Path, *, quick: bool, corpora: list[str], settings: li
     return records
 
 
+def grow_corpus(source: Path, target: Path, count: int) -> Path:
+    """``source`` (``fbank/``, ``lang/``) with its train manifest repeated to ``count`` cuts."""
+    import orjson
+
+    from asrflow.data.manifests import cuts_path
+
+    if (target / "done").is_file():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    (target / "fbank").mkdir(parents=True)
+    shutil.copytree(source / "lang", target / "lang")
+    for name in os.listdir(source / "fbank"):
+        if not name.startswith("train_cuts"):
+            (target / "fbank" / name).symlink_to(source / "fbank" / name)
+    with gzip.open(cuts_path(source / "fbank", "train"), "rb") as handle:
+        entries = [orjson.loads(line) for line in handle if line.strip()]
+    with gzip.open(cuts_path(target / "fbank", "train"), "wb", compresslevel=1) as out:
+        for i in range(count):
+            entry = dict(entries[i % len(entries)])
+            entry["id"] = f"{i:07d}-{entry['id']}"
+            entry["supervisions"] = [{**s, "id": entry["id"]} for s in entry["supervisions"]]
+            out.write(orjson.dumps(entry) + b"\n")
+    (target / "done").touch()
+    return target
+
+
+def step_times(db: Path) -> dict:
+    """Median step wall time and median checkpoint excess, from the ``train/loss`` points in ``db``."""
+    stamps = {step: at for step, (at, _) in metric_points(db, "train/loss").items()}
+    steps = sorted(stamps)
+    gaps = {s: stamps[s] - stamps[p] for p, s in zip(steps, steps[1:], strict=False) if s == p + 1 and p > 1}
+    after = [gap for s, gap in gaps.items() if (s - 1) % CHECKPOINT_EVERY == 0]
+    plain = [gap for s, gap in gaps.items() if (s - 1) % CHECKPOINT_EVERY != 0]
+    if not plain:
+        return {"step_s": None, "checkpoint_s": None}
+    step = statistics.median(plain)
+    excess = statistics.median(after) - step if after else None
+    return {"step_s": step, "checkpoint_s": excess, "steps_timed": len(gaps)}
+
+
+def launch_until(run_dir: Path, data: Path, steps: int, *, tmp: Path, name: str) -> dict:
+    """The train stage on ``data`` until step ``steps`` (``TMPDIR`` = ``tmp``): marks, peak PSS, step costs."""
+    shutil.rmtree(run_dir / "exp", ignore_errors=True)
+    (run_dir / "mlflow.db").unlink(missing_ok=True)
+    stop_when, tmpdir = STEP_LINE.format(steps), {"TMPDIR": str(tmp)}
+    result = launch(run_dir, data, stop_when=stop_when, log=run_dir / "train.log", timeout_s=1800, env=tmpdir)
+    db = run_dir / f"mlflow-{name}.db"  # a copy under its own name: MLflow keeps one engine per store URI
+    shutil.copy(run_dir / "mlflow.db", db)
+    return {"first_step_s": result["marks"].get("first_step"), **result, **step_times(db)}
+
+
+def in_process_costs(data: Path, tmp: Path) -> dict:
+    """Plan size and a checkpoint's plan-position state cost over the data's shared index."""
+    from asrflow.data.batches import TrainingBatches
+    from asrflow.data.index import shared_index
+    from asrflow.data.manifests import cuts_path
+    from asrflow.training.run_state import PlanPosition
+
+    index = shared_index(cuts_path(data / "fbank", "train"), tmp)
+    shape = {"max_duration_s": 60.0, "num_buckets": 30, "accum_grad": 1, "world_size": 1, "rank": 0}
+    batches = TrainingBatches(index, seed=42, start_epoch=0, start_step=0, num_epochs=1, **shape)
+    start = time.perf_counter()
+    plan = batches.plan(0)
+    plan_s, position = time.perf_counter() - start, PlanPosition(batches, 1)
+    start = time.perf_counter()
+    position.state_dict()
+    first, start = time.perf_counter() - start, time.perf_counter()
+    for _ in range(100):
+        position.state_dict()
+    later = (time.perf_counter() - start) / 100
+    plan_bytes = int(plan.positions.nbytes + plan.bounds.nbytes)
+    return {"plan_s": plan_s, "plan_bytes": plan_bytes, "position_state_first_s": first, "position_state_s": later}
+
+
+def measure_scale(work: Path, counts: list[int], steps: int) -> list[dict]:
+    """The ``scale`` part: one ``trainer_scale`` record per corpus size in ``counts``."""
+    records, source = [], generated_data(work, 200, dev_utterances=40)
+    train = {"epochs": 1, "max_duration_s": 60.0, "num_workers": 0, "checkpoint_every_steps": CHECKPOINT_EVERY}
+    for count in counts:
+        data = grow_corpus(source, work / f"grown-{count}", count)
+        tmp, run_dir = work / f"tmp-{count}", work / f"run-{count}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        run_dir.mkdir(exist_ok=True)
+        write_params(run_dir, {**train, "validate_every_steps": 100_000}, data)
+        load_before = load_average()
+        launches = {name: launch_until(run_dir, data, steps, tmp=tmp, name=name) for name in ("first", "again")}
+        store_mb = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) / 2**20
+        record = {"benchmark": "trainer_scale", "cuts": count, "launches": launches, "temp_folder_mb": store_mb}
+        record |= {"temp_folder_entries": sorted(p.name for p in tmp.iterdir())}
+        record |= {**in_process_costs(data, tmp), "load_before": load_before, "load_after": load_average()}
+        records.append(emit(record))
+    return records
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
-        add("--repeat", type=int, help="launches per start-up case (default 3; quick 1)")
-        add("--parts", default="startup,workers", help="startup, workers or both (default: both)")
+        add("--parts", default="startup,workers", help="startup, workers, scale (default: startup,workers)")
+        add("--repeat", type=int, help="startup: launches per case (default 3; quick 1)")
         add("--settings", help="workers: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2)")
-        add("--max-duration-s", type=float, help="workers: train.data.max_duration_s (default: params.yaml)")
-        add("--code", type=Path, action="append", default=[], help="also time another checkout's start-up cases")
-        add("--corpora", help="corpora of the workers part (default: generated,yesno; quick: yesno)")
+        add("--cuts", type=int, action="append", help="scale: corpus sizes (default: 10^5 and 10^6)")
+        add("--steps", type=int, default=20, help="scale: steps per launch, a multiple of 10 (the step log)")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
-    parts, records = args.parts.split(","), []
+    parts, records, mode = args.parts.split(","), [], "quick" if args.quick else "full"
     with workdir(args.workdir) as work:
         if "startup" in parts:
-            for code in [REPO, *(path.resolve() for path in args.code)]:
-                records += measure_startup(work, args.repeat or (1 if args.quick else 3), code)
+            records += measure_startup(work, args.repeat or (1 if args.quick else 3))
         if "workers" in parts:
-            corpora = (args.corpora or ("yesno" if args.quick else "generated,yesno")).split(",")
             settings = [tuple(int(x) for x in pair.split("/")) for pair in (args.settings or "").split(",") if pair]
-            train = {} if args.max_duration_s is None else {"max_duration_s": args.max_duration_s}
-            records += measure_workers(work, quick=args.quick, corpora=corpora, settings=settings, train=train)
+            records += measure_workers(work, quick=args.quick, settings=settings)
+        if "scale" in parts:
+            records += measure_scale(work, args.cuts or CUTS[mode], 10 if args.quick else args.steps)
     return records
 
 
