@@ -147,6 +147,25 @@ def train_config(params: dict, *, quick: bool, **changes):
     return replace(train, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}), **changes)
 
 
+def run_trainer(data: Path, exp: Path, config, features, *, params: dict, seed: int = 0, after_step=None, uri=None):
+    """The Trainer as the train stage runs it on ``data`` (``fbank/``, ``lang/``) into ``exp``, MLflow store ``uri``
+    (default: ``exp/mlflow.db``); ``after_step(result)`` after each step, which stops it when true. Returns it."""
+    from asrflow.training.config import TrainPaths
+    from asrflow.training.observers import TrainObserver
+    from asrflow.training.trainer import Trainer
+
+    class AfterStep(TrainObserver):
+        def after_step(self, run, result):
+            if after_step is not None and after_step(result):
+                run.stop.request()  # the next step is the last one, then a checkpoint (as on SIGTERM)
+
+    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
+    where = {"paths": paths, "tracking_uri": uri or f"sqlite:///{exp / 'mlflow.db'}", "observers": [AfterStep()]}
+    trainer = Trainer(config, features, seed=seed, all_params=params, **where)
+    trainer.run()  # returns when finished or stopped
+    return trainer
+
+
 def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None = None, **info) -> Path:
     """A model bundle at ``path`` of ``params``' model over ``data`` (``fbank/``, ``lang/``) with ``model_state``
     (None: initial weights, seed 0) and ``info``."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from asrflow.testing.corpora import data_features, yesno_data
 from asrflow.testing.repo import REPO, repo_params
-from bench.common import emit, parse_args, ratio, workdir, write_bundle
+from bench.common import emit, parse_args, ratio, run_trainer, workdir, write_bundle
 
 REPEATS = {"full": 3, "quick": 1}
 #: Epochs of the fallback model (when exp/model.pt is missing), full mode.
@@ -27,8 +27,7 @@ def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
     (``quick``) or trained here on yesno for :data:`FALLBACK_EPOCHS` epochs."""
     from asrflow.errors import AsrflowError
     from asrflow.serving.bundle import load_bundle
-    from asrflow.training.config import TrainPaths, load_train_config
-    from asrflow.training.trainer import Trainer
+    from asrflow.training.config import load_train_config
 
     try:
         load_bundle(REPO / "exp" / "model.pt")
@@ -39,13 +38,10 @@ def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
     if quick:
         return write_bundle(work / "decode-model-untrained.pt", data, params), "untrained (no exp/model.pt)"
     changes = {"epochs": FALLBACK_EPOCHS, "num_workers": 0, "warmup_steps": 5, "average_last": 1}
-    exp = work / "decode-exp"
-    shutil.rmtree(exp, ignore_errors=True)
-    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    where = {"all_params": params, "paths": paths, "tracking_uri": f"sqlite:///{work / 'bench-mlflow.db'}"}
-    train = replace(load_train_config(params), **changes)
-    Trainer(train, data_features(data), seed=int(params.get("seed", 0)), **where).run()
-    return paths.model_path, f"trained here: {FALLBACK_EPOCHS} epochs on yesno (no exp/model.pt)"
+    shutil.rmtree(work / "decode-exp", ignore_errors=True)
+    train, seed = replace(load_train_config(params), **changes), int(params.get("seed", 0))
+    trainer = run_trainer(data, work / "decode-exp", train, data_features(data), params=params, seed=seed)
+    return trainer.paths.model_path, f"trained here: {FALLBACK_EPOCHS} epochs on yesno (no exp/model.pt)"
 
 
 def encoder_seconds(bundle, cuts, max_batch_duration_s: float) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from asrflow.testing.corpora import data_features, generated_data
 from asrflow.testing.repo import REPO
-from bench.common import emit, machine, parse_args, train_config, workdir
+from bench.common import emit, machine, parse_args, run_trainer, train_config, workdir
 from bench.train_throughput import PlannedBatches, build, model_flops
 
 
@@ -41,22 +41,15 @@ def on_device(batch: dict) -> dict:
 def trainer_run(data: Path, exp: Path, config, features, *, seconds: float, max_steps: int) -> list:
     """The Trainer as the train stage runs it, stopped after ``seconds`` or ``max_steps``; its StepResults."""
     from asrflow.params import load_params
-    from asrflow.training.config import TrainPaths
-    from asrflow.training.observers import TrainObserver
-    from asrflow.training.trainer import Trainer
 
     results = []
 
-    class Stopper(TrainObserver):
-        def after_step(self, run, result):
-            results.append(result)
-            if len(results) >= max_steps - 1 or sum(r.elapsed_s for r in results[1:]) > seconds:
-                run.stop.request()
+    def stop(result) -> bool:
+        results.append(result)
+        return len(results) >= max_steps - 1 or sum(r.elapsed_s for r in results[1:]) > seconds
 
-    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
     params = load_params(REPO / "presets" / "real-corpus.yaml")
-    Trainer(config, features, seed=0, all_params=params, paths=paths, tracking_uri=f"sqlite:///{exp / 'mlflow.db'}",
-            observers=[Stopper()]).run()  # fmt: skip
+    run_trainer(data, exp, config, features, params=params, after_step=stop)
     return results
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from asrflow.testing.corpora import data_features, generated_data, yesno_data
 from asrflow.testing.repo import REPO, repo_params
-from bench.common import emit, machine, matmul_flops, parse_args, ratio, train_config, workdir
+from bench.common import emit, machine, matmul_flops, parse_args, ratio, run_trainer, train_config, workdir
 
 #: Utterances of the generated corpus, per mode (the yesno corpus is fixed).
 GENERATED = {"full": 2000, "quick": 200}
@@ -95,50 +95,29 @@ def model_flops(model, batch: dict) -> float:
     return float(counter.get_total_flops())
 
 
-def run_paired(data: Path, exp: Path, *, tracking_uri, params, config, features, seed, max_steps, budget_s, one_thread):
+def run_paired(data: Path, exp: Path, *, tracking_uri, params, config, features, seed, max_steps, budget_s):
     """The Trainer, with a bare step after each of its steps; per-step records, and FLOPs/audio s."""
-    import torch
-
-    from asrflow.training.config import TrainPaths
-    from asrflow.training.observers import TrainObserver
-    from asrflow.training.trainer import Trainer
-
     planned = PlannedBatches(data, config, features, seed)
     bare_model, bare_optimizer = build(config, features, seed, planned.tokenizer.vocab_size)
-    single = build(config, features, seed, planned.tokenizer.vocab_size) if one_thread else None
     first = planned.next_step()
     flops_per_audio_s = model_flops(bare_model, first[0]) / float(first[0]["durations"].sum())
-    pending = [first]
-    records: list[dict] = []
-    started = []
+    pending, records, started = [first], [], []
 
-    class PairedSteps(TrainObserver):
-        """After each of the Trainer's steps, a bare step on the same batches."""
+    def paired(result) -> bool:
+        """A bare step on the batches of the Trainer's step ``result``; whether to stop."""
+        now = time.perf_counter()
+        batches = pending.pop() if pending else planned.next_step()
+        ids = [cut_id for batch in batches for cut_id in batch["cut_ids"]]
+        bare_s = bare_step(bare_model, bare_optimizer, batches)
+        if not started:
+            started.append(time.perf_counter())
+        record = {"t": now, "audio_s": result.audio_seconds, "waited": result.data_wait_s, "bare_s": bare_s}
+        record |= {"elapsed": result.elapsed_s, "padding": result.padding_ratio}
+        records.append({**record, "same_batch": ids == list(result.cut_ids), "hook_s": time.perf_counter() - now})
+        steps, spent = result.step, time.perf_counter() - started[0]
+        return steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s)
 
-        def after_step(self, run, result):
-            now = time.perf_counter()
-            batches = pending.pop() if pending else planned.next_step()
-            ids = [cut_id for batch in batches for cut_id in batch["cut_ids"]]
-            bare_s = bare_step(bare_model, bare_optimizer, batches)
-            single_s = 0.0
-            if single is not None:
-                torch.set_num_threads(1)
-                single_s = bare_step(*single, batches)
-                torch.set_num_threads(config.num_threads)
-            if not started:
-                started.append(time.perf_counter())
-            record = {"t": now, "audio_s": result.audio_seconds, "waited": result.data_wait_s, "bare_s": bare_s}
-            record |= {"elapsed": result.elapsed_s, "padding": result.padding_ratio, "single_s": single_s}
-            records.append({**record, "same_batch": ids == list(result.cut_ids), "hook_s": time.perf_counter() - now})
-            steps = result.step
-            spent = time.perf_counter() - started[0]
-            if steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s):
-                run.stop.request()  # the next step is the last one, then a checkpoint (as on SIGTERM)
-
-    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    where = {"paths": paths, "tracking_uri": tracking_uri, "observers": [PairedSteps()]}
-    Trainer(config, features, seed=seed, all_params=params, **where).run()  # returns when finished or stopped
-    torch.set_num_threads(config.num_threads)
+    run_trainer(data, exp, config, features, params=params, seed=seed, after_step=paired, uri=tracking_uri)
     return records, flops_per_audio_s
 
 
@@ -152,10 +131,10 @@ def measure(corpus: str, data: Path, *, work: Path, quick: bool, max_steps, budg
     exp = work / f"train-throughput-{corpus}"
     shutil.rmtree(exp, ignore_errors=True)
     run = {"tracking_uri": f"sqlite:///{work / 'bench-mlflow.db'}", "params": params, "config": config}
-    run |= {"features": data_features(data), "seed": int(params.get("seed", 0)), "one_thread": not quick}
+    run |= {"features": data_features(data), "seed": int(params.get("seed", 0))}
     records, flops = run_paired(data, exp, max_steps=max_steps, budget_s=budget_s, **run)
     timed = records[1:]
-    total = {key: sum(r[key] for r in timed) for key in ("audio_s", "bare_s", "single_s", "elapsed", "waited")}
+    total = {key: sum(r[key] for r in timed) for key in ("audio_s", "bare_s", "elapsed", "waited")}
     audio = total["audio_s"]
     # the loop's wall time less this benchmark's own work after each step (the bare batch and steps)
     loop_rate = audio / (records[-1]["t"] - records[0]["t"] - sum(r["hook_s"] for r in records[:-1]))
@@ -183,9 +162,6 @@ def measure(corpus: str, data: Path, *, work: Path, quick: bool, max_steps, budg
         "mfu_bare": ratio(flops * bare_rate, peak),
         "loop_padding_ratio": sum(r["padding"] * r["audio_s"] for r in timed) / max(audio, 1e-9),
     }
-    if not quick:
-        loop |= {"bare_1_thread_audio_s_per_s": audio / total["single_s"]}
-        loop |= {"bare_1_thread_speedup": ratio(total["bare_s"], total["single_s"])}
     waits = {"benchmark": "data_wait", **common, "data_wait_fraction": wait, "baseline": 0.0}
     waits |= {"per_step_max": max(r["waited"] / r["elapsed"] for r in timed), "first_step_wait_s": records[0]["waited"]}
     waits |= {"goal": "data_wait_fraction <= 0.02", "meets_goal": wait <= 0.02, "num_workers": config.num_workers}

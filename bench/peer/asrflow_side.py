@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from bench.common import run_trainer
 from bench.peer.side import report, run_as_child
 
 
@@ -13,28 +14,19 @@ def train(options: dict, launched: float) -> dict:
 
     from asrflow.data.features import FeatureConfig
     from asrflow.params import load_params
-    from asrflow.training.config import TrainConfig, TrainPaths
+    from asrflow.training.config import TrainConfig
     from asrflow.training.distributed import DistInfo
-    from asrflow.training.observers import TrainObserver
     from asrflow.training.step import ctc_loss_sum
-    from asrflow.training.trainer import Trainer
 
-    config = TrainConfig(**options["config"])
-    data, exp = Path(options["data"]), Path(options["exp"])
-    steps: list[dict] = []
-    max_steps = options["max_steps"]
+    config, features = TrainConfig(**options["config"]), FeatureConfig(**options["features"])
+    data, exp, max_steps, steps = Path(options["data"]), Path(options["exp"]), options["max_steps"], []
 
-    class Timing(TrainObserver):
-        def after_step(self, run, result):
-            steps.append({"t": time.time(), "audio_s": result.audio_seconds})
-            if max_steps is not None and len(steps) >= max_steps - 1:
-                run.stop.request()
+    def timing(result) -> bool:
+        steps.append({"t": time.time(), "audio_s": result.audio_seconds})
+        return max_steps is not None and len(steps) >= max_steps - 1
 
-    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    where = {"paths": paths, "tracking_uri": f"sqlite:///{exp / 'mlflow.db'}", "observers": [Timing()]}
-    params, features = load_params(options["params_file"]), FeatureConfig(**options["features"])
-    trainer = Trainer(config, features, seed=options["seed"], all_params=params, **where)
-    trainer.run()  # returns when finished or stopped
+    params = load_params(options["params_file"])
+    trainer = run_trainer(data, exp, config, features, params=params, seed=options["seed"], after_step=timing)
     model = trainer.model
     loss = None
     if options["dev"]:
