@@ -21,7 +21,7 @@ from pathlib import Path
 
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import copy_repo, tool_env
-from bench.common import emit, load_average, machine, parse_args, ratio, rounded, workdir
+from bench.common import emit, load_average, machine, parse_args, ratio, workdir
 
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
 RULE_STARTED = re.compile(r"^(?:local)?rule (\w+):$", re.MULTILINE)
@@ -201,28 +201,16 @@ def measure(root: Path, kills: int, seed: int) -> dict:
     killed_copy = fresh_copy(root / "killed" / "repo")
     clean_s, durations = clean_run(clean_copy)
     record = killed_run(killed_copy, plan_kills(kills, durations, seed))
-    made = record.made
-    killed_total = sum(record.run_seconds)
-    return {
-        "benchmark": "random_kill",
-        "status": kill_status(record),
-        "seed": seed,
-        "kills_planned": kills,
-        "kills_made": len(made),
-        "stages_hit": sorted({name for kill in made for name in kill.landed_in.split(",") if name in STAGES}),
-        "kills": [asdict(kill) for kill in record.kills],
-        "clean_s": rounded(clean_s),
-        "stage_s": {stage: rounded(seconds) for stage, seconds in durations.items()},
-        "killed_total_s": rounded(killed_total),
-        "runs": len(record.run_seconds),
-        "ratio": rounded(ratio(killed_total, clean_s)),
-        "lost_per_kill_s": rounded((killed_total - clean_s) / len(made)) if made else None,
-        "tensors_different": different_tensors(killed_copy, clean_copy),
-        "tensors": len(model_tensors(clean_copy)),
-        "evaluation_equal": evaluation(killed_copy) == evaluation(clean_copy),
-        "wer": evaluation(clean_copy)["wer"],
-        "load_average": load_average(),
-    }
+    made, killed_total, ended = record.made, sum(record.run_seconds), evaluation(clean_copy)
+    found = {"benchmark": "random_kill", "status": kill_status(record), "seed": seed, "kills_planned": kills}
+    found |= {"kills_made": len(made), "kills": [asdict(kill) for kill in record.kills]}
+    found["stages_hit"] = sorted({name for kill in made for name in kill.landed_in.split(",") if name in STAGES})
+    found |= {"clean_s": clean_s, "stage_s": durations, "killed_total_s": killed_total, "runs": len(record.run_seconds)}
+    lost = (killed_total - clean_s) / len(made) if made else None
+    found |= {"ratio": ratio(killed_total, clean_s), "lost_per_kill_s": lost}
+    found |= {"tensors_different": different_tensors(killed_copy, clean_copy)}
+    found |= {"tensors": len(model_tensors(clean_copy)), "evaluation_equal": evaluation(killed_copy) == ended}
+    return found | {"wer": ended["wer"], "load_average": load_average()}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
