@@ -9,7 +9,6 @@ to the first step per position, their spread, and ``replay_estimate_s`` (what re
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import shutil
 import statistics
@@ -40,17 +39,8 @@ def build_corpus(root: Path, replicas: int) -> Path:
     return root
 
 
-def batches_per_epoch(data: Path, max_duration_s: float, num_buckets: int) -> int:
-    from asrflow.data.batches import plan_epoch
-    from asrflow.data.manifests import load_cuts
-
-    cuts = load_cuts(data / "fbank", "train").to_eager()
-    return len(plan_epoch(cuts, 0, seed=42, max_duration_s=max_duration_s, num_buckets=num_buckets))
-
-
-def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count: int = 30) -> float:
-    """CPU seconds to build one training batch (features, CMVN, SpecAugment, targets) in one process."""
-
+def batch_costs(data: Path, max_duration_s: float, num_buckets: int, count: int = 30) -> tuple[int, float]:
+    """Batches in an epoch, and the CPU seconds to build one (features, CMVN, SpecAugment, targets) in one process."""
     from asrflow.data.features import FeatureConfig
     from asrflow.training.config import TrainConfig
     from asrflow.training.train_data import TrainData
@@ -58,13 +48,12 @@ def batch_cpu_seconds(data: Path, max_duration_s: float, num_buckets: int, count
     with torch_threads(1):
         config = TrainConfig(max_duration_s=max_duration_s, num_buckets=num_buckets, epochs=1)
         train_data = TrainData.build(config, FeatureConfig(), seed=42, fbank_dir=data / "fbank", lang_dir=data / "lang")
-        dataset, items = train_data.dataset, iter(train_data.batches)
-        dataset[next(items)]  # warm-up
-        batch = list(itertools.islice(items, count))
+        items = list(train_data.batches)
+        train_data.dataset[items[0]]  # warm-up
         began = time.process_time()
-        for item in batch:
-            dataset[item]
-        return (time.process_time() - began) / len(batch)
+        for item in items[1 : count + 1]:
+            train_data.dataset[item]
+        return len(items), (time.process_time() - began) / len(items[1 : count + 1])
 
 
 #: Log marks of a resume (:func:`bench.startup.log_marks`).
@@ -137,8 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         data = build_corpus(workdir / "data", replicas)
         base = {"epochs": 1, "num_workers": workers, "validate_every_steps": 0, "keep_last": 100, "average_last": 1}
         config = tiny_train_config(**base)
-        steps = batches_per_epoch(data, config.max_duration_s, config.num_buckets)
-        batch_cpu_s = batch_cpu_seconds(data, config.max_duration_s, config.num_buckets)
+        steps, batch_cpu_s = batch_costs(data, config.max_duration_s, config.num_buckets)
         every = max(2, round(steps / 10))  # >= 2: step 1 is never a checkpoint step
         positions = {f"{round(f * 100)}%": every * max(1, round(f * steps / every)) for f in POSITIONS}
         overrides = {**base, "checkpoint_every_steps": every}
