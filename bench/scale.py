@@ -61,25 +61,16 @@ def padding(corpus: str, data: Path, params: dict) -> dict:
         sampler.set_epoch(epoch)
         randomly += [[frames[cut.id] for cut in batch] for batch in sampler]
     ours, theirs, durations = planned(num_buckets), padding_of(randomly), sorted(cut.duration for cut in cuts)
-    return {
-        "benchmark": "padding",
-        "corpus": corpus,
-        "utterances": len(cuts),
-        "duration_s_min_median_max": [durations[0], durations[len(durations) // 2], durations[-1]],
-        "max_duration_s": max_duration,
-        "num_buckets": num_buckets,
-        "epochs": PADDING_EPOCHS,
-        "padding_ratio": ours["padding"],
-        "baseline_random_padding_ratio": theirs["padding"],
-        "ratio": ratio(ours["padding"], theirs["padding"]),
-        "batches_planned": ours["batches"],
-        "batches_random": theirs["batches"],
-        "mean_batch_audio_s_planned": ours["mean_frames"] * cuts[0].frame_shift,
-        "mean_batch_audio_s_random": theirs["mean_frames"] * cuts[0].frame_shift,
-        "goal": "padding_ratio <= 0.05",
-        "meets_goal": ours["padding"] <= 0.05,
-        "by_num_buckets": {str(n): planned(n)["padding"] for n in OTHER_NUM_BUCKETS},
-    }
+    frame_s = cuts[0].frame_shift
+    record = {"benchmark": "padding", "corpus": corpus, "utterances": len(cuts)}
+    record["duration_s_min_median_max"] = [durations[0], durations[len(durations) // 2], durations[-1]]
+    record |= {"max_duration_s": max_duration, "num_buckets": num_buckets, "epochs": PADDING_EPOCHS}
+    record |= {"padding_ratio": ours["padding"], "baseline_random_padding_ratio": theirs["padding"]}
+    record |= {"ratio": ratio(ours["padding"], theirs["padding"]), "batches_planned": ours["batches"]}
+    record |= {"batches_random": theirs["batches"], "mean_batch_audio_s_planned": ours["mean_frames"] * frame_s}
+    record |= {"mean_batch_audio_s_random": theirs["mean_frames"] * frame_s, "goal": "padding_ratio <= 0.05"}
+    record |= {"meets_goal": ours["padding"] <= 0.05}
+    return record | {"by_num_buckets": {str(n): planned(n)["padding"] for n in OTHER_NUM_BUCKETS}}
 
 
 def write_manifest(path: Path, count: int, seed: int = 0) -> None:
@@ -185,31 +176,20 @@ def measure(work: Path, count: int, mode: str) -> dict:
     plan_figure, plan_baseline = plan_s * per_million, lhotse_s * 1_000_000 / lhotse_count
     worker_figure = (worker_index - worker_empty) * per_million
     worker_baseline = (worker_dict - worker_empty) * 1_000_000 / lhotse_count
-    return {
-        "benchmark": "scale",
-        "mode": mode,
-        "cuts": count,
-        "generate_s": generate_s,
-        "index_build_s": build_s,
-        "index_bytes": index.nbytes(),
-        "plan_s": plan_s,
-        "plan_s_per_million": plan_figure,
-        "baseline": f"lhotse DynamicBucketingSampler over {lhotse_count} eager cuts, per million",
-        "baseline_plan_s_per_million": plan_baseline,
-        "ratio": ratio(plan_figure, plan_baseline),
-        "plan_goal_s_per_million": 5.0,
-        "worker_rss_empty_mb": worker_empty,
-        "worker_rss_index_mb": worker_index,
-        "worker_rss_growth_mb_per_million": worker_figure,
-        "worker_goal_mb_per_million": 200,
-        "worker_baseline_eager_dict_growth_mb_per_million": worker_baseline,
-        "worker_ratio": ratio(worker_figure, worker_baseline),
-        "trainer_rss_start_mb": rss_start,
+    record = {"benchmark": "scale", "mode": mode, "cuts": count, "generate_s": generate_s, "index_build_s": build_s}
+    record |= {"index_bytes": index.nbytes(), "plan_s": plan_s, "plan_s_per_million": plan_figure}
+    record |= {"baseline": f"lhotse DynamicBucketingSampler over {lhotse_count} eager cuts, per million"}
+    record |= {"baseline_plan_s_per_million": plan_baseline, "ratio": ratio(plan_figure, plan_baseline)}
+    record |= {"plan_goal_s_per_million": 5.0, "worker_rss_empty_mb": worker_empty, "worker_rss_index_mb": worker_index}
+    record |= {"worker_rss_growth_mb_per_million": worker_figure, "worker_goal_mb_per_million": 200}
+    record |= {"worker_baseline_eager_dict_growth_mb_per_million": worker_baseline}
+    record |= {"worker_ratio": ratio(worker_figure, worker_baseline), "trainer_rss_start_mb": rss_start}
+    record |= {
         "trainer_rss_mb": trainer_rss,
         "resume_s": resume,
         "resume_90_vs_10": ratio(resume["90%"], resume["10%"]),
-        "batches_per_epoch": len(plan),
     }
+    return record | {"batches_per_epoch": len(plan)}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
