@@ -6,18 +6,16 @@ Prints each benchmark's records as it runs and a ``summary`` (every goal, whethe
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import logging
-import sys
 import time
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
 from asrflow.testing.repo import REPO
-from bench.common import emit, load_average, machine, workdir
+from bench.common import emit, load_average, machine, parse_args, workdir
 
 #: In-process benchmarks, in the order they run: (name, module and its options).
 MODULES = [
@@ -37,8 +35,7 @@ logger = logging.getLogger("bench.run_all")  # its import path (run as __main__)
 
 
 def run_module(name: str, command: str, args: list[str]) -> list[dict]:
-    """Import ``command``'s module and call its ``main`` with its options and ``args``; a failure becomes a
-    ``failed`` record."""
+    """``main`` of ``command``'s module with its options and ``args``; a failure becomes a ``failed`` record."""
     import torch
 
     threads, (module, *options) = torch.get_num_threads(), command.split()
@@ -68,18 +65,13 @@ def summary(records: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes: checks that every benchmark runs")
-    parser.add_argument("--output", type=Path, help=f"results file (default: {DEFAULT_OUTPUT.relative_to(REPO)})")
-    parser.add_argument("--workdir", type=Path, help="shared data folder (default: temporary)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    output = args.output or (None if args.quick else DEFAULT_OUTPUT)
-    mode = "quick" if args.quick else "full"
-    started = datetime.now(UTC)
-    start = time.perf_counter()
+    def configure(parser) -> None:
+        parser.add_argument("--output", type=Path, help=f"results file (default: {DEFAULT_OUTPUT.relative_to(REPO)})")
+
+    args = parse_args(__doc__.splitlines()[0], argv, configure)
+    output, mode = args.output or (None if args.quick else DEFAULT_OUTPUT), "quick" if args.quick else "full"
+    started, start, wall = datetime.now(UTC), time.perf_counter(), {}
     records = [emit({"benchmark": "machine", **machine()})]
-    wall = {}
     with workdir(args.workdir) as work:
         common = ["--workdir", str(work), *(["--quick"] if args.quick else [])]
         for name, module in MODULES:
