@@ -102,19 +102,11 @@ def machine() -> dict:
 
     names = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {
-        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
-        "cpu": names[0].split(":", 1)[1].strip() if names else platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "gpu": gpu,
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "load_average": load_average(),
-    }
+    found = {"date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M")}
+    found |= {"cpu": names[0].split(":", 1)[1].strip() if names else platform.machine(), "cpu_count": os.cpu_count()}
+    found |= {"usable_cores": len(os.sched_getaffinity(0)), "memory_gib": psutil.virtual_memory().total / 2**30}
+    found |= {"gpu": gpu, "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    return found | {"torch_threads": torch.get_num_threads(), "load_average": load_average()}
 
 
 def matmul_flops(size: int = 2048, repeat: int = 5, threads: int | None = None) -> float:
