@@ -42,8 +42,7 @@ def run_side(side: str, options: dict, log: Path) -> dict:
     env = peer_env() if side == "speechbrain" else dict(os.environ)
     env |= {"PYTHONUNBUFFERED": "1", "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_DISABLE_TELEMETRY": "true"}
     launched = time.time()
-    command = [sys.executable, "-m", f"bench.peer.{side}_side", "--report", str(report), "--launched", repr(launched)]
-    command += ["--options", json.dumps(options)]
+    command = [sys.executable, "-m", f"bench.peer.{side}_side", str(report), repr(launched), json.dumps(options)]
     process = ChildProcess(command, log_path=log, env=env, cwd=REPO, memory_poll_s=PSS_POLL_S)
     code = process.wait()
     if code != 0 or not report.is_file():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
 #: Module names (the last part of a module path) of each model part, asrflow's and SpeechBrain's.
@@ -35,22 +35,13 @@ def report(model, forward_backward, first_batch: dict, *, steps: list, launched:
     audio_s = float(first_batch["durations"].sum())
     with FlopCounterMode(display=False) as counter:
         forward_backward()
-    return {
-        "steps": steps,
-        "launched": launched,
-        "dev_loss": dev_loss,
-        "flops_per_audio_s": counter.get_total_flops() / audio_s,
-        "flops_by_part": {k: v / audio_s for k, v in flops_by_part(counter.get_flop_counts()).items()},
-        "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "settings": {**settings, "precision": "fp32"},
-    }
+    found = {"steps": steps, "launched": launched, "dev_loss": dev_loss, "settings": {**settings, "precision": "fp32"}}
+    found["flops_by_part"] = {k: v / audio_s for k, v in flops_by_part(counter.get_flop_counts()).items()}
+    found["params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return found | {"flops_per_audio_s": counter.get_total_flops() / audio_s}
 
 
 def run_as_child(train) -> None:
-    """``--report PATH --launched UNIX_TIME --options JSON``: ``train(options, launched)`` into the report."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--report", type=Path, required=True)
-    parser.add_argument("--launched", type=float, required=True)
-    parser.add_argument("--options", required=True)
-    args = parser.parse_args()
-    args.report.write_text(json.dumps(train(json.loads(args.options), args.launched)))
+    """Arguments ``REPORT LAUNCHED OPTIONS``: ``train(OPTIONS as JSON, LAUNCHED unix time)`` as JSON into REPORT."""
+    report, launched, options = sys.argv[1:4]
+    Path(report).write_text(json.dumps(train(json.loads(options), float(launched))))
