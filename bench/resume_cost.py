@@ -152,29 +152,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     wall, cpu, after = median("first_step_s"), median("main_process_cpu_s"), median("decision_to_first_step_s")
     fresh = median("first_step_s", ["fresh"])["fresh"]
-    result = {
-        "benchmark": "resume_cost",
-        "quick": args.quick,
-        "rounds": rounds,
-        "train_cuts": 27 * replicas,
-        "batches_per_epoch": steps,
-        "num_workers": workers,
-        "checkpoint_step": positions,
+    result = {"benchmark": "resume_cost", "quick": args.quick, "rounds": rounds, "train_cuts": 27 * replicas}
+    result |= {"batches_per_epoch": steps, "num_workers": workers, "checkpoint_step": positions}
+    result |= {
         "resume_first_step_s": wall,
         "spread": _spread(wall.values()),
         "baseline_fresh_start_first_step_s": fresh,
-        "ratio_to_fresh_start": {name: value / fresh for name, value in wall.items()},
+    }
+    result["ratio_to_fresh_start"] = {name: value / fresh for name, value in wall.items()}
+    result |= {
         "main_process_cpu_s": {**cpu, **median("main_process_cpu_s", ["fresh"])},
         "cpu_spread": _spread(cpu.values()),
-        "decision_to_first_step_s": after,
-        "decision_to_first_step_spread": _spread(after.values()),
-        "replay_estimate_s": {name: step * batch_cpu_s for name, step in positions.items()},
-        "runs": runs,
-        "load_average": load_average(),
-        "total_s": time.perf_counter() - began,
-        "note": "wall and trainer-CPU seconds from launch to the end of the first resumed step; "
-        "replay_estimate_s: what replaying the skipped batches would add",
     }
+    result |= {"decision_to_first_step_s": after, "decision_to_first_step_spread": _spread(after.values())}
+    result["replay_estimate_s"] = {name: step * batch_cpu_s for name, step in positions.items()}
+    result |= {"runs": runs, "load_average": load_average(), "total_s": time.perf_counter() - began}
+    result["note"] = (
+        "wall and trainer-CPU seconds from launch to the end of the first resumed step; "
+        "replay_estimate_s: what replaying the skipped batches would add"
+    )
     return [emit(result)]
 
 
