@@ -63,11 +63,8 @@ def build(config, features, seed: int, vocab_size: int):
 
 
 def bare_step(model, optimizer, micro_batches: list[dict], precision=None) -> float:
-    """Forward, CTC loss, backward over the micro-batches, then the optimizer step; wall seconds.
-
-    ``precision``: a :class:`~asrflow.training.precision.PrecisionPolicy` whose autocast the
-    forward pass runs under, as the train loop's does (None: fp32).
-    """
+    """Forward (under ``precision``'s autocast, a PrecisionPolicy, as the loop's; None: fp32), CTC loss, backward
+    over the micro-batches, then the optimizer step; wall seconds."""
     from asrflow.training.step import ctc_loss_sum
 
     start = time.perf_counter()
