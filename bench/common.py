@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -191,8 +192,11 @@ def timed_run(command: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     return elapsed, output
 
 
-#: A no-op run of each tool prints this (Snakemake) or runs no stage (DVC).
-IDLE = {"snakemake": lambda out: "Nothing to be done" in out, "dvc": lambda out: "Running stage" not in out}
+#: A no-op run of each tool prints this (Snakemake) or runs no stage but the always-changed corpus listing (DVC).
+IDLE = {
+    "snakemake": lambda out: "Nothing to be done" in out,
+    "dvc": lambda out: set(re.findall(r"Running stage '([^']+)'", out)) <= {"corpus_listing"},
+}
 
 
 def noop_runs(repo: Path, commands: dict[str, list[str]], repeats: int, *, version: bool = False) -> list[dict]:
