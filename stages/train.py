@@ -4,7 +4,9 @@ Reads the features stage's output (--fbank, data/fbank/), the tokenizer stage's 
 data/lang/) and params.yaml (`seed`, `features:`, `train:`), and with train.finetune.init_from
 a model under pretrained/ or an MLflow model URI (docs/training.md, "Fine-tuning"); writes into --exp (exp/):
 model.pt (a self-contained bundle) and plots/train_loss.csv; keeps checkpoints in
-checkpoints/ across runs, so running again after an interruption resumes. With
+checkpoints/ across runs, so running again after an interruption resumes (in a queued DVC
+experiment, checkpoints/ links to the queuing repository's exp/sweeps/<params digest>/,
+which outlives DVC's temporary workspace: asrflow.training.sweep). With
 run.nproc_per_node > 1 or run.nnodes > 1 it re-launches itself under torchrun; on the
 machines other than the first of a multi-node run, start it with --node-rank; a cluster job
 sets the run's node count and rendezvous with $ASRFLOW_NNODES and $ASRFLOW_RDZV_ENDPOINT.
@@ -42,6 +44,7 @@ from asrflow.training.config import TrainPaths, load_train_config
 from asrflow.training.init_model import check_declared
 from asrflow.training.observers import TrainObserver
 from asrflow.training.outcome import Outcome, TrainingFailure, TrainOutcome, exit_code
+from asrflow.training.sweep import checkpoints_outside_temp_workspace
 from asrflow.training.trainer import Trainer
 
 #: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).
@@ -119,8 +122,11 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
     lang_dir = input_folder(args.lang, "--lang", "tokenizer")
     paths = TrainPaths.under(args.exp, fbank_dir=fbank_dir, lang_dir=lang_dir)
     tune_for_training()  # batches of varying shapes would otherwise fragment glibc's heap
-    trainer = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths, observers=observers)
-    code, _ = run_trainer(trainer)
+    main_process = os.environ.get("RANK", "0") == "0"
+    with checkpoints_outside_temp_workspace(paths.checkpoint_dir, params, main_process=main_process) as folder:
+        paths = replace(paths, checkpoint_dir=folder)
+        trainer = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths, observers=observers)
+        code, _ = run_trainer(trainer)
     if code:
         raise SystemExit(code)
 

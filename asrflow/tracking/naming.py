@@ -70,12 +70,17 @@ def run_name(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = Non
     return named if short else f"{corpus}-{params_digest(params)}"
 
 
+def dvc_experiment_tags() -> dict[str, str]:
+    """Under ``dvc exp run``: the DVC experiment's name as a tag and as the run's name (a run resumed by a
+    re-queued experiment takes the new name, the one ``dvc exp show`` lists); else nothing."""
+    name = os.environ.get("DVC_EXP_NAME")
+    return {DVC_EXP_TAG: name, "mlflow.runName": name} if name else {}
+
+
 def run_tags(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> dict[str, str]:
     """A new run's tags: the pipeline tool, the params digest, the DVC experiment, and as its description
     the params that differ from ``defaults`` (the committed params.yaml)."""
-    tags = {PIPELINE_TAG: pipeline_tool(), PARAMS_DIGEST_TAG: params_digest(params)}
-    if os.environ.get("DVC_EXP_NAME"):
-        tags[DVC_EXP_TAG] = os.environ["DVC_EXP_NAME"]
+    tags = {PIPELINE_TAG: pipeline_tool(), PARAMS_DIGEST_TAG: params_digest(params), **dvc_experiment_tags()}
     if defaults is not None:
         lines = [f"- `{key}`: {old} -> {new}" for key, (old, new) in params_diff(params, defaults).items()]
         heading = "Params that differ from the committed params.yaml:"

@@ -16,7 +16,7 @@ from asrflow.data.index import combined_digest, manifest_facts
 from asrflow.errors import AsrflowError, first_line
 from asrflow.params import committed_params
 from asrflow.tracking.metric_log import MetricLog, Point, now_ms
-from asrflow.tracking.naming import flat_params, param_value, run_name, run_tags
+from asrflow.tracking.naming import dvc_experiment_tags, flat_params, param_value, run_name, run_tags
 from asrflow.tracking.store import check_tracking_uri, default_artifact_location, runs_page
 
 # Before MLflow loads: no git warning, no telemetry, no minutes of retries on a server that is down.
@@ -441,7 +441,7 @@ def start_training_run(
     def open_run(run: MlflowRun) -> None:
         defaults = committed_params(params_path) if run_id is None else None
         options = {"system_metrics": system_metrics, "system_metrics_interval_s": system_metrics_interval_s}
-        tags = run_tags(params, defaults) if run_id is None else None
+        tags = run_tags(params, defaults) if run_id is None else dvc_experiment_tags()
         name = run_name(params, defaults)
         if run._open(experiment, run_id, run_name=name, tracking_uri=tracking_uri, tags=tags, by_key=True, **options):
             run._write_params(flat_params(params))

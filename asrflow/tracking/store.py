@@ -32,12 +32,14 @@ def sqlite_path(tracking_uri: str) -> Path | None:
 
 
 def resolve_tracking_uri(tracking_uri: str) -> str:
-    """A relative ``sqlite:`` URI made absolute (MLflow caches a store per URI string); others unchanged."""
+    """A relative ``sqlite:`` URI made absolute (MLflow caches a store per URI string) against ``$DVC_ROOT``,
+    which DVC sets to the repository's root also in the temporary copy a queued experiment runs in; else
+    against the cwd. Other URIs unchanged."""
     db = sqlite_path(tracking_uri)
     if db is None or db.is_absolute():
         return tracking_uri
     query = tracking_uri.partition("?")[2]
-    return f"{_SQLITE}{db.resolve()}" + (f"?{query}" if query else "")
+    return f"{_SQLITE}{(Path(os.environ.get('DVC_ROOT') or '.') / db).resolve()}" + (f"?{query}" if query else "")
 
 
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
