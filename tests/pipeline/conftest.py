@@ -23,7 +23,14 @@ from .helpers import dvc_init, git_init, output_files, read_metrics, run
 FULL_RUN_TIMEOUT_S = 1800
 
 # Module order within tests/pipeline: the interrupt tests change their copies for good.
-_ORDER = ("test_tools_agree.py", "test_rerun.py", "test_reports.py", "test_experiments.py", "test_interrupt.py")
+_ORDER = (
+    "test_tools_agree.py",
+    "test_rerun.py",
+    "test_reports.py",
+    "test_experiments.py",
+    "test_sweeps.py",
+    "test_interrupt.py",
+)
 
 
 @dataclass(kw_only=True)
