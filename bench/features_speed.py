@@ -2,7 +2,7 @@
 
 ``python -m bench.features_speed [--quick] [--workdir DIR]``: ``compute_features`` on generated manifests at one
 thread per process with ``num_jobs`` 1, one per core and 0. Record ``features_speed``: ``audio_s_per_s``,
-``speedup`` (all cores / one), and the same audio at 8, 16 and 44.1 kHz (``input_rates``, ``seconds_vs_16k``).
+``speedup`` (all cores / one). (The same audio at 8, 16 and 44.1 kHz, ``input_rates``, is at commit a7dff9b.)
 """
 
 from __future__ import annotations
@@ -21,52 +21,6 @@ from bench.common import emit, parse_args, ratio, workdir
 UTTERANCES = {"full": 240, "quick": 15}
 #: Times the train split's cuts are listed (new ids, same audio): more audio, no generation cost.
 TRAIN_REPEATS = {"full": 4, "quick": 1}
-#: Input sampling rates compared (Hz); the features are at params.yaml's rate (16 kHz).
-INPUT_RATES = (16000, 8000, 44100)
-
-
-def corpus_at_rate(source: Path, destination: Path, rate: int) -> None:
-    """A copy of the generated ``corpus: folder`` corpus at ``source`` with every WAV resampled to ``rate``."""
-    import soundfile as sf
-    import torch
-    import torchaudio
-
-    shutil.rmtree(destination, ignore_errors=True)
-    (destination / "wav").mkdir(parents=True)
-    for tsv in source.glob("*.tsv"):
-        shutil.copy(tsv, destination / tsv.name)
-    for wav in sorted((source / "wav").glob("*.wav")):
-        audio, native = sf.read(wav, dtype="float32")
-        out = audio if rate == native else torchaudio.functional.resample(torch.from_numpy(audio), native, rate).numpy()
-        sf.write(destination / "wav" / wav.name, out, rate, subtype="PCM_16")
-
-
-def input_rates(work: Path, utterances: int, config) -> dict:
-    """Stage seconds for the same audio at each of :data:`INPUT_RATES` (see the module docstring)."""
-    from asrflow.data.features import compute_features
-    from asrflow.data.prepare import prepare_corpus
-
-    root = work / f"features-rates-{utterances}"
-    shutil.rmtree(root, ignore_errors=True)
-    generate_corpus(root / "corpus-16000", utterances, seed=2)
-    for rate in INPUT_RATES:
-        if rate != 16000:
-            corpus_at_rate(root / "corpus-16000", root / f"corpus-{rate}", rate)
-        summary = prepare_corpus(folder_corpus(root / f"corpus-{rate}"), root / f"manifests-{rate}", seed=42)
-    audio = summary.total_hours * 3600
-    seconds = dict.fromkeys(INPUT_RATES, float("inf"))
-    with torch_threads(1):
-        for _ in range(2):
-            for rate in INPUT_RATES:
-                out = root / f"fbank-{rate}"
-                shutil.rmtree(out, ignore_errors=True)
-                start = time.perf_counter()
-                compute_features(root / f"manifests-{rate}", out, replace(config, num_jobs=1))
-                seconds[rate] = min(seconds[rate], time.perf_counter() - start)
-    shutil.rmtree(root, ignore_errors=True)
-    by_rate = {"wall_s": {str(rate): s for rate, s in seconds.items()}, "baseline": "16000", "goal": "<= 1.5"}
-    by_rate["seconds_vs_16k"] = {str(rate): ratio(s, seconds[16000]) for rate, s in seconds.items()}
-    return {"audio_s": audio, "audio_s_per_s": {str(rate): audio / s for rate, s in seconds.items()}, **by_rate}
 
 
 def manifests(work: Path, utterances: int, train_repeats: int) -> tuple[Path, float]:
@@ -113,7 +67,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         record |= {"audio_s_per_s": rates, "wall_s": seconds, "speedup": ratio(rates["all_cores"], rates["one_worker"])}
         record |= {"default_vs_one_worker": ratio(rates["default"], rates["one_worker"])}
         record |= {"one_thread_vs_default_threads": ratio(rates["one_worker"], rates["one_worker_default_threads"])}
-        record |= {"input_rates": input_rates(work, UTTERANCES[mode], config)}
         record |= {"settings": {"sampling_rate": config.sampling_rate, "num_mel_bins": config.num_mel_bins}}
         shutil.rmtree(root, ignore_errors=True)
         return [emit(record)]

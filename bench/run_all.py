@@ -25,9 +25,8 @@ MODULES = [
     ("decode_rtf", "bench.decode_rtf"),
     ("pipeline_overhead", "bench.pipeline_overhead"),
     ("scale", "bench.scale"),  # also prints padding
-    ("startup", "bench.startup"),  # the train stage launched as a process: start-up, workers, memory
+    ("startup", "bench.startup"),  # the train stage launched as a process: start-up and memory
     ("peer_speed", "bench.peer_speed"),  # trains SpeechBrain beside asrflow, in processes of their own
-    ("resume", "bench.resume_cost"),
 ]
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"
 

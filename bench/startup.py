@@ -1,14 +1,13 @@
-"""The train stage launched as ``dvc repro`` and Snakemake launch it: start-up, workers, and at scale.
+"""The train stage launched as ``dvc repro`` and Snakemake launch it: start-up, and at scale.
 
-``python -m bench.startup [--quick] [--workdir W] [--parts startup,workers,scale] [--repeat N] [--settings W/T,..]
-[--cuts N ...] [--steps S]``. ``startup`` (record ``startup``): launch to the end of step 1 on yesno (median of
-``--repeat``) for a fresh run with a new or an existing ``mlflow.db`` and a resumed one, with a breakdown from the
-stage's log (:data:`MARKERS`). ``workers`` (``startup_workers``): ``num_workers`` x ``num_threads``, one launch each:
-first step, audio s/s from the run's MLflow points, data wait, peak PSS of the process tree. ``scale``
-(``trainer_scale``, not by default): a generated corpus's train cuts repeated to N cuts, two launches (the first
-builds the node's line store, the second reuses it) stopped after step S: first step, peak PSS, ``step_s``,
-``checkpoint_s`` (excess of the step after a checkpoint), the temporary folder's size; in process, the plan's size
-and a checkpoint's plan-position cost.
+``python -m bench.startup [--quick] [--workdir W] [--parts startup,scale] [--repeat N] [--cuts N ...] [--steps S]``.
+``startup`` (record ``startup``): launch to the end of step 1 on yesno (median of ``--repeat``) for a fresh run
+with a new or an existing ``mlflow.db`` and a resumed one, with a breakdown from the stage's log (:data:`MARKERS`).
+``scale`` (``trainer_scale``, not by default): a generated corpus's train cuts repeated to N cuts, two launches
+(the first builds the node's line store, the second reuses it) stopped after step S: first step, peak PSS,
+``step_s``, ``checkpoint_s`` (excess of the step after a checkpoint), the temporary folder's size; in process, the
+plan's size and a checkpoint's plan-position cost. (The ``workers`` part, ``num_workers`` x ``num_threads``, is at
+commit a7dff9b.)
 """
 
 from __future__ import annotations
@@ -44,10 +43,7 @@ MARKERS = {
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ (?:\[rank \S+\] )?\[([^\]]+)\] (.*)$", re.MULTILINE)
 #: The step-log line of optimizer step N (every 10 steps; asrflow.training.monitoring).
 STEP_LINE = "[asrflow.training.monitoring] step {} epoch"
-#: The workers part per mode: generated utterances, steps (x 10: the step log), (workers, threads) settings.
-GENERATED, STEPS = {"full": 2000, "quick": 40}, {"full": 20, "quick": 10}
-SETTINGS = {"full": [(w, t) for w in (0, 1, 2) for t in (1, 2)], "quick": [(0, 1)]}
-GOAL_S, GOAL_PSS_MB = 5.0, 2000.0
+GOAL_S = 5.0
 #: The scale part: corpus sizes per mode; a checkpoint every this many steps.
 CUTS, CHECKPOINT_EVERY = {"full": [100_000, 1_000_000], "quick": [2_000]}, 5
 #: Environment a tool or test may set that the launched stage must not see.
@@ -103,23 +99,6 @@ def metric_points(db: Path, key: str) -> dict[int, tuple[float, float]]:
     return {m.step: (m.timestamp / 1000, m.value) for m in client.get_metric_history(run.info.run_id, key)}
 
 
-def throughput(run_dir: Path) -> dict:
-    """Audio s/s over steps 2..N of the run in ``run_dir/mlflow.db`` and over their second half (after MLflow's
-    start in the background), and the median share of a step spent waiting for its batch."""
-    rates = metric_points(run_dir / "mlflow.db", "train/audio_s_per_s")
-    waits = [v for step, (_, v) in metric_points(run_dir / "mlflow.db", "train/data_wait_fraction").items() if step > 1]
-    steps = sorted(rates)
-    if len(steps) < 5:
-        return {"audio_s_per_s": None, "steps": len(steps)}
-
-    def rate(window: list[int]) -> float:
-        audio = sum(rates[s][1] * (rates[s][0] - rates[p][0]) for p, s in zip(window, window[1:], strict=False))
-        return audio / (rates[window[-1]][0] - rates[window[0]][0])
-
-    found = {"audio_s_per_s": rate(steps), "audio_s_per_s_second_half": rate(steps[len(steps) // 2 :])}
-    return found | {"data_wait_fraction_median": statistics.median(waits), "steps": len(steps)}
-
-
 def _median_marks(results: list[dict]) -> dict[str, float | None]:
     names = sorted({name for result in results for name in result["marks"]}, key=list(MARKERS).index)
     values = {name: [r["marks"][name] for r in results if name in r["marks"]] for name in names}
@@ -152,27 +131,6 @@ def measure_startup(work: Path, repeat: int) -> list[dict]:
         }
         record |= {"peak_tree_pss_mb": statistics.median(r["peak_tree_pss_mb"] for r in runs)}
         records.append(emit({**record, "load_average": load_average()}))
-    return records
-
-
-def measure_workers(work: Path, *, quick: bool, settings: list | None) -> list[dict]:
-    """``settings`` (num_workers, num_threads) one launch each per corpus."""
-    mode, records = "quick" if quick else "full", []
-    for corpus in ("yesno",) if quick else ("generated", "yesno"):
-        data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode])
-        for workers, threads in settings or SETTINGS[mode]:
-            run_dir = work / "startup-workers" / f"{corpus}-w{workers}-t{threads}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.mkdir(parents=True)
-            write_params(run_dir, {"epochs": 100, "num_workers": workers, "num_threads": threads}, data)
-            result = launch(run_dir, data, stop_when=STEP_LINE.format(STEPS[mode]), log=run_dir / "train.log")
-            name = f"generated-{GENERATED[mode]}" if corpus == "generated" else corpus
-            record = {"benchmark": "startup_workers", "corpus": name, "num_workers": workers, "num_threads": threads}
-            record |= {"launch_to_first_step_s": result["marks"].get("first_step"), **throughput(run_dir)}
-            record["peak_tree_pss_mb"] = pss = result["peak_tree_pss_mb"]
-            if corpus == "generated":
-                record |= {"goal": "peak PSS <= 2000 MB", "meets_goal": pss <= GOAL_PSS_MB}
-            records.append(emit({**record, "load_average": load_average()}))
     return records
 
 
@@ -274,9 +232,8 @@ def measure_scale(work: Path, counts: list[int], steps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
-        add("--parts", default="startup,workers", help="startup, workers, scale (default: startup,workers)")
+        add("--parts", default="startup", help="startup, scale (default: startup)")
         add("--repeat", type=int, help="startup: launches per case (default 3; quick 1)")
-        add("--settings", help="workers: num_workers/num_threads pairs, e.g. 0/1,2/1 (default: 0,1,2 x 1,2)")
         add("--cuts", type=int, action="append", help="scale: corpus sizes (default: 10^5 and 10^6)")
         add("--steps", type=int, default=20, help="scale: steps per launch, a multiple of 10 (the step log)")
 
@@ -285,9 +242,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with workdir(args.workdir) as work:
         if "startup" in parts:
             records += measure_startup(work, args.repeat or (1 if args.quick else 3))
-        if "workers" in parts:
-            settings = [tuple(int(x) for x in pair.split("/")) for pair in (args.settings or "").split(",") if pair]
-            records += measure_workers(work, quick=args.quick, settings=settings)
         if "scale" in parts:
             records += measure_scale(work, args.cuts or CUTS[mode], 10 if args.quick else args.steps)
     return records
