@@ -487,15 +487,14 @@ def test_resumed_killed_run_is_running_again_and_can_fail(uri, client):
     assert client.get_run(tracker.run_id).info.status == "KILLED"
     resumed = MlflowRun.start(tracking_uri=uri, run_id=tracker.run_id)
     assert client.get_run(tracker.run_id).info.status == "RUNNING"
-    with pytest.raises(RuntimeError), resumed:
-        raise RuntimeError("boom")
+    resumed.end("FAILED")
     assert client.get_run(tracker.run_id).info.status == "FAILED"
 
 
 def test_evaluate_reopens_finished_run_and_leaves_it_finished(tmp_path, uri, client):
-    with MlflowRun.start(tracking_uri=uri, run_name="train") as train:
-        record_steps(train, 1, 3)
-        train.flush()
+    train = MlflowRun.start(tracking_uri=uri, run_name="train")
+    record_steps(train, 1, 3)
+    train.end()
     info = client.get_run(train.run_id).info
     assert info.status == "FINISHED"
 

@@ -26,7 +26,7 @@ def runs(uri: str) -> list:
 
 
 def test_limits_agree_with_mlflow():
-    assert run.MAX_METRICS_PER_BATCH == limits.MAX_METRICS_PER_BATCH
+    assert run.MlflowRun.max_metrics_per_batch == limits.MAX_METRICS_PER_BATCH
     assert naming.MAX_PARAM_VAL_LENGTH == limits.MAX_PARAM_VAL_LENGTH
     assert run.MAX_TAG_VAL_LENGTH == limits.MAX_TAG_VAL_LENGTH
 

@@ -1,6 +1,5 @@
-"""The exactly-once metric protocol, with no store: one point per metric and step, across crashes. Points
-travel in the checkpoint until a writer confirms them; on resume the store's watermark and the pairs it holds
-above it decide which are written again. See docs/mlflow.md."""
+"""The exactly-once metric protocol, with no store: one point per metric and step, across crashes. Points travel
+in the checkpoint until a writer confirms them; the store's watermark decides what a resume writes again."""
 
 from __future__ import annotations
 
@@ -90,16 +89,15 @@ class MetricLog:
         self.recorded_through = max(self.recorded_through, int(state.get("recorded_through", -1)))
 
     def check_window(self) -> tuple[int, int] | None:
-        """Steps ``(low, high]`` whose points a flush that died before its watermark, or one of a later checkpoint,
-        may have stored: to look up in the store before writing; or None."""
+        """Steps ``(low, high]`` a flush that died before its watermark, or a later checkpoint's, may have stored."""
         through, recorded = self.logged_through, self.recorded_through
         if through > recorded or any(point[1] > through for point in self.pending):
             return min(through, recorded), max(through, recorded)
         return None
 
     def reconcile(self, stored: set[tuple[str, int]]) -> None:
-        """Drop what the store holds: points at or below the watermark and the ``(metric, step)`` pairs in
-        ``stored`` (from :meth:`check_window`); those past the last recorded step are skipped when re-recorded."""
+        """Drop points at or below the watermark and the ``stored`` pairs (from :meth:`check_window`); those past
+        :attr:`recorded_through` are skipped when recorded again."""
         self.pending = [p for p in self.pending if p[1] > self.logged_through and (p[0], p[1]) not in stored]
         self._sent &= set(self.pending)
         self._skip = {pair for pair in stored if pair[1] > self.recorded_through}

@@ -15,12 +15,7 @@ PIPELINE_TAG = "asrflow.pipeline"
 PARAMS_DIGEST_TAG = "asrflow.params_digest"
 DVC_EXP_TAG = "asrflow.dvc_experiment"
 NOTE_TAG = "mlflow.note.content"
-#: Environment variable the Snakemake rules set to ``snakemake`` (see :func:`pipeline_tool`).
-PIPELINE_ENV = "ASRFLOW_PIPELINE"
-MAX_PARAM_VAL_LENGTH = 6000
-#: A run is named by the keys that differ when at most this many do and the name stays short.
-MAX_NAMED_KEYS = 3
-MAX_RUN_NAME_CHARS = 40
+MAX_PARAM_VAL_LENGTH = 6000  # MLflow's limit (a test checks it agrees)
 
 
 def param_value(value: Any) -> str:
@@ -45,9 +40,8 @@ def params_digest(params: Mapping[str, Any]) -> str:
 
 def pipeline_tool() -> str:
     """``snakemake`` (its rules set ``ASRFLOW_PIPELINE``), ``dvc`` (it sets ``DVC_STAGE``) or ``direct``."""
-    if os.environ.get(PIPELINE_ENV):
-        return os.environ[PIPELINE_ENV]
-    return "dvc" if os.environ.get("DVC_STAGE") or os.environ.get("DVC_EXP_NAME") else "direct"
+    under_dvc = os.environ.get("DVC_STAGE") or os.environ.get("DVC_EXP_NAME")
+    return os.environ.get("ASRFLOW_PIPELINE") or ("dvc" if under_dvc else "direct")
 
 
 def params_diff(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
@@ -58,28 +52,25 @@ def params_diff(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[
 
 
 def run_name(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> str:
-    """A short name that tells runs apart: the DVC experiment's under ``dvc exp run``; else the corpus and the
-    (at most :data:`MAX_NAMED_KEYS`) keys that differ from ``defaults``, as ``yesno lr=0.001``; else the corpus
-    and the params digest, as ``yesno-3f2a9c01``."""
+    """A short name that tells runs apart: the DVC experiment's under ``dvc exp run``; else the corpus and the one
+    to three keys that differ from ``defaults`` (``yesno lr=0.001``); else the corpus and the params digest."""
     if os.environ.get("DVC_EXP_NAME"):
         return os.environ["DVC_EXP_NAME"]
     corpus = str((params.get("prepare") or {}).get("corpus") or "params")
     diff = params_diff(params, defaults) if defaults is not None else {}
     named = " ".join([corpus] + [f"{key.rsplit('.', 1)[-1]}={value}" for key, (_, value) in diff.items()])
-    short = 0 < len(diff) <= MAX_NAMED_KEYS and len(named) <= MAX_RUN_NAME_CHARS
+    short = 0 < len(diff) <= 3 and len(named) <= 40  # a name the runs table shows whole
     return named if short else f"{corpus}-{params_digest(params)}"
 
 
 def dvc_experiment_tags() -> dict[str, str]:
-    """Under ``dvc exp run``: the DVC experiment's name as a tag and as the run's name (a run resumed by a
-    re-queued experiment takes the new name, the one ``dvc exp show`` lists); else nothing."""
+    """Under ``dvc exp run``: the experiment's name as a tag and as the run's (a re-queued one renames its run)."""
     name = os.environ.get("DVC_EXP_NAME")
     return {DVC_EXP_TAG: name, "mlflow.runName": name} if name else {}
 
 
 def run_tags(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """A new run's tags: the pipeline tool, the params digest, the DVC experiment, and as its description
-    the params that differ from ``defaults`` (the committed params.yaml)."""
+    """A new run's tags: pipeline tool, params digest, DVC experiment; the diff to ``defaults`` as its description."""
     tags = {PIPELINE_TAG: pipeline_tool(), PARAMS_DIGEST_TAG: params_digest(params), **dvc_experiment_tags()}
     if defaults is not None:
         lines = [f"- `{key}`: {old} -> {new}" for key, (old, new) in params_diff(params, defaults).items()]

@@ -1,5 +1,4 @@
-"""The thin MLflow writer of one run, fed from a :class:`~asrflow.tracking.metric_log.MetricLog`: opened now
-(:meth:`MlflowRun.start`) or in a thread after the first point (:func:`start_training_run`). See docs/mlflow.md."""
+"""The thin MLflow writer of one run, fed from a :class:`~asrflow.tracking.metric_log.MetricLog`; docs/mlflow.md."""
 
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ from typing import Any
 
 from asrflow.data.index import combined_digest, manifest_facts
 from asrflow.errors import AsrflowError, first_line
-from asrflow.params import committed_params
+from asrflow.params import committed_params, flatten
 from asrflow.tracking.metric_log import MetricLog, Point, now_ms
-from asrflow.tracking.naming import dvc_experiment_tags, flat_params, param_value, run_name, run_tags
+from asrflow.tracking.naming import dvc_experiment_tags, param_value, run_name, run_tags
 from asrflow.tracking.store import check_tracking_uri, default_artifact_location, runs_page
 
 # Before MLflow loads: no git warning, no telemetry, no minutes of retries on a server that is down.
@@ -33,19 +32,13 @@ for _name in ("alembic", "mlflow.store.db.utils"):  # a fresh SQLite store's mig
 log = logging.getLogger(__name__)
 _TERMINAL = {"terminal": True}  # the log record also goes to the terminal
 
-#: MLflow's limits (``mlflow.utils.validation``; a test checks they agree).
-MAX_METRICS_PER_BATCH = 1000
-MAX_TAG_VAL_LENGTH = 8000
-#: Run tags: every point at or below this step is stored; the status a reopened FINISHED run was ended with;
-#: a key drawn before the run opens, by which a resume from the step-0 checkpoint finds it; train+dev digest;
-#: the dataset input tag MLflow's UI shows as the dataset's context.
+MAX_TAG_VAL_LENGTH = 8000  # MLflow's limit (a test checks it agrees)
+#: Run tags of the metric protocol and the datasets (see docs/mlflow.md).
 LOGGED_THROUGH_TAG = "asrflow.logged_through_step"
 REOPENED_END_STATUS_TAG = "asrflow.reopened_end_status"
 RUN_KEY_TAG = "asrflow.run_key"
 DATA_DIGEST_TAG = "asrflow.data_digest"
-DATASET_CONTEXT_TAG = "mlflow.data.context"
-#: Experiment tag MLflow 3's UI reads to pick its view, and the model-training view.
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # MLflow 3's UI opens an experiment in its kind's view
 EXPERIMENT_KIND = "custom_model_development"
 
 
@@ -58,9 +51,9 @@ def _store_errors() -> tuple[type[BaseException], ...]:
 class MlflowRun:
     """One MLflow run; calls that need the run wait until it is open, points wait in :attr:`metrics`."""
 
-    max_metrics_per_batch = MAX_METRICS_PER_BATCH
+    max_metrics_per_batch = 1000  # MLflow's limit (a test checks it agrees)
 
-    def __init__(self, opener: Callable[[MlflowRun], None] | None = None) -> None:
+    def __init__(self, opener: Callable[[MlflowRun], None]) -> None:
         self.metrics = MetricLog()
         self.run_key = uuid.uuid4().hex
         self.tracking_uri = self.experiment_id = None
@@ -68,8 +61,7 @@ class MlflowRun:
         self._error: BaseException | None = None  # from the opening thread, raised by the next call
         self._client = self._run_id = self._monitor = self._replaces_run_id = self._state_run_id = None
         self._queued_tags: dict[str, str] = {}  # set before the run is open
-        self._failed = self._reopened_finished = self._settled = self._restored = False
-        self._store_down = self._ended = False
+        self._failed = self._reopened_finished = self._settled = self._restored = self._store_down = self._ended = False
         self._in_flight: list[tuple[Any, list[Point]]] = []  # (MLflow's future, its points)
 
     @classmethod
@@ -92,11 +84,11 @@ class MlflowRun:
         system_metrics: bool | None = None,
         system_metrics_interval_s: float = 10.0,
     ) -> bool:
-        """Open the run (new ones with MLflow's context tags: user, source, git); returns whether it is new.
-        ``create_if_missing``: a ``run_id`` not in the store gets a new run; ``by_key``: continue the run tagged
-        :attr:`run_key`, if any; MLflow's system-metrics switch, when set, overrides ``system_metrics``."""
+        """Open the run (a new one with MLflow's context tags); returns whether it is new. ``create_if_missing``:
+        a ``run_id`` not in the store gets a new run; ``by_key``: continue the run tagged :attr:`run_key`, if any."""
         from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as switch
         from mlflow.exceptions import MlflowException
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
         from mlflow.tracking import MlflowClient
         from mlflow.tracking.context.registry import resolve_tags
 
@@ -137,9 +129,7 @@ class MlflowRun:
             through = run.data.tags.get(LOGGED_THROUGH_TAG, "-1")
             self.metrics.logged_through = int(through) if through.lstrip("-").isdigit() else -1
             log.info("continuing MLflow run %s in %s", self._run_id, uri, extra=_TERMINAL)
-        if (switch.get() if switch.defined else system_metrics) and not self._reopened_finished:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
+        if (switch.get() if switch.defined else system_metrics) and not self._reopened_finished:  # MLflow's switch wins
             self._monitor = SystemMetricsMonitor(
                 self._run_id, system_metrics_interval_s, resume_logging=not new, tracking_uri=uri
             )
@@ -174,7 +164,7 @@ class MlflowRun:
                 self._error = error
             self._opened.set()
 
-        if self._thread is None and self._opener is not None:
+        if self._thread is None:
             self._thread = threading.Thread(target=open_run, name="asrflow-mlflow-open", daemon=True)
             self._thread.start()
 
@@ -185,7 +175,8 @@ class MlflowRun:
 
     def _ready(self) -> None:
         """Wait for the run to be open (opening it now if no point did), then write what was kept meanwhile."""
-        self._raise_opening_error()
+        if threading.current_thread() is self._thread:
+            return  # the opener writes to the run it is opening
         if self._failed:
             raise AsrflowError("the MLflow run could not be opened (see the error above)")
         self._start_opening()
@@ -204,15 +195,13 @@ class MlflowRun:
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log flat params (once the run is open); a changed value raises :class:`AsrflowError`."""
-        self._ready()
-        self._write_params({str(key): param_value(value) for key, value in params.items()})
-
-    def _write_params(self, rendered: Mapping[str, str]) -> None:
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
 
+        self._ready()
+        entities = [Param(str(key), param_value(value)) for key, value in params.items()]
         try:  # MLflow splits them into its batch sizes, keeps a value logged again, refuses a changed one
-            self._client.log_batch(self._run_id, params=[Param(key, value) for key, value in rendered.items()])
+            self._client.log_batch(self._run_id, params=entities)
         except MlflowException as error:
             if error.error_code != "INVALID_PARAMETER_VALUE":
                 raise
@@ -230,7 +219,7 @@ class MlflowRun:
         from mlflow.entities import RunTag
 
         if tags:
-            entities = [RunTag(str(key), str(value)[:MAX_TAG_VAL_LENGTH]) for key, value in tags.items()]
+            entities = [RunTag(key, str(value)[:MAX_TAG_VAL_LENGTH]) for key, value in tags.items()]
             self._client.log_batch(self._run_id, tags=entities)
 
     def record(self, step: int, metrics: Mapping[str, Any], *, timestamp_ms: int | None = None) -> None:
@@ -244,9 +233,8 @@ class MlflowRun:
         return self.metrics.discard_after(step)
 
     def flush(self, *, through: int | None = None) -> bool:
-        """Write the kept points (up to step ``through``) once the checkpoint holding them is on disk, then raise the
-        watermark; False while the store cannot be reached (the points stay, in the next checkpoints too)."""
-        if self._thread is None and self._opener is not None:
+        """Write the kept points (up to step ``through``), then raise the watermark; False while the store is down."""
+        if self._thread is None:
             return False  # no point yet: the run opens after the first one, a checkpoint later waits for it
         self._ready()
         try:
@@ -307,8 +295,7 @@ class MlflowRun:
         return {**self.metrics.state_dict(), "run_id": run_id, "run_key": self.run_key}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take a checkpoint's points back; once the run is open, those the store holds are dropped and the rest
-        written. A checkpoint taken before its run opened names the run's key, by which the run is found."""
+        """Take a checkpoint's points back; once the run is open, those it holds are dropped, the rest written."""
         self._raise_opening_error()
         self.metrics.load_state_dict(state)
         if state.get("run_id") is None and state.get("run_key") and self._thread is None:
@@ -336,24 +323,19 @@ class MlflowRun:
             self._write_watermark(recorded)  # a flush died before its tag
 
     def log_datasets(self, manifests: Mapping[str, str | os.PathLike], names: Mapping | None = None) -> dict:
-        """Log cut manifests (context -> path) as the run's datasets, named by ``names`` (context -> name; default
-        the context); the train and dev digests give the tag ``asrflow.data_digest``. Returns context -> entity."""
-        self._ready()
-        return self._log_datasets(manifests, names)
-
-    def _log_datasets(self, manifests: Mapping[str, str | os.PathLike], names: Mapping | None = None) -> dict:
+        """Cut manifests (context -> path) as the run's datasets, named by ``names`` (default: the context)."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
+        self._ready()
         datasets, inputs = {}, []  # the store keeps one input per dataset and run
         for context, path in manifests.items():
             if not (path := Path(path)).is_file():
                 raise AsrflowError(f"manifest {path} not found: run the stage that writes it first")
             facts, source = manifest_facts(path), json.dumps({"uri": str(path.resolve())})
             profile = json.dumps({"utterances": facts["utterances"], "hours": facts["hours"]})
-            datasets[context] = Dataset(
-                (names or {}).get(context, context), facts["digest"], "local", source, profile=profile
-            )
-            inputs.append(DatasetInput(datasets[context], [InputTag(DATASET_CONTEXT_TAG, context)]))
+            name = (names or {}).get(context, context)
+            datasets[context] = Dataset(name, facts["digest"], "local", source, profile=profile)
+            inputs.append(DatasetInput(datasets[context], [InputTag("mlflow.data.context", context)]))
         if inputs:
             self._client.log_inputs(self._run_id, inputs)
         if training := [datasets[context].digest for context in ("train", "dev") if context in datasets]:
@@ -374,8 +356,7 @@ class MlflowRun:
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Copy a file or a whole folder into the run's artifacts (under ``artifact_path``)."""
-        path = Path(path)
-        if not path.exists():
+        if not (path := Path(path)).exists():
             raise AsrflowError(f"cannot log artifact {path}: no such file or folder")
         write = self._client.log_artifacts if path.is_dir() else self._client.log_artifact
         try:
@@ -388,8 +369,7 @@ class MlflowRun:
             ) from None
 
     def end(self, status: str = "FINISHED") -> None:
-        """Flush, stop system metrics, mark the run ``status`` (a reopened FINISHED run stays so, with ``status`` in
-        a tag), and name the experiment's runs page."""
+        """Flush, stop system metrics, mark the run ``status`` (a reopened FINISHED run stays so: a tag says it)."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"status must be FINISHED, FAILED or KILLED, got {status!r}")
         if self._ended:
@@ -415,13 +395,6 @@ class MlflowRun:
             page = runs_page(self.tracking_uri, self.experiment_id)
             log.info("MLflow run %s: %s", self._run_id, page, extra=_TERMINAL)
 
-    def __enter__(self) -> MlflowRun:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        killed = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
-        self.end("FINISHED" if exc_type is None else "KILLED" if killed else "FAILED")
-
 
 def start_training_run(
     params: Mapping[str, Any],
@@ -430,22 +403,20 @@ def start_training_run(
     experiment: str = "asrflow",
     run_id: str | None = None,
     tracking_uri: str | None = None,
-    params_path: str | os.PathLike = "params.yaml",
     system_metrics: bool = True,
     system_metrics_interval_s: float = 10.0,
 ) -> MlflowRun:
-    """The training's run, opened in a thread once a point is recorded: a new run is named and described
-    against the committed ``params_path`` and gets ``params`` flattened; ``manifests`` (context -> cut
-    manifest) become its datasets; MLflow's system metrics run until :meth:`MlflowRun.end`."""
+    """The training's run, opened in a thread once a point is recorded: a new one is named and described against
+    the committed params.yaml, gets ``params`` flattened; ``manifests`` (context -> path) become datasets."""
 
     def open_run(run: MlflowRun) -> None:
-        defaults = committed_params(params_path) if run_id is None else None
+        defaults = committed_params() if run_id is None else None
         options = {"system_metrics": system_metrics, "system_metrics_interval_s": system_metrics_interval_s}
         tags = run_tags(params, defaults) if run_id is None else dvc_experiment_tags()
         name = run_name(params, defaults)
         if run._open(experiment, run_id, run_name=name, tracking_uri=tracking_uri, tags=tags, by_key=True, **options):
-            run._write_params(flat_params(params))
-        run._log_datasets(manifests)
+            run.log_params(flatten(dict(params)))
+        run.log_datasets(manifests)
 
     return MlflowRun(open_run)
 
@@ -453,14 +424,9 @@ def start_training_run(
 class NullTracker:
     """The tracker of a process that logs nothing (every rank but 0): each call does nothing."""
 
-    run_id = None
-
-    def discard_after(self, step: int) -> int:
-        return 0
-
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def _nothing(self, *args: Any, **kwargs: Any) -> None: ...
 
-    log_params = set_tags = record = flush = load_state_dict = log_artifact = log_model = end = _nothing
+    set_tags = record = discard_after = flush = load_state_dict = end = _nothing

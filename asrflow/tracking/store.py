@@ -10,12 +10,7 @@ from pathlib import Path
 
 from asrflow.errors import AsrflowError
 
-#: MLflow 3's default tracking store; the folder beside a SQLite store for the artifacts of experiments created
-#: here; where ``mlflow ui`` serves by default; seconds to wait for a tracking server's answer.
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-ARTIFACTS_DIRNAME = "mlartifacts"
-DEFAULT_UI_URL = "http://127.0.0.1:5000"
-PROBE_TIMEOUT_S = 10.0
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow 3's default
 _SQLITE = "sqlite:///"
 
 
@@ -25,16 +20,14 @@ def default_tracking_uri() -> str:
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` tracking URI (SQLAlchemy's form: relative to the cwd unless it
-    starts with ``/``), or None."""
+    """The database file of a ``sqlite:///`` URI (relative to the cwd unless it starts with ``/``), or None."""
     database = tracking_uri.removeprefix(_SQLITE).partition("?")[0] if tracking_uri.startswith(_SQLITE) else ""
     return Path(database) if database and database != ":memory:" and not database.startswith("file:") else None
 
 
 def resolve_tracking_uri(tracking_uri: str) -> str:
-    """A relative ``sqlite:`` URI made absolute (MLflow caches a store per URI string) against ``$DVC_ROOT``,
-    which DVC sets to the repository's root also in the temporary copy a queued experiment runs in; else
-    against the cwd. Other URIs unchanged."""
+    """A relative ``sqlite:`` URI made absolute (MLflow caches a store per URI string) against ``$DVC_ROOT`` (the
+    repository's root, also in a queued experiment's temporary copy), else the cwd; other URIs unchanged."""
     db = sqlite_path(tracking_uri)
     if db is None or db.is_absolute():
         return tracking_uri
@@ -48,7 +41,7 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     if db is None:
         return None
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
-    return (db.resolve().parent / ARTIFACTS_DIRNAME / slug).as_uri()
+    return (db.resolve().parent / "mlartifacts" / slug).as_uri()
 
 
 def check_tracking_uri(tracking_uri: str | None = None) -> str:
@@ -60,7 +53,7 @@ def check_tracking_uri(tracking_uri: str | None = None) -> str:
     if uri.startswith(("http://", "https://")):
         try:
             probe = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
-            urllib.request.urlopen(probe, timeout=PROBE_TIMEOUT_S).close()
+            urllib.request.urlopen(probe, timeout=10).close()
         except urllib.error.HTTPError:
             pass  # it answered: authentication and the like are MLflow's to report
         except (urllib.error.URLError, OSError) as error:
@@ -81,10 +74,9 @@ def check_tracking_uri(tracking_uri: str | None = None) -> str:
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:
-    """The UI's page of an experiment's runs (a server's own, else ``mlflow ui``'s and the command that serves it);
-    MLflow keeps its GenAI/model-training toggle in the browser."""
+    """The UI's page of an experiment's runs: a server's own, else ``mlflow ui``'s and the command that serves it."""
     server = tracking_uri.startswith(("http://", "https://"))
-    base = tracking_uri.rstrip("/") if server else DEFAULT_UI_URL
+    base = tracking_uri.rstrip("/") if server else "http://127.0.0.1:5000"
     hint = "" if server else f" after `mlflow ui --backend-store-uri {tracking_uri}`"
     return (
         f"{base}/#/experiments/{experiment_id}/runs{hint} (a fresh browser may open the GenAI view: "
