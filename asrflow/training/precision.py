@@ -5,7 +5,7 @@
 and fp32 on older GPUs (V100, T4: fp16's range of about +-65504 overflows in long runs).
 On the CPU it picks bf16 where the CPU has native bf16 instructions (``avx512_bf16`` or
 ``amx_bf16`` in /proc/cpuinfo), and fp32 elsewhere: without them the bf16 matmuls are
-emulated and slower than fp32 (``bench.cpu_precision``, bench/RESULTS.md). fp16 is never
+emulated and slower than fp32 (``bench.train_throughput --precisions``, bench/RESULTS.md). fp16 is never
 automatic on the CPU (slower than fp32 there) and always runs with a dynamic gradient scaler.
 
 Whatever the precision, the model's CTC head (its log-softmax) and the CTC loss run in
