@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -96,6 +97,24 @@ def _exp_show(copy: Path) -> dict[str, dict]:
     return {row["Experiment"]: row for row in csv.DictReader(io.StringIO(table[table.index("Experiment") :]))}
 
 
+def _wait_for_no_worker(copy: Path, timeout_s: float = 120) -> None:
+    """Until every queue worker of ``copy`` has exited: a stopping worker still takes tasks queued meanwhile,
+    and leaves them marked Running when it goes."""
+    deadline = time.monotonic() + timeout_s
+    pid_files = (copy / ".dvc/tmp/exps/celery").glob("dvc-exp-worker-*.pid")
+    for pid in {int(text) for path in pid_files if (text := path.read_text().strip()).isdigit()}:
+        while _running(pid):
+            assert time.monotonic() < deadline, f"queue worker {pid} still running after {timeout_s} s"
+            time.sleep(0.5)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.fixture
 def sweep_copy(dvc_run):
     """The DVC copy with its state committed (what a user queues from); the queue is stopped afterwards."""
@@ -104,6 +123,7 @@ def sweep_copy(dvc_run):
     run(copy, "git", *IDENTITY, "commit", "-q", "--allow-empty", "-m", "sweep baseline")
     yield copy
     run(copy, "dvc", "queue", "stop", "--kill", env=_env(copy), check=False)
+    _wait_for_no_worker(copy)
 
 
 def test_sweep_runs_each_experiment_into_its_own_mlflow_run(sweep_copy):
