@@ -127,6 +127,22 @@ def check_choice(config: object, section: Section, key: str, choices: Iterable[s
         raise param_error(section, key, value, f"is not valid; use one of {', '.join(choices)}")
 
 
+def env_number(name: str, default: float) -> float:
+    """The number >= 0 in environment variable ``name``, ``default`` when it is not set.
+
+    Raises:
+        AsrflowError: the variable is set but is not a number >= 0.
+    """
+    raw = os.environ.get(name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise AsrflowError(f"{name}={raw!r}: give a number >= 0 (the default is {default:g})")
+    return value
+
+
 def read_seed(params: dict[str, Any]) -> int:
     """The shared top-level ``seed`` of ``params.yaml`` (0 when left out), checked to be an integer."""
     seed = params.get("seed", 0)

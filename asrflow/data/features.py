@@ -53,7 +53,7 @@ from asrflow.data.manifests import (
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
 from asrflow.logs import progress
-from asrflow.params import check_at_least, check_positive
+from asrflow.params import check_at_least, check_positive, env_number
 
 logger = logging.getLogger("asrflow.features")
 
@@ -228,14 +228,7 @@ def disk_margin() -> float:
     Raises:
         AsrflowError: the variable is set but is not a number >= 0.
     """
-    raw = os.environ.get(DISK_MARGIN_ENV, str(DEFAULT_DISK_MARGIN))
-    try:
-        margin = float(raw)
-    except ValueError:
-        margin = -1.0
-    if not margin >= 0:
-        raise AsrflowError(f"{DISK_MARGIN_ENV}={raw!r}: give a number >= 0 (the default is {DEFAULT_DISK_MARGIN})")
-    return margin
+    return env_number(DISK_MARGIN_ENV, DEFAULT_DISK_MARGIN)
 
 
 def check_disk_space(

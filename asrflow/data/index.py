@@ -57,6 +57,7 @@ from lhotse.cut import Cut
 from lhotse.cut.set import deserialize_cut
 
 from asrflow.errors import AsrflowError
+from asrflow.params import env_number
 
 #: Manifest keys left out of the content digest: where the features are stored, not what they are.
 STORAGE_KEYS = ("storage_path", "storage_key")
@@ -71,8 +72,9 @@ REGISTRY_LOCK = "asrflow-cut-index.lock"
 STORE_FORMAT = 1
 #: Hex characters of a manifest digest (MLflow's dataset digest).
 MANIFEST_DIGEST_CHARS = 16
-#: Building stops with an error when less memory than this is left (bytes).
-MIN_FREE_BYTES = 256 * 1024 * 1024
+#: Building stops with an error when less memory than this is left (MB); the variable sets another floor.
+MIN_FREE_ENV = "ASRFLOW_INDEX_MIN_FREE_MB"
+DEFAULT_MIN_FREE_MB = 256
 
 
 def available_memory() -> int | None:
@@ -87,13 +89,14 @@ def available_memory() -> int | None:
 
 
 def _check_memory(manifest: Path, cuts_read: int) -> None:
-    """Stop building before the machine runs out of memory, naming the manifest and what to do."""
-    free = available_memory()
-    if free is not None and free < MIN_FREE_BYTES:
+    """Stop building before the machine runs out of memory, naming the manifest, the floor and what to do."""
+    free, floor_mb = available_memory(), env_number(MIN_FREE_ENV, DEFAULT_MIN_FREE_MB)
+    if free is not None and free < floor_mb * 2**20:
         raise AsrflowError(
             f"{manifest} is too large for this machine's memory: {cuts_read} cuts indexed and only "
-            f"{free // 2**20} MB left; train on a machine with more memory, or on fewer utterances "
-            "(prepare.splits, prepare.max_duration_s)"
+            f"{free // 2**20} MB left, under the {floor_mb:g} MB the index keeps free ({MIN_FREE_ENV}); "
+            "train on a machine with more memory or on fewer utterances (prepare.splits, "
+            f"prepare.max_duration_s), or set {MIN_FREE_ENV} lower to let the index take more"
         )
 
 

@@ -171,10 +171,16 @@ def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_pa
     with pytest.raises(
         AsrflowError,
         match=r"train_cuts.jsonl.gz is too large for this machine's memory: 20 cuts "
-        r"indexed and only 100 MB left",
+        r"indexed and only 100 MB left, under the 256 MB the index keeps free \(ASRFLOW_INDEX_MIN_FREE_MB\); "
+        r".*set ASRFLOW_INDEX_MIN_FREE_MB lower",
     ):
         CutIndex.build(tmp_path / "train_cuts.jsonl.gz", tmp_path / "store" / "train.jsonl")
     assert list((tmp_path / "store").iterdir()) == []
+    monkeypatch.setenv("ASRFLOW_INDEX_MIN_FREE_MB", "64")  # the floor lowered: the same machine builds it
+    assert len(CutIndex.build(tmp_path / "train_cuts.jsonl.gz", tmp_path / "store" / "train.jsonl").ids) == 50
+    monkeypatch.setenv("ASRFLOW_INDEX_MIN_FREE_MB", "lots")
+    with pytest.raises(AsrflowError, match=r"ASRFLOW_INDEX_MIN_FREE_MB='lots': give a number >= 0"):
+        CutIndex.build(tmp_path / "train_cuts.jsonl.gz", tmp_path / "store2" / "train.jsonl")
 
 
 _HOLD_STORE = (
