@@ -16,6 +16,7 @@ Records: ``stage_scale`` per stage and size (``elapsed_s``; ``peak_rss_mb``, the
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -37,7 +38,7 @@ from bench.common import (
     workdir,
     write_bundle,
 )
-from bench.startup import STEP_LINE, launch
+from bench.startup import STEP_LINE, launch, metric_points
 
 #: Per corpus: (sizes, quick sizes, the stages run).
 KINDS = {
@@ -75,8 +76,9 @@ def corpus(kind: str, size: float, work: Path, args) -> tuple[Path, dict]:
     return build(work, int(size)), {"utterances": int(size)}
 
 
-def write_params(root: Path, kind: str, corpus_dir: Path) -> Path:
-    """params.yaml in ``root``: the repository's, pointed at ``corpus_dir``, with 16 kHz features."""
+def write_params(root: Path, kind: str, corpus_dir: Path, train_keys: dict) -> Path:
+    """params.yaml in ``root``: the repository's, pointed at ``corpus_dir``, with 16 kHz features (spoken: with
+    ``train_keys``)."""
     from asrflow.training.config import set_train_keys
 
     params = repo_params()
@@ -85,7 +87,7 @@ def write_params(root: Path, kind: str, corpus_dir: Path) -> Path:
     params["features"] = corpora.generated_features()
     if kind == "spoken":
         params["tokenizer"].update(model_type="bpe", vocab_size=VOCAB_SIZE)
-        set_train_keys(params, TRAIN)
+        set_train_keys(params, TRAIN | train_keys)
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return root / "params.yaml"
@@ -112,13 +114,30 @@ def bundle_from_checkpoint(root: Path) -> Path:
     return write_bundle(root / "exp" / "model.pt", root, params, state["model"], made_by=made_by)
 
 
-def train(root: Path, steps: int) -> dict:
-    """The train stage until step ``steps``, then resumed to its first step; its figures."""
+def by_minute(samples: list[tuple[float, int, int]], stamps: list[tuple[float, int]]) -> list[list]:
+    """``[minute, last step logged by its end, highest tree RSS MB, highest tree PSS MB]`` per minute of the run,
+    from memory readings ``(s, rss, pss)`` and steps' times ``(s, step)``."""
+    rows: dict[int, list] = {}
+    for at, rss, pss in samples:
+        minute, top = int(at // 60), rows.get(int(at // 60), [0, 0, 0.0, 0.0])
+        step = max([0] + [step for t, step in stamps if t <= at])
+        rows[minute] = [minute, step, max(top[2], rss / 2**20), max(top[3], pss / 2**20)]
+    return list(rows.values())
+
+
+def train(root: Path, steps: int, minutes: float | None) -> dict:
+    """The train stage until step ``steps`` (or for ``minutes``: then its memory by minute), then resumed to its
+    first step; its figures."""
     start = time.perf_counter()
-    fresh = launch(root, root, stop_when=STEP_LINE.format(steps), log=root / "train.log", timeout_s=3600)
+    stop = minutes * 60 if minutes else STEP_LINE.format(steps)
+    fresh = launch(root, root, stop_when=stop, log=root / "train.log", timeout_s=3600)
     elapsed = time.perf_counter() - start
-    resumed = launch(root, root, stop_when="[asrflow.progress] step ", log=root / "resumed.log", timeout_s=600)
     record = {"steps": steps, "elapsed_s": elapsed, "peak_tree_pss_mb": fresh["peak_tree_pss_mb"]}
+    if minutes:
+        points = metric_points(root / "mlflow.db", "train/loss")
+        stamps = sorted((at - fresh["started"], step) for step, (at, _) in points.items())
+        record |= {"steps": stamps[-1][1], "memory_by_minute": by_minute(fresh["samples"], stamps)}
+    resumed = launch(root, root, stop_when="[asrflow.progress] step ", log=root / "resumed.log", timeout_s=600)
     record |= {"launch_to_first_step_s": fresh["marks"].get("first_step"), "breakdown_s": fresh["marks"]}
     record |= {"resumed_launch_to_first_step_s": resumed["marks"].get("first_step")}
     record |= {"resumed_peak_tree_pss_mb": resumed["peak_tree_pss_mb"]}
@@ -130,7 +149,7 @@ def run_stages(kind: str, size: float, work: Path, args) -> dict[str, dict]:
     folder, facts = corpus(kind, size, work, args)
     root = work / f"run-{kind}-{size:g}"
     shutil.rmtree(root, ignore_errors=True)
-    params = str(write_params(root, kind, folder))
+    params = str(write_params(root, kind, folder, args.train))
     manifests, fbank, lang = (folder if kind == "segments" else root / "manifests"), root / "fbank", root / "lang"
     argv = {
         "prepare": ["--params", params, "--out", str(manifests)],
@@ -143,7 +162,7 @@ def run_stages(kind: str, size: float, work: Path, args) -> dict[str, dict]:
     for stage in KINDS[kind][2]:
         load = load_average()
         if stage == "train":
-            found = train(root, args.steps)
+            found = train(root, args.steps, args.minutes)
         elif stage == "prepare" and args.in_process:
             found = in_process(Path(params), manifests)
         else:
@@ -151,6 +170,8 @@ def run_stages(kind: str, size: float, work: Path, args) -> dict[str, dict]:
             if stage == "evaluate":
                 bundle_from_checkpoint(root)
             found = stage_peaks(f"stages.{stage}", argv[stage] + extra, root / f"{stage}.log", repo=args.repo)
+            if stage == "evaluate" and args.minutes:  # a model trained that long: its error rates mean something
+                found |= {key: json.loads((root / "exp/eval/metrics.json").read_text())[key] for key in ("wer", "cer")}
         rates = {"utterances_per_s": facts["utterances"] / found["elapsed_s"]}
         if facts.get("audio_s"):
             rates["audio_s_per_s_per_core"] = facts["audio_s"] / found["elapsed_s"] / len(os.sched_getaffinity(0))
@@ -204,6 +225,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.add_argument("--steps", type=int, default=30, help="spoken: train steps before SIGTERM (x 10)")
         parser.add_argument("--seed", type=int, default=0, help="spoken: corpus seed")
         parser.add_argument("--voices", type=int, default=100, help="spoken: corpus voices")
+        parser.add_argument("--minutes", type=float, help="spoken: train this long instead (memory by minute, WER)")
+        parser.add_argument("--train", type=json.loads, default={}, help="spoken: train keys as JSON (num_layers...)")
         parser.add_argument("--no-noop", action="store_true", help="spoken: skip the no-op snakemake / dvc timing")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)

@@ -72,22 +72,25 @@ def write_params(run_dir: Path, train: dict, data: Path) -> None:
     (run_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def launch(run_dir: Path, data: Path, *, stop_when: str, log: Path, timeout_s: float = 600.0, env=None) -> dict:
-    """The train stage on ``data`` in ``run_dir`` (``env`` added) until ``stop_when`` is logged, then SIGTERM (the
-    step in flight is saved: exit 75). Returns the marks (seconds after launch), the exit code, the tree's peak PSS."""
+def launch(run_dir: Path, data: Path, *, stop_when: str | float, log: Path, timeout_s: float = 600.0, env=None) -> dict:
+    """The train stage on ``data`` in ``run_dir`` (``env`` added) until ``stop_when`` is logged (or, a number, that
+    many seconds), then SIGTERM (the step in flight is saved: exit 75). Returns the marks (seconds after launch), the
+    exit code, the tree's peak PSS, and when timed its memory readings (:attr:`ChildProcess.memory_samples`)."""
     command = [sys.executable, "-m", "stages.train", "--params", "params.yaml"]
     command += ["--fbank", str(data / "fbank"), "--lang", str(data / "lang"), "--exp", "exp"]
     env = {key: value for key, value in os.environ.items() if key not in UNSET} | (env or {})
     env |= {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    process = ChildProcess(command, log_path=log, env=env, cwd=run_dir, memory_poll_s=0.25)
+    timed = not isinstance(stop_when, str)
+    process = ChildProcess(command, log_path=log, env=env, cwd=run_dir, memory_poll_s=5.0 if timed else 0.25)
     with contextlib.suppress(RuntimeError):  # it ended first: its exit code tells
-        process.wait_for(stop_when, timeout_s)
+        time.sleep(stop_when) if timed else process.wait_for(stop_when, timeout_s)
         process.process.send_signal(signal.SIGTERM)
     status = process.wait(timeout_s)
     if status not in (0, exit_code(Outcome.STOPPED)):
         raise RuntimeError(f"train stage exited {status} in {run_dir}; log {log}:\n{process.tail(15)}")
     marks = {name: at - process.started for name, at in log_marks(process.log()).items()}
-    return {"marks": marks, "exit_code": status, "peak_tree_pss_mb": process.peak_pss / 2**20}
+    result = {"marks": marks, "exit_code": status, "peak_tree_pss_mb": process.peak_pss / 2**20}
+    return result | ({"samples": process.memory_samples, "started": process.started} if timed else {})
 
 
 def metric_points(db: Path, key: str) -> dict[int, tuple[float, float]]:

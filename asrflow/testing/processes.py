@@ -48,8 +48,9 @@ class ChildProcess:
     """``command`` in a session of its own (a signal reaches it and its workers), output to ``log_path``.
 
     With ``memory_poll_s``, a thread reads the tree's memory that often: :attr:`peak_rss` and
-    :attr:`peak_pss` (bytes; spikes shorter than the interval may be missed). Reading PSS costs
-    CPU (each process's smaps), so poll no faster than the figure needs.
+    :attr:`peak_pss` (bytes; spikes shorter than the interval may be missed), and every reading in
+    :attr:`memory_samples` as ``(seconds since start, rss, pss)``. Reading PSS costs CPU (each
+    process's smaps), so poll no faster than the figure needs.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class ChildProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.peak_rss = self.peak_pss = 0
+        self.memory_samples: list[tuple[float, int, int]] = []
         self.started = time.time()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -89,6 +91,7 @@ class ChildProcess:
         while not self._done.is_set() and self.process.poll() is None:
             rss, pss = tree_memory(self.process.pid)
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.memory_samples.append((time.time() - self.started, rss, pss))
             self._done.wait(every_s)
 
     def log(self) -> str:
