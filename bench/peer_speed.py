@@ -60,12 +60,12 @@ def summary(result: dict) -> dict:
     return figures | {key: result.get(key) for key in keys}
 
 
-def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, settings, params_file) -> tuple[dict, dict]:
+def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, settings, params_file, precision):
     """One corpus: the record to print, and the settings used (from the sweep, when one ran)."""
     from asrflow.params import load_params
 
     params = load_params(params_file)
-    fixed = {"precision": "fp32", "validate_every_steps": 0, "average_last": 1}
+    fixed = {"precision": precision, "validate_every_steps": 0, "average_last": 1}
     config = train_config(params, quick=quick, epochs=epochs, **fixed)
     features = data_features(data)
     seed = int(params.get("seed", 0))
@@ -122,13 +122,10 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
 
 def fixed_settings(values: list[str]) -> dict:
     """``["2x0", "1x0"]`` -> each side's ``num_threads`` and ``num_workers``."""
-    settings = {}
-    for side, value in zip(SIDES, values, strict=True):
-        threads, _, workers = value.partition("x")
-        if not (threads.isdigit() and workers.isdigit() and int(threads) > 0):
-            raise SystemExit(f"--settings {value}: give THREADSxWORKERS, e.g. 2x0")
-        settings[side] = {"num_threads": int(threads), "num_workers": int(workers)}
-    return settings
+    pairs = [value.partition("x")[::2] for value in values]
+    if not all(t.isdigit() and w.isdigit() and int(t) > 0 for t, w in pairs):
+        raise SystemExit(f"--settings {' '.join(values)}: give THREADSxWORKERS each, e.g. 2x0 2x0")
+    return {side: {"num_threads": int(t), "num_workers": int(w)} for side, (t, w) in zip(SIDES, pairs, strict=True)}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -137,6 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         add("--epochs", type=int, help="epochs per corpus (default: 1 of generated, 30 of yesno)")
         add("--corpora", nargs="+", choices=("generated", "yesno"), help="only these (default: both; quick: generated)")
         add("--params", type=Path, default=REPO / "params.yaml", help="its train: section shapes both models")
+        add("--precision", choices=("fp32", "bf16"), default="fp32", help="both sides (bf16: CPU autocast)")
         add("--settings", nargs=2, metavar=("ASRFLOW", "SPEECHBRAIN"), help="THREADSxWORKERS each (2x0 2x0): no sweep")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
@@ -154,6 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             dev = 4 if args.quick else 40
             data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode], dev_utterances=dev)
             options = {"quick": args.quick, "epochs": epochs, "max_steps": max_steps, "params_file": args.params}
+            options["precision"] = args.precision
             try:
                 record, settings = measure(corpus, data, work, peer_problem=peer_problem, settings=settings, **options)
             except RuntimeError as error:

@@ -38,7 +38,7 @@ def train(options: dict, launched: float) -> dict:
         log_probs, out_lens = model(batch["features"], batch["feature_lens"])
         ctc_loss_sum(log_probs, out_lens, batch).backward()
 
-    settings = {"num_threads": config.num_threads, "num_workers": config.num_workers}
+    settings = {"num_threads": config.num_threads, "num_workers": config.num_workers, "precision": config.precision}
     return report(model, forward_backward, batch, steps=steps, launched=launched, dev_loss=loss, settings=settings)
 
 

@@ -35,7 +35,7 @@ def report(model, forward_backward, first_batch: dict, *, steps: list, launched:
     audio_s = float(first_batch["durations"].sum())
     with FlopCounterMode(display=False) as counter:
         forward_backward()
-    found = {"steps": steps, "launched": launched, "dev_loss": dev_loss, "settings": {**settings, "precision": "fp32"}}
+    found = {"steps": steps, "launched": launched, "dev_loss": dev_loss, "settings": settings}
     found["flops_by_part"] = {k: v / audio_s for k, v in flops_by_part(counter.get_flop_counts()).items()}
     found["params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return found | {"flops_per_audio_s": counter.get_total_flops() / audio_s}

@@ -59,9 +59,10 @@ def train(options: dict, launched: float) -> dict:
     )
 
     def loss_sum(batch):
-        log_probs, out_lens = model(batch["features"], batch["feature_lens"])
-        targets, lens = batch["targets"], batch["target_lens"]
-        return F.ctc_loss(log_probs.transpose(0, 1), targets, out_lens, lens, reduction="sum", zero_infinity=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config["precision"] == "bf16"):
+            log_probs, out_lens = model(batch["features"], batch["feature_lens"])
+        args = (log_probs.float().transpose(0, 1), batch["targets"], out_lens, batch["target_lens"])
+        return F.ctc_loss(*args, reduction="sum", zero_infinity=True)
 
     steps: list[dict] = []
     total = len(list(folder.glob("step-*.pt")))
@@ -86,7 +87,7 @@ def train(options: dict, launched: float) -> dict:
                 tokens += float(batch["target_lens"].sum())
         loss = total_loss / max(tokens, 1.0)
         model.train()
-    settings = {"num_threads": config["num_threads"], "num_workers": 0}
+    settings = {"num_threads": config["num_threads"], "num_workers": 0, "precision": config["precision"]}
     forward_backward = lambda: loss_sum(first).backward()  # noqa: E731
     return report(model, forward_backward, first, steps=steps, launched=launched, dev_loss=loss, settings=settings)
 
