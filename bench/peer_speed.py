@@ -1,9 +1,9 @@
 """Training speed against a real peer: asrflow and SpeechBrain side by side, same batches, same model size.
 
-``python -m bench.peer_speed [--quick] [--workdir DIR] [--epochs N] [--corpora ...] [--settings A S]``: asrflow's
-planned batches dumped (:mod:`bench.peer.batches`), then each side trains in a process of its own, alternating
-(:mod:`bench.peer.asrflow_side`, :mod:`bench.peer.speechbrain_side`, SpeechBrain installed by
-:mod:`bench.peer.install`), fp32, at swept settings (:mod:`bench.peer.sweep`). Record ``peer_speed`` per corpus:
+``python -m bench.peer_speed [--quick] [--workdir W] [--epochs N | --steps N] [--corpora ...] [--precision P]
+[--settings A S]``: asrflow's planned batches dumped (:mod:`bench.peer.batches`), then each side trains in a process
+of its own, alternating (:mod:`bench.peer.asrflow_side`, :mod:`bench.peer.speechbrain_side`, SpeechBrain installed
+by :mod:`bench.peer.install`), fp32 or bf16, at swept settings (:mod:`bench.peer.sweep`). Record ``peer_speed`` per corpus:
 per side audio s/s, start to first step, peak tree PSS, FLOPs, dev loss, params; ``ratio`` asrflow / SpeechBrain.
 """
 
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
         add("--epochs", type=int, help="epochs per corpus (default: 1 of generated, 30 of yesno)")
+        add("--steps", type=int, help="only the first N steps of each run (default: all the epochs')")
         add("--corpora", nargs="+", choices=("generated", "yesno"), help="only these (default: both; quick: generated)")
         add("--params", type=Path, default=REPO / "params.yaml", help="its train: section shapes both models")
         add("--precision", choices=("fp32", "bf16"), default="fp32", help="both sides (bf16: CPU autocast)")
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for corpus, epochs, max_steps in PLANS[mode]:
             if args.corpora and corpus not in args.corpora:
                 continue
-            if args.epochs:
-                epochs, max_steps = args.epochs, None
+            epochs, max_steps = (args.epochs, None) if args.epochs else (epochs, args.steps or max_steps)
             dev = 4 if args.quick else 40
             data = yesno_data(work) if corpus == "yesno" else generated_data(work, GENERATED[mode], dev_utterances=dev)
             options = {"quick": args.quick, "epochs": epochs, "max_steps": max_steps, "params_file": args.params}
