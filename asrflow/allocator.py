@@ -1,11 +1,11 @@
-"""Keeping a long training process's memory flat under glibc's ``malloc``.
+"""Keeping a process's memory flat under glibc's ``malloc`` while it works on batches of varying shapes.
 
 Batches of varying shapes free and allocate blocks of ever-different sizes. glibc's default
 policy raises its ``mmap`` threshold each time a large block is freed, so later blocks of
 that size come from the heap, whose free holes it rarely gives back: the resident set creeps
 with the number of shapes seen (bench/RESULTS.md, "Trainer memory at scale"). Here:
 
-* :func:`tune_for_training` fixes the threshold (blocks of 1 MiB and more are mapped and
+* :func:`tune_malloc` fixes the threshold (blocks of 1 MiB and more are mapped and
   unmapped whole), fixes the trim threshold, and caps the per-thread arenas;
 * :func:`release_free_memory` hands the heap's free pages back (``malloc_trim``); the
   training data loader calls it every few batches.
@@ -50,7 +50,7 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def tune_for_training() -> bool:
+def tune_malloc() -> bool:
     """Set the thresholds and arena cap above for this process; True when glibc took them."""
     libc = _glibc()
     if libc is None:
@@ -64,7 +64,7 @@ def tune_for_training() -> bool:
         )
     )
     if not done:
-        logger.warning("glibc refused a malloc setting; memory may creep over a long run")
+        logger.warning("glibc refused a malloc setting; memory may creep with the number of batch shapes")
     return done
 
 

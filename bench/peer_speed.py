@@ -3,8 +3,8 @@
 ``python -m bench.peer_speed [--quick] [--workdir W] [--epochs N | --steps N] [--corpora ...] [--precision P]
 [--settings A S]``: asrflow's planned batches dumped (:mod:`bench.peer.batches`), then each side trains in a process
 of its own, alternating (:mod:`bench.peer.asrflow_side`, :mod:`bench.peer.speechbrain_side`, SpeechBrain installed
-by :mod:`bench.peer.install`), fp32 or bf16, at swept settings (:mod:`bench.peer.sweep`). Record ``peer_speed`` per corpus:
-per side audio s/s, start to first step, peak tree PSS, FLOPs, dev loss, params; ``ratio`` asrflow / SpeechBrain.
+by :mod:`bench.peer.install`), fp32 or bf16, at swept settings (:mod:`bench.peer.sweep`). Record ``peer_speed`` per
+corpus: per side audio s/s, start to first step, peak tree PSS, FLOPs, dev loss, params; ``ratio`` asrflow / peer.
 """
 
 from __future__ import annotations

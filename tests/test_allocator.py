@@ -13,13 +13,13 @@ pytestmark = pytest.mark.skipif(_glibc() is None, reason="the C library here is 
 
 _HOLES = """
 from pathlib import Path
-from asrflow.allocator import release_free_memory, tune_for_training
+from asrflow.allocator import release_free_memory, tune_malloc
 
 def rss_mb():
     lines = Path("/proc/self/status").read_text().splitlines()
     return int(next(line for line in lines if line.startswith("VmRSS:")).split()[1]) / 1024
 
-assert tune_for_training()
+assert tune_malloc()
 blocks = [bytearray(512 * 1024) for _ in range(400)]  # 200 MB of heap blocks, below the mmap threshold
 top = bytearray(512 * 1024)  # the heap's top stays in use: freeing the rest leaves holes below it
 del blocks

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from asrflow.allocator import tune_for_training
+from asrflow.allocator import tune_malloc
 
 #: Linux's ``prctl`` option that sends the process a signal when its parent dies.
 _PR_SET_PDEATHSIG = 1
@@ -52,7 +52,7 @@ def init_worker(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
-    tune_for_training()
+    tune_malloc()
     torch.set_num_threads(1)
 
 
