@@ -159,6 +159,10 @@ class Tokenizer:
         """Token ids of ``text`` (never the blank)."""
         return self.processor.EncodeAsIds(text)
 
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode` of each of ``texts``, in one call (SentencePiece's batch encoding)."""
+        return self.processor.Encode(texts, num_threads=1)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; blanks are dropped."""
         return self.processor.DecodeIds([int(i) for i in ids if int(i) != BLANK_ID])

@@ -14,6 +14,10 @@ from asrflow.model.conformer_ctc import subsampled_lengths
 from asrflow.tokenizer import Tokenizer
 
 logger = logging.getLogger("asrflow.filters")
+#: Cuts judged at once by :func:`filter_ctc_feasible_index` (their texts are tokenized as one batch).
+VERDICT_CHUNK = 10_000
+#: Output frames "needed" by an empty transcript: more than any cut has, so it is removed.
+NEVER = np.iinfo(np.int64).max
 
 
 def ctc_frames_needed(token_ids: list[int]) -> int:
@@ -80,11 +84,22 @@ def filter_ctc_feasible_index(
 
     def verdicts() -> np.ndarray:
         keep = np.zeros(len(index), dtype=bool)
-        for position, entry in index.iter_entries():
-            text = " ".join(s["text"] for s in entry.get("supervisions", []) if s.get("text"))
-            ids = tokenizer.encode(text)
-            num_frames = int(entry_frames(entry, frame_shift_s) / max_speed)
-            keep[position] = bool(ids) and output_frames(num_frames) >= ctc_frames_needed(ids)
+        positions: list[int] = []
+        texts: list[str] = []
+        frames: list[int] = []
+
+        def judge() -> None:  # one batch of texts through the tokenizer, the frame arithmetic in numpy
+            needed = [ctc_frames_needed(ids) if ids else NEVER for ids in tokenizer.encode_many(texts)]
+            keep[positions] = subsampled_lengths(np.array(frames, dtype=np.int64)) >= np.array(needed)
+            positions.clear(), texts.clear(), frames.clear()
+
+        for position, entry in index.iter_entries():  # only strings and ints are kept: no dicts for the GC to walk
+            positions.append(position)
+            texts.append(" ".join(s["text"] for s in entry.get("supervisions", []) if s.get("text")))
+            frames.append(int(entry_frames(entry, frame_shift_s) / max_speed))
+            if len(positions) == VERDICT_CHUNK:
+                judge()
+        judge()
         return keep
 
     name = f"ctc-{cache_key}-{frame_shift_s!r}-{max_speed!r}"

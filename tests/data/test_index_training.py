@@ -71,10 +71,10 @@ def test_ctc_verdicts_are_kept_in_the_shared_store(yesno_data, tmp_path, monkeyp
     manifest = cuts_path(yesno_data / "fbank", "train")
     first, removed = filter_ctc_feasible_index(shared_index(manifest, tmp_path), tokenizer, 0.01, 1.1, cache_key="a")
 
-    def no_tokenizing(_text):
+    def no_tokenizing(_texts):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(tokenizer, "encode", no_tokenizing)
+    monkeypatch.setattr(tokenizer, "encode_many", no_tokenizing)
     again, removed_again = filter_ctc_feasible_index(
         shared_index(manifest, tmp_path), tokenizer, 0.01, 1.1, cache_key="a"
     )

@@ -11,8 +11,10 @@ import math
 import pytest
 from lhotse import CutSet, MonoCut, SupervisionSegment
 
+from asrflow.data import filters
 from asrflow.data.batches import SPEED_FACTORS
 from asrflow.data.filters import ctc_frames_needed, filter_ctc_feasible, output_frames
+from asrflow.data.index import CutIndex
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
 FRAME_SHIFT_S = 0.01
@@ -46,7 +48,9 @@ def test_repeated_tokens_need_a_blank_between_them(tokenizer):
     assert ctc_frames_needed(repeated) == len(repeated) + 2
 
 
-def test_filter_counts_too_short_repeats_and_empty_transcripts(tokenizer):
+@pytest.mark.parametrize("chunk", [2, 10_000])
+def test_filter_counts_too_short_repeats_and_empty_transcripts(tokenizer, chunk, monkeypatch):
+    """The same verdicts from the cuts and from their index, whose pass judges ``chunk`` cuts at a time."""
     repeated = tokenizer.encode(REPEATED)
     enough = _min_input_frames(ctc_frames_needed(repeated))
     tokens_only = _min_input_frames(len(repeated))  # room for the tokens, not for the blanks between repeats
@@ -65,6 +69,9 @@ def test_filter_counts_too_short_repeats_and_empty_transcripts(tokenizer):
     kept, removed = filter_ctc_feasible(cuts, tokenizer, FRAME_SHIFT_S)
     assert removed == ["one-frame-short", "no-room-for-blanks", "empty"]
     assert sorted(cut.id for cut in kept) == ["fits", "plain-fits"]
+    monkeypatch.setattr(filters, "VERDICT_CHUNK", chunk)
+    kept_index, removed_index = filters.filter_ctc_feasible_index(CutIndex.from_cuts(cuts), tokenizer, FRAME_SHIFT_S)
+    assert removed_index == sorted(removed) and kept_index.id_list() == ["fits", "plain-fits"]
 
 
 def test_filter_accounts_for_the_fastest_speed_perturbation(tokenizer):
