@@ -83,7 +83,7 @@ def launch(run_dir: Path, data: Path, *, stop_when: str | float, log: Path, time
     timed = not isinstance(stop_when, str)
     process = ChildProcess(command, log_path=log, env=env, cwd=run_dir, memory_poll_s=5.0 if timed else 0.25)
     with contextlib.suppress(RuntimeError):  # it ended first: its exit code tells
-        time.sleep(stop_when) if timed else process.wait_for(stop_when, timeout_s)
+        process.wait_at_most(stop_when) if timed else process.wait_for(stop_when, timeout_s)
         process.process.send_signal(signal.SIGTERM)
     status = process.wait(timeout_s)
     if status not in (0, exit_code(Outcome.STOPPED)):

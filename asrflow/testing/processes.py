@@ -134,6 +134,11 @@ class ChildProcess:
         self.signal(signal.SIGKILL)
         return self._reap()
 
+    def wait_at_most(self, seconds: float) -> None:
+        """Block until the process ends or ``seconds`` pass, whichever comes first (nothing is killed)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=seconds)
+
     def wait_for(self, text: str, timeout: float = 300.0) -> None:
         """Block until ``text`` is in the log; raise ``RuntimeError`` (tree killed) if the process
         ends or ``timeout`` passes first."""
