@@ -83,14 +83,13 @@ def bare_rate(model, optimizer, steps: list[list[dict]], precision) -> tuple[flo
     return audio / seconds, torch.cuda.max_memory_allocated() / 1e9
 
 
-def peer_record(data: Path, config, features, *, num_steps: int) -> dict:
-    """asrflow's model and SpeechBrain's of the same shape, bf16 autocast, bare steps on the same batches."""
+def peer_record(planned: PlannedBatches, config, features, *, num_steps: int) -> dict:
+    """asrflow's model and SpeechBrain's of the same shape, bf16 autocast, bare steps on ``planned``'s next batches."""
     import torch
 
     from asrflow.training.precision import resolve_precision
     from bench.peer.speechbrain_side import speechbrain_model
 
-    planned = PlannedBatches(data, config, features, seed=0)
     steps = [[on_device(b) for b in planned.next_step()] for _ in range(num_steps)]
     precision = resolve_precision("bf16", "cuda", torch.cuda.get_device_capability(), ())
     model = build(config, features, 0, planned.tokenizer.vocab_size)[0].cuda()
@@ -110,6 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser) -> None:
         parser.add_argument("--seconds", type=float, default=60.0, help="timed training per feature mode")
         parser.add_argument("--utterances", type=int, default=3000, help="size of the generated corpus")
+        parser.add_argument("--precision-steps", type=int, default=300, help="steps of each fp16 / bf16 run")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     peak = bf16_peak()
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model = build(config, features, 0, planned.tokenizer.vocab_size)[0].cuda()
         batch = on_device(planned.next_step()[0])
         flops = model_flops(model, batch) / float(batch["durations"].sum())
-        del model, planned
+        del model
         for on_the_fly in (False, True):
             torch.cuda.reset_peak_memory_stats()
             mode, exp = replace(features, on_the_fly=on_the_fly), work / f"exp-{on_the_fly}-1"
@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             record = {"benchmark": "gpu_train", "on_the_fly": on_the_fly, "precision": "bf16"}
             record |= {"flops_per_audio_s": flops, "max_duration_s": config.max_duration_s}
             out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
-        out.append(emit({"benchmark": "gpu_peer", **peer_record(data, config, features, num_steps=30)}))
+        out.append(emit({"benchmark": "gpu_peer", **peer_record(planned, config, features, num_steps=30)}))
         for precision in ("fp16", "bf16"):
             torch.cuda.reset_peak_memory_stats()
             config = replace(preset, precision=precision, warmup_steps=100, **timing)
-            steps = 20 if args.quick else 300
+            steps = 20 if args.quick else args.precision_steps
             results = trainer_run(data, work / f"exp-{precision}", config, features, seconds=1e9, max_steps=steps)
             record = {"benchmark": "gpu_precision", "precision": precision}
             record["nonfinite_steps"] = sum(not r.finite for r in results)
