@@ -143,9 +143,13 @@ def train_config(params: dict, *, quick: bool, **changes):
 def run_trainer(data: Path, exp: Path, config, features, *, params: dict, seed: int = 0, after_step=None, uri=None):
     """The Trainer as the train stage runs it on ``data`` (``fbank/``, ``lang/``) into ``exp``, MLflow store ``uri``
     (default: ``exp/mlflow.db``); ``after_step(result)`` after each step, which stops it when true. Returns it."""
+    from asrflow.allocator import limit_onednn_cache, tune_malloc
     from asrflow.training.config import TrainPaths
     from asrflow.training.observers import TrainObserver
     from asrflow.training.trainer import Trainer
+
+    tune_malloc()  # as stages/train.py does
+    limit_onednn_cache()
 
     class AfterStep(TrainObserver):
         def after_step(self, run, result):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, replace
@@ -73,6 +74,7 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
     batches, info = cached_batches(work, f"{corpus}-{epochs}-{max_steps}", params_file, data=data, dump=dump)
 
     def train(side: str, threads: int, workers: int, *, name: str, steps: int | None, dev: bool) -> dict:
+        shutil.rmtree(work / name, ignore_errors=True)  # a fresh run, never a resumed one
         side_config = asdict(replace(config, num_threads=threads, num_workers=workers))
         options = {"data": str(data), "batches": str(batches), "exp": str(work / name), "seed": seed, "dev": dev}
         options |= {"vocab_size": info["vocab_size"], "config": side_config, "max_steps": steps}
@@ -106,13 +108,9 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
         return {**record, "status": "peer unavailable", "reason": peer_problem}, settings
     a, s = record["asrflow"], record["speechbrain"]
     speed, size = ratio(a["audio_s_per_s"], s["audio_s_per_s"]), ratio(a["params"], s["params"])
-    no_worse = a["dev_loss"] <= s["dev_loss"]
-    record |= {
-        "ratio": speed,
-        "params_ratio": size,
-        "dev_loss_no_worse": no_worse,
-        "peer": f"speechbrain {PEER_VERSION}",
-    }
+    no_worse, peer = a["dev_loss"] <= s["dev_loss"], f"speechbrain {PEER_VERSION}"
+    record |= {"ratio": speed, "params_ratio": size, "dev_loss_no_worse": no_worse, "peer": peer}
+    record["memory_ratio"] = ratio(a["peak_tree_pss_mb"], s["peak_tree_pss_mb"])  # peak tree PSS; issue 24: <= 0.8
     record |= {"goal": "ratio >= 1.5 on the generated corpus, dev loss no worse, params within 10 %"}
     record["meets_goal"] = speed >= 1.5 and no_worse and abs(size - 1) <= 0.1
     if sweep_figures is not None:

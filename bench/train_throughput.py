@@ -39,8 +39,7 @@ class PlannedBatches:
         from asrflow.training.train_data import TrainData
 
         train_data = TrainData.build(config, features, seed=seed, fbank_dir=data / "fbank", lang_dir=data / "lang")
-        self.tokenizer = train_data.tokenizer
-        self.dataset = train_data.dataset
+        self.tokenizer, self.dataset = train_data.tokenizer, train_data.dataset
         self.items = iter(train_data.batches)
         self.accum_grad = config.accum_grad
 

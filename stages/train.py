@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.allocator import tune_malloc
+from asrflow.allocator import limit_onednn_cache, tune_malloc
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.launch.multinode import rendezvous_from_environment
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
     lang_dir = input_folder(args.lang, "--lang", "tokenizer")
     paths = TrainPaths.under(args.exp, fbank_dir=fbank_dir, lang_dir=lang_dir)
     tune_malloc()  # batches of varying shapes would otherwise fragment glibc's heap
+    limit_onednn_cache()  # ... and fill oneDNN's cache with primitives for shapes that do not come back
     main_process = os.environ.get("RANK", "0") == "0"
     with checkpoints_outside_temp_workspace(paths.checkpoint_dir, params, main_process=main_process) as folder:
         paths = replace(paths, checkpoint_dir=folder)

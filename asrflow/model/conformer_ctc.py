@@ -27,6 +27,12 @@ class ModelConfig:
     num_layers: int = 2
     conv_kernel_size: int = 15
     dropout: float = 0.1
+    #: Dropout of the attention weights (``dropout`` covers the rest). Above 0, PyTorch's attention
+    #: on the CPU leaves its fused kernel for one that keeps (N, heads, T', T') tensors for the
+    #: backward: at 8 layers and 8 x 15 s batches, 460 MB more memory and 1.25x the step time
+    #: (bench/RESULTS.md, "Training memory against SpeechBrain"). It has no parameters, so bundles
+    #: written before this field load unchanged.
+    attention_dropout: float = 0.0
     #: Output channels of the two subsampling convolutions; None = (d_model, d_model), what
     #: bundles written before this field had. Narrower is much cheaper: (64, 32) is a ninth
     #: of (144, 144)'s front-end FLOPs (bench/RESULTS.md, peer_speed).
@@ -208,6 +214,8 @@ class ConformerCtc(nn.Module):
         self.encoder.conformer_layers = nn.ModuleList(
             ConformerBlock(layer, config.d_model) for layer in self.encoder.conformer_layers
         )
+        for block in self.encoder.conformer_layers:
+            block.self_attn.dropout = config.attention_dropout  # torchaudio gives it ``dropout``
         self.head = nn.Linear(config.d_model, config.vocab_size)
         if config.blank_bias_init is not None:
             with torch.no_grad():

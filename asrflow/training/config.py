@@ -40,6 +40,7 @@ TRAIN_LAYOUT: dict[str, tuple[str, ...]] = {
         "num_layers",
         "conv_kernel_size",
         "dropout",
+        "attention_dropout",
         "subsampling_channels",
         "subsampling_norm",
         "blank_bias_init",
@@ -107,6 +108,7 @@ class TrainConfig:
     num_layers: int = 2
     conv_kernel_size: int = 15
     dropout: float = 0.1
+    attention_dropout: float = 0.0
     subsampling_channels: list[int] | None = None
     subsampling_norm: bool = True
     blank_bias_init: float | None = 3.0

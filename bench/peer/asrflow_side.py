@@ -27,8 +27,7 @@ def train(options: dict, launched: float) -> dict:
 
     params = load_params(options["params_file"])
     trainer = run_trainer(data, exp, config, features, params=params, seed=options["seed"], after_step=timing)
-    model = trainer.model
-    loss = None
+    model, loss = trainer.model, None
     if options["dev"]:
         loss = trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=torch.device("cpu"))
     batch = torch.load(Path(options["batches"]) / "step-0.pt", weights_only=True)

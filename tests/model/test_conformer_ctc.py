@@ -27,6 +27,35 @@ def test_output_shapes_and_lengths():
     assert torch.allclose(log_probs.exp().sum(-1), torch.ones(3, log_probs.size(1)), atol=1e-5)
 
 
+def _saved_square_maps(model, features: torch.Tensor, lengths: torch.Tensor) -> list[tuple[int, ...]]:
+    """Shapes of the tensors a training forward keeps for the backward whose last two axes are (T', T')."""
+    square = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] == frames:
+            square.append(tuple(tensor.shape))
+        return tensor
+
+    frames = int(subsampled_lengths(torch.tensor(features.size(1))))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model(features, lengths)
+    return square
+
+
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.2])
+def test_attention_dropout_decides_whether_attention_maps_are_kept(attention_dropout):
+    """Without attention-weight dropout the CPU's fused attention keeps no (N, heads, T', T') map per layer."""
+    torch.manual_seed(0)
+    model = build_model(small_config(attention_dropout=attention_dropout, dropout=0.1)).train()
+    assert {block.self_attn.dropout for block in model.encoder.conformer_layers} == {attention_dropout}
+    features, lengths = torch.randn(3, 201, 80), torch.tensor([201, 150, 90])
+    square = _saved_square_maps(model, features, lengths)
+    if attention_dropout:
+        assert len(square) >= 2, "the unfused attention keeps its weights for the backward"
+    else:
+        assert square == []
+
+
 def test_blank_bias_init_sets_only_the_blank_logit_bias():
     torch.manual_seed(0)
     drawn = build_model(small_config()).head.bias.detach().clone()
