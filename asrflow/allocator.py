@@ -30,13 +30,15 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-#: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). For training,
-#: 32 MiB, the ceiling of glibc's own moving threshold: a low one maps a step's activations anew at
-#: every step, and the page faults cost (1 MiB made 4 M-parameter fp32 steps 1.65x slower here,
-#: bench/RESULTS.md); :func:`release_free_memory` every few batches returns the heap's holes instead.
-MMAP_THRESHOLD = 32 << 20
-#: The threshold for decoding, which returns no pages in between: 1 MiB kept evaluate flat as test sets grew.
-DECODE_MMAP_THRESHOLD = 1 << 20
+#: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). Over 12 minutes
+#: of bf16 training, 1 MiB held the resident set level from about step 150 where 32 MiB let it climb
+#: 400 MB higher, at the same step time.
+MMAP_THRESHOLD = 1 << 20
+#: ... but in fp32 a step's larger activations are then mapped and faulted in anew at every step: 1 MiB
+#: made 4 M-parameter fp32 steps 1.65x slower here. fp32 training takes 32 MiB, the ceiling of glibc's
+#: own moving threshold, and levelled off about 300 MB higher (bench/RESULTS.md, "Training memory
+#: against SpeechBrain").
+FP32_TRAINING_MMAP_THRESHOLD = 32 << 20
 #: Free memory at the heap's top above this is returned at once (bytes).
 TRIM_THRESHOLD = 64 << 20
 #: At most this many malloc arenas (glibc's default is 8 per core).
@@ -61,6 +63,11 @@ def _glibc() -> ctypes.CDLL | None:
     except (OSError, AttributeError):
         return None
     return libc
+
+
+def training_mmap_threshold(precision: str) -> int:
+    """The mmap threshold (bytes) for training in ``precision`` (fp32, bf16 or fp16)."""
+    return FP32_TRAINING_MMAP_THRESHOLD if precision == "fp32" else MMAP_THRESHOLD
 
 
 def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD) -> bool:

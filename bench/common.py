@@ -143,13 +143,12 @@ def train_config(params: dict, *, quick: bool, **changes):
 def run_trainer(data: Path, exp: Path, config, features, *, params: dict, seed: int = 0, after_step=None, uri=None):
     """The Trainer as the train stage runs it on ``data`` (``fbank/``, ``lang/``) into ``exp``, MLflow store ``uri``
     (default: ``exp/mlflow.db``); ``after_step(result)`` after each step, which stops it when true. Returns it."""
-    from asrflow.allocator import limit_onednn_cache, tune_malloc
+    from asrflow.allocator import limit_onednn_cache, training_mmap_threshold, tune_malloc
     from asrflow.training.config import TrainPaths
     from asrflow.training.observers import TrainObserver
     from asrflow.training.trainer import Trainer
 
-    tune_malloc()  # as stages/train.py does
-    limit_onednn_cache()
+    limit_onednn_cache()  # this and tune_malloc below as stages/train.py sets them
 
     class AfterStep(TrainObserver):
         def after_step(self, run, result):
@@ -159,6 +158,7 @@ def run_trainer(data: Path, exp: Path, config, features, *, params: dict, seed: 
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
     where = {"paths": paths, "tracking_uri": uri or f"sqlite:///{exp / 'mlflow.db'}", "observers": [AfterStep()]}
     trainer = Trainer(config, features, seed=seed, all_params=params, **where)
+    tune_malloc(training_mmap_threshold(trainer.precision.name))
     trainer.run()  # returns when finished or stopped
     return trainer
 

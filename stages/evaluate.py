@@ -13,7 +13,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from asrflow.allocator import DECODE_MMAP_THRESHOLD, tune_malloc
+from asrflow.allocator import tune_malloc
 from asrflow.errors import exit_on_user_error
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.evaluation.report import TEST_SETS_KEY
@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="exp/eval", help="report folder (default: %(default)s)")
     args = parser.parse_args(argv)
     setup_logging()
-    # decoding batches of ever-different lengths would otherwise fragment glibc's heap
-    tune_malloc(DECODE_MMAP_THRESHOLD)
+    tune_malloc()  # decoding batches of ever-different lengths would otherwise fragment glibc's heap
     config = build_config(EvaluateConfig, load_params(args.params).get("evaluate"), "evaluate")
     metrics = evaluate(Path(args.model), Path(args.fbank), Path(args.out), config)
     test_sets = metrics[TEST_SETS_KEY]

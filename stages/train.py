@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.allocator import limit_onednn_cache, tune_malloc
+from asrflow.allocator import limit_onednn_cache, training_mmap_threshold, tune_malloc
 from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.launch.multinode import rendezvous_from_environment
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
     with checkpoints_outside_temp_workspace(paths.checkpoint_dir, params, main_process=main_process) as folder:
         paths = replace(paths, checkpoint_dir=folder)
         trainer = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths, observers=observers)
+        tune_malloc(training_mmap_threshold(trainer.precision.name))  # fp32 takes a higher one, for speed
         code, _ = run_trainer(trainer)
     if code:
         raise SystemExit(code)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from asrflow.allocator import _glibc
+from asrflow.allocator import FP32_TRAINING_MMAP_THRESHOLD, MMAP_THRESHOLD, _glibc, training_mmap_threshold
 
 pytestmark = pytest.mark.skipif(_glibc() is None, reason="the C library here is not glibc")
 
@@ -71,3 +71,9 @@ def test_onednn_cache_limit_keeps_memory_from_growing_with_batch_shapes():
         command = [sys.executable, "-c", _SHAPES, mode]
         growth[mode] = float(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
     assert growth["default"] - growth["limited"] > 50, growth
+
+
+def test_fp32_training_maps_only_large_blocks_and_low_precision_keeps_the_low_threshold():
+    """fp32 steps fault in their activations anew under the low threshold (1.65x slower, bench/RESULTS.md)."""
+    assert training_mmap_threshold("fp32") == FP32_TRAINING_MMAP_THRESHOLD == 32 << 20
+    assert training_mmap_threshold("bf16") == training_mmap_threshold("fp16") == MMAP_THRESHOLD == 1 << 20
