@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-#: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). Over 12 minutes
-#: of bf16 training, 1 MiB held the resident set level from about step 150 where 32 MiB let it climb
-#: 400 MB higher, at the same step time.
+#: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). In bf16 training,
+#: 1 MiB held the resident set level from about step 150 to 425 (7 minutes), where 32 MiB let it climb
+#: about 400 MB higher over 12 minutes, at about the same step time.
 MMAP_THRESHOLD = 1 << 20
 #: ... but in fp32 a step's larger activations are then mapped and faulted in anew at every step: 1 MiB
 #: made 4 M-parameter fp32 steps 1.65x slower here. fp32 training takes 32 MiB, the ceiling of glibc's

@@ -1,4 +1,4 @@
-"""glibc's malloc under a long training run: fixed thresholds, and free heap pages handed back."""
+"""Memory under a long training run: glibc's fixed thresholds, free heap pages handed back, oneDNN's cache capped."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from asrflow.allocator import FP32_TRAINING_MMAP_THRESHOLD, MMAP_THRESHOLD, _gli
 
 pytestmark = pytest.mark.skipif(_glibc() is None, reason="the C library here is not glibc")
 
-_HOLES = """
-from pathlib import Path
-from asrflow.allocator import release_free_memory, tune_malloc
-
+#: The resident set in MB, put before each script below (each runs in a fresh interpreter).
+_RSS_MB = """
 def rss_mb():
-    lines = Path("/proc/self/status").read_text().splitlines()
-    return int(next(line for line in lines if line.startswith("VmRSS:")).split()[1]) / 1024
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+"""
+
+_HOLES = """
+from asrflow.allocator import release_free_memory, tune_malloc
 
 assert tune_malloc()
 blocks = [bytearray(512 * 1024) for _ in range(400)]  # 200 MB of heap blocks, below the mmap threshold
@@ -34,7 +35,7 @@ print(before, rss_mb())
 def test_free_heap_pages_below_a_block_in_use_go_back_to_the_system():
     """200 MB freed under a block still in use stay resident (glibc only trims the heap's top)
     until release_free_memory hands their pages back."""
-    out = subprocess.run([sys.executable, "-c", _HOLES], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", _RSS_MB + _HOLES], capture_output=True, text=True, check=True).stdout
     before, after = (float(value) for value in out.split())
     assert before - after > 150, (before, after)
 
@@ -43,9 +44,6 @@ _SHAPES = """
 import sys
 import torch
 from asrflow.allocator import limit_onednn_cache, release_free_memory, tune_malloc
-
-def rss_mb():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 
 tune_malloc()
 if sys.argv[1] == "limited":
@@ -68,7 +66,7 @@ def test_onednn_cache_limit_keeps_memory_from_growing_with_batch_shapes():
     env = {key: value for key, value in os.environ.items() if key != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     growth = {}
     for mode in ("default", "limited"):
-        command = [sys.executable, "-c", _SHAPES, mode]
+        command = [sys.executable, "-c", _RSS_MB + _SHAPES, mode]
         growth[mode] = float(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
     assert growth["default"] - growth["limited"] > 50, growth
 
