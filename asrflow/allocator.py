@@ -30,23 +30,24 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-#: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). In bf16 training,
-#: 1 MiB held the resident set level from about step 150 to 425 (7 minutes), where 32 MiB let it climb
-#: about 400 MB higher over 12 minutes, at about the same step time.
+#: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). A fixed threshold
+#: stops glibc from raising its own after each large free, which is what lets the heap's holes pile up
+#: with every new batch shape; a low one keeps bf16 and fp16 training's resident set level at no cost in
+#: step time (bench/RESULTS.md, "Training memory against SpeechBrain, fp32 and bf16", item 3).
 MMAP_THRESHOLD = 1 << 20
-#: ... but in fp32 a step's larger activations are then mapped and faulted in anew at every step: 1 MiB
-#: made 4 M-parameter fp32 steps 1.65x slower here. fp32 training takes 32 MiB, the ceiling of glibc's
-#: own moving threshold, and levelled off about 300 MB higher (bench/RESULTS.md, "Training memory
-#: against SpeechBrain").
+#: ... but fp32 activations are twice as large, so more of a step's blocks cross the low threshold and are
+#: mapped, faulted in and unmapped anew at every step, which costs step time. fp32 training takes 32 MiB,
+#: the ceiling of glibc's own moving threshold, and pays for the speed in resident memory (same section of
+#: bench/RESULTS.md, which also says what its long-run level has not yet shown).
 FP32_TRAINING_MMAP_THRESHOLD = 32 << 20
 #: Free memory at the heap's top above this is returned at once (bytes).
 TRIM_THRESHOLD = 64 << 20
 #: At most this many malloc arenas (glibc's default is 8 per core).
 ARENA_MAX = 2
-#: oneDNN primitives kept for reuse. A step reuses its own (its layers share shapes), and batch
-#: shapes rarely repeat across steps: at 64 instead of 1,024 a bf16 Trainer's step time was
-#: unchanged and its resident set 300 MB lower after 40 steps (0 doubled the step time;
-#: bench/RESULTS.md, "Training memory against SpeechBrain").
+#: oneDNN primitives kept for reuse. A step reuses its own (its layers share shapes), so the cache
+#: must hold one step's worth; padded batch shapes rarely repeat across steps, so more than that only
+#: keeps dead primitives and their buffers resident. 0 would rebuild every primitive within a step
+#: (bench/RESULTS.md, "Training memory against SpeechBrain, fp32 and bf16", item 2).
 ONEDNN_CACHE_CAPACITY = 64
 
 
@@ -63,6 +64,12 @@ def _glibc() -> ctypes.CDLL | None:
     except (OSError, AttributeError):
         return None
     return libc
+
+
+def glibc_malloc() -> bool:
+    """Whether glibc's ``malloc`` serves this process: :func:`tune_malloc` and :func:`release_free_memory` act
+    only then (not under musl or macOS, nor with jemalloc or tcmalloc in ``LD_PRELOAD``)."""
+    return _glibc() is not None
 
 
 def training_mmap_threshold(precision: str) -> int:
@@ -90,7 +97,8 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
 
 
 def release_free_memory() -> None:
-    """Return the free pages of every malloc arena to the system (glibc only; a few ms)."""
+    """Return the free pages of every malloc arena to the system (glibc only). It walks every arena, so
+    callers run it every few batches rather than at every free."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

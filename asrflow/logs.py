@@ -140,13 +140,17 @@ class TerminalProgress:
         progress = TerminalProgress(total_steps, start_step=global_step)
         ... after each optimizer step:
         progress.update(step, epoch, loss, audio_s_per_s)
+
+    Attributes:
+        started: :func:`time.monotonic` when the instance was made: the ETA counts the time since then
+            (pass ``now=started + seconds`` to :meth:`line` for the line ``seconds`` into training).
     """
 
     def __init__(self, total_steps: int | None = None, start_step: int = 0, every_s: float = 30.0):
         self.total_steps = total_steps
         self.start_step = start_step
         self.every_s = every_s
-        self._started = time.monotonic()
+        self.started = time.monotonic()
         self._last: float | None = None
         self.logger = logging.getLogger(PROGRESS_LOGGER)
 
@@ -158,7 +162,7 @@ class TerminalProgress:
         text = f"{where} epoch {epoch}: loss {loss:.4f}, {audio_s_per_s:.1f} audio s/s"
         done = step - self.start_step
         if total and done > 0 and step <= total:
-            text += f", ETA {format_duration((total - step) * (now - self._started) / done)}"
+            text += f", ETA {format_duration((total - step) * (now - self.started) / done)}"
         return text
 
     def update(self, step: int, epoch: int, loss: float, audio_s_per_s: float, *, force: bool = False) -> bool:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import os
 import subprocess
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,24 +69,80 @@ def require_mapping(section: Any, name: str) -> dict[str, Any]:
     return section
 
 
-def build_config(cls: type[C], section: dict[str, Any] | None, name: str) -> C:
-    """Build dataclass ``cls`` from ``params.yaml`` section ``name``.
+def build_config(
+    cls: type[C], section: dict[str, Any] | None, name: str, *, neighbours: dict[str, type] | None = None
+) -> C:
+    """Build dataclass ``cls`` from ``params.yaml`` section ``name`` (``train.optim``, say).
 
-    Unknown keys and values of the wrong type end in an :class:`AsrflowError` that names
-    the key; keys left out take the dataclass defaults.
+    A field whose type is itself a dataclass is built from the sub-section of the same name. An unknown key
+    names its path and the nearest valid key, or the section it belongs in when ``cls`` or one of the
+    ``neighbours`` (other sections by name, e.g. ``{"run": RunConfig}``) has it; a key the dataclass has no
+    default for must be given; a value of the wrong type names its path. Each failure is one
+    :class:`AsrflowError`.
     """
+    homes = _key_homes(cls, name)
+    for other, other_cls in (neighbours or {}).items():
+        for key, places in _key_homes(other_cls, other).items():
+            homes.setdefault(key, []).extend(places)
+    return _build(cls, section, name, homes=homes)
+
+
+def _build(cls: type[C], section: Any, name: str, *, homes: dict[str, list[str]]) -> C:
     section = dict(require_mapping(section, name))
     hints = typing.get_type_hints(cls)
-    fields = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(section) - fields)
+    fields = {field.name: field for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(section) - set(fields))
     if unknown:
+        hint = _nearest(unknown[0], name, sorted(fields), homes)
+        raise AsrflowError(f"params.yaml: unknown key {name}.{unknown[0]}; {hint}")
+    missing = [
+        key
+        for key, field in fields.items()
+        if key not in section
+        and field.default is dataclasses.MISSING
+        and field.default_factory is dataclasses.MISSING
+        and not _is_section(hints[key])
+    ]
+    if missing:
         raise AsrflowError(
-            f"params.yaml: unknown key(s) {', '.join(f'{name}.{key}' for key in unknown)}; "
-            f"valid keys are: {', '.join(sorted(fields))}"
+            f"params.yaml: {', '.join(f'{name}.{key}' for key in missing)} missing; add it (the shipped params.yaml "
+            "documents each key and its default)"
         )
-    for key, value in section.items():
-        check_type(value, hints[key], f"{name}.{key}")
-    return cls(**section)
+    values = {}
+    for key in fields:
+        if _is_section(hints[key]) and not isinstance(section.get(key), hints[key]):
+            values[key] = _build(hints[key], section.get(key), f"{name}.{key}", homes=homes)
+        elif key in section:
+            check_type(section[key], hints[key], f"{name}.{key}")
+            values[key] = section[key]
+    return cls(**values)
+
+
+def _is_section(annotation: Any) -> bool:
+    return dataclasses.is_dataclass(annotation) and isinstance(annotation, type)
+
+
+def _key_homes(cls: type, name: str) -> dict[str, list[str]]:
+    """Every key of ``cls`` and its sub-sections, with the sections (dotted) that hold it."""
+    homes: dict[str, list[str]] = {}
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if _is_section(hints[field.name]):
+            for key, places in _key_homes(hints[field.name], f"{name}.{field.name}").items():
+                homes.setdefault(key, []).extend(places)
+        else:
+            homes.setdefault(field.name, []).append(name)
+    return homes
+
+
+def _nearest(key: str, name: str, valid: list[str], homes: dict[str, list[str]]) -> str:
+    """The hint for an unknown ``key`` in section ``name``: where it belongs, or the closest valid key."""
+    elsewhere = [place for place in homes.get(key, []) if place != name]
+    if elsewhere:
+        return f"it belongs in {' or '.join(f'{place}.{key}' for place in elsewhere)}"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    nearest = f"did you mean {name}.{close[0]}? " if close else ""
+    return f"{nearest}valid keys are: {', '.join(valid)}"
 
 
 def check_type(value: Any, annotation: Any, where: str) -> None:
@@ -93,17 +151,12 @@ def check_type(value: Any, annotation: Any, where: str) -> None:
         raise AsrflowError(f"params.yaml: {where} = {value!r} has the wrong type; expected {annotation}")
 
 
-#: A section's name, or a mapping from each key to its section (a config read from several sections).
-Section = str | Mapping[str, str]
-
-
-def param_error(section: Section, key: str, value: Any, why: str) -> AsrflowError:
+def param_error(section: str, key: str, value: Any, why: str) -> AsrflowError:
     """The one-line message for ``section.key = value`` being out of range: ``why`` says what is allowed."""
-    where = section if isinstance(section, str) else section.get(key, "train")
-    return AsrflowError(f"params.yaml: {where}.{key} = {value!r} {why}")
+    return AsrflowError(f"params.yaml: {section}.{key} = {value!r} {why}")
 
 
-def check_at_least(config: object, section: Section, minimum: float, *keys: str) -> None:
+def check_at_least(config: object, section: str, minimum: float, *keys: str) -> None:
     """Raise :func:`param_error` unless ``config.key >= minimum`` for every key."""
     for key in keys:
         value = getattr(config, key)
@@ -111,7 +164,7 @@ def check_at_least(config: object, section: Section, minimum: float, *keys: str)
             raise param_error(section, key, value, f"must be at least {minimum}")
 
 
-def check_positive(config: object, section: Section, *keys: str) -> None:
+def check_positive(config: object, section: str, *keys: str) -> None:
     """Raise :func:`param_error` unless ``config.key > 0`` for every key."""
     for key in keys:
         value = getattr(config, key)
@@ -119,7 +172,7 @@ def check_positive(config: object, section: Section, *keys: str) -> None:
             raise param_error(section, key, value, "must be greater than 0")
 
 
-def check_choice(config: object, section: Section, key: str, choices: Iterable[str]) -> None:
+def check_choice(config: object, section: str, key: str, choices: Iterable[str]) -> None:
     """Raise :func:`param_error` unless ``config.key`` is one of ``choices``."""
     choices = tuple(choices)
     value = getattr(config, key)
@@ -181,3 +234,37 @@ def set_param(params: dict[str, Any], dotted: str, value: Any) -> None:
     for section in sections:
         node = node.setdefault(section, {})
     node[key] = value
+
+
+def nested(dotted: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys as nested sections: ``{'train.optim.lr': 1}`` -> ``{'train': {'optim': {'lr': 1}}}``."""
+    tree: dict[str, Any] = {}
+    for key, value in dotted.items():
+        set_param(tree, key, value)
+    return tree
+
+
+def with_overrides(base: dict[str, Any], overrides: dict[str, Any], source: str) -> dict[str, Any]:
+    """A copy of ``base`` (a loaded params.yaml) with ``overrides`` (nested sections, or dotted keys) set.
+
+    Only keys ``base`` has can be set (a mapping value that ``base`` leaves empty, like ``recipe_args: {}``,
+    takes any keys); anything else is refused with one :class:`AsrflowError` naming ``source``, the key's path
+    and the nearest valid key.
+    """
+    if any("." in key for key in overrides):
+        overrides = nested(overrides)
+    merged = copy.deepcopy(base)
+    _merge(merged, copy.deepcopy(overrides), "", source)
+    return merged
+
+
+def _merge(node: dict[str, Any], overrides: dict[str, Any], path: str, source: str) -> None:
+    for key, value in overrides.items():
+        if key not in node:
+            close = difflib.get_close_matches(str(key), [str(k) for k in node], n=1, cutoff=0.6)
+            hint = f"; did you mean {path}{close[0]}?" if close else f"; {path or 'the top level'} holds {sorted(node)}"
+            raise AsrflowError(f"{source}: unknown key {path}{key} (params.yaml has no such key){hint}")
+        if isinstance(value, dict) and isinstance(node[key], dict) and node[key]:
+            _merge(node[key], value, f"{path}{key}.", source)
+        else:
+            node[key] = value

@@ -32,11 +32,12 @@ MIN_VOCAB_SIZE = SPECIAL_PIECES
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    """The ``tokenizer:`` section of params.yaml."""
+    """The ``tokenizer:`` section of params.yaml (each key is documented there, the only place its default
+    lives)."""
 
-    model_type: str = "char"
-    vocab_size: int = 32
-    character_coverage: float = 1.0
+    model_type: str
+    vocab_size: int
+    character_coverage: float
 
     def __post_init__(self) -> None:
         check_choice(self, "tokenizer", "model_type", MODEL_TYPES)

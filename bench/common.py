@@ -98,15 +98,20 @@ def load_average() -> list[float]:
 
 def machine() -> dict:
     """The machine the figures were measured on (Linux)."""
-    import psutil
     import torch
 
-    names = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    from asrflow.training.tune import Machine
+
+    here = Machine.here()
     found = {"date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M")}
-    found |= {"cpu": names[0].split(":", 1)[1].strip() if names else platform.machine(), "cpu_count": os.cpu_count()}
-    found |= {"usable_cores": len(os.sched_getaffinity(0)), "memory_gib": psutil.virtual_memory().total / 2**30}
-    found |= {"gpu": gpu, "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    found |= {"cpu": here.cpu, "cpu_flags": list(here.flags), "cpu_count": os.cpu_count()}
+    found |= {"usable_cores": here.usable_cores, "memory_gib": here.memory_gib}
+    found |= {
+        "gpu": here.gpu,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
     return found | {"torch_threads": torch.get_num_threads(), "load_average": load_average()}
 
 
@@ -128,27 +133,28 @@ def matmul_flops(size: int = 2048, repeat: int = 5, threads: int | None = None) 
     return 2 * size**3 / min(times)
 
 
-def train_config(params: dict, *, quick: bool, **changes):
-    """``params``' TrainConfig for one process, with :data:`~asrflow.testing.tiny_config.TINY_MODEL`'s
-    model when ``quick``, and ``changes``."""
-    from dataclasses import replace
-
+def train_settings(params: dict, *, quick: bool, data: Path | None = None, overrides: dict | None = None):
+    """``params``' :class:`~asrflow.training.assemble.TrainingSettings` for one process, with
+    :data:`~asrflow.testing.tiny_config.TINY_MODEL` when ``quick``, the features ``data`` was computed with
+    (when given) and ``overrides`` (dotted keys, ``{"train.optim.epochs": 1000}``)."""
+    from asrflow.params import with_overrides
+    from asrflow.testing.corpora import params_for
     from asrflow.testing.tiny_config import TINY_MODEL
-    from asrflow.training.config import load_train_config
+    from asrflow.training.assemble import TrainingSettings
 
-    train = load_train_config(params)
-    return replace(train, nproc_per_node=1, nnodes=1, **(TINY_MODEL if quick else {}), **changes)
+    changes = {"run.nproc_per_node": 1, "run.nnodes": 1}
+    changes |= {f"train.model.{key}": value for key, value in TINY_MODEL.items()} if quick else {}
+    params = params_for(data, params) if data is not None else params
+    return TrainingSettings.from_params(with_overrides(params, changes | (overrides or {}), "the benchmark"))
 
 
-def run_trainer(data: Path, exp: Path, config, features, *, params: dict, seed: int = 0, after_step=None, uri=None):
-    """The Trainer as the train stage runs it on ``data`` (``fbank/``, ``lang/``) into ``exp``, MLflow store ``uri``
-    (default: ``exp/mlflow.db``); ``after_step(result)`` after each step, which stops it when true. Returns it."""
-    from asrflow.allocator import limit_onednn_cache, training_mmap_threshold, tune_malloc
+def run_trainer(data: Path, exp: Path, settings, *, after_step=None, uri=None):
+    """The Trainer as the train stage assembles it for ``settings`` on ``data`` (``fbank/``, ``lang/``) into
+    ``exp``, MLflow store ``uri`` (default: ``exp/mlflow.db``); ``after_step(result)`` after each step, which
+    stops it when true. Returns it."""
+    from asrflow.training.assemble import build_trainer
     from asrflow.training.config import TrainPaths
     from asrflow.training.observers import TrainObserver
-    from asrflow.training.trainer import Trainer
-
-    limit_onednn_cache()  # this and tune_malloc below as stages/train.py sets them
 
     class AfterStep(TrainObserver):
         def after_step(self, run, result):
@@ -156,11 +162,29 @@ def run_trainer(data: Path, exp: Path, config, features, *, params: dict, seed: 
                 run.stop.request()  # the next step is the last one, then a checkpoint (as on SIGTERM)
 
     paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
-    where = {"paths": paths, "tracking_uri": uri or f"sqlite:///{exp / 'mlflow.db'}", "observers": [AfterStep()]}
-    trainer = Trainer(config, features, seed=seed, all_params=params, **where)
-    tune_malloc(training_mmap_threshold(trainer.precision.name))
+    uri = uri or f"sqlite:///{exp / 'mlflow.db'}"
+    trainer = build_trainer(settings, paths, tracking_uri=uri, observers=[AfterStep()])
     trainer.run()  # returns when finished or stopped
     return trainer
+
+
+def train_data(data: Path, settings, *, seed: int | None = None, accum_grad: int | None = None):
+    """The ``TrainData`` the Trainer builds for ``settings`` (TrainingSettings) on ``data`` (``fbank/``,
+    ``lang/``), built in this process as one rank; ``seed`` and ``accum_grad`` replace the settings' own."""
+    from asrflow.training.train_data import TrainData
+
+    optim, run, features = settings.train.optim, settings.run, settings.features
+    return TrainData.build(
+        settings.train.data,
+        features,
+        epochs=optim.epochs,
+        accum_grad=optim.accum_grad if accum_grad is None else accum_grad,
+        num_workers=run.data_workers(features.on_the_fly),
+        mp_start_method=run.mp_start_method,
+        seed=settings.seed if seed is None else seed,
+        fbank_dir=data / "fbank",
+        lang_dir=data / "lang",
+    )
 
 
 def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None = None, **info) -> Path:
@@ -168,7 +192,7 @@ def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None 
     (None: initial weights, seed 0) and ``info``."""
     import torch
 
-    from asrflow.data.features import CMVN_FILE, cmvn_stats, load_cmvn
+    from asrflow.data.features.cmvn import CMVN_FILE, cmvn_stats, load_cmvn
     from asrflow.model.conformer_ctc import build_model
     from asrflow.serving.bundle import save_bundle
     from asrflow.testing.corpora import data_features
@@ -176,11 +200,12 @@ def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None 
     from asrflow.training.config import load_train_config
 
     tokenizer, features = Tokenizer(data / "lang" / MODEL_FILE), data_features(data)
-    config = load_train_config(params).model(features.num_mel_bins, tokenizer.vocab_size)
     torch.manual_seed(0)
-    state = model_state if model_state is not None else build_model(config).state_dict()
+    dims = {"input_dim": features.num_mel_bins, "vocab_size": tokenizer.vocab_size}
+    model = build_model(load_train_config(params).model, **dims)
+    state = model_state if model_state is not None else model.state_dict()
     cmvn = cmvn_stats(load_cmvn(data / "fbank" / CMVN_FILE))
-    bundle = {"model_config": config, "tokenizer": tokenizer, "features": features, "cmvn": cmvn, "run_id": None}
+    bundle = {"model_shape": model.shape, "tokenizer": tokenizer, "features": features, "cmvn": cmvn, "run_id": None}
     save_bundle(path, model_state=state, **bundle, info=info or None)
     return path
 

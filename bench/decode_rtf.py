@@ -13,9 +13,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.testing.corpora import data_features, yesno_data
+from asrflow.testing.corpora import yesno_data
 from asrflow.testing.repo import REPO, repo_params
-from bench.common import emit, parse_args, ratio, run_trainer, workdir, write_bundle
+from bench.common import emit, parse_args, ratio, run_trainer, train_settings, workdir, write_bundle
 
 REPEATS = {"full": 3, "quick": 1}
 #: Epochs of the fallback model (when exp/model.pt is missing), full mode.
@@ -27,7 +27,6 @@ def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
     (``quick``) or trained here on yesno for :data:`FALLBACK_EPOCHS` epochs."""
     from asrflow.errors import AsrflowError
     from asrflow.serving.bundle import load_bundle
-    from asrflow.training.config import load_train_config
 
     try:
         load_bundle(REPO / "exp" / "model.pt")
@@ -37,10 +36,11 @@ def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
     params = repo_params()
     if quick:
         return write_bundle(work / "decode-model-untrained.pt", data, params), "untrained (no exp/model.pt)"
-    changes = {"epochs": FALLBACK_EPOCHS, "num_workers": 0, "warmup_steps": 5, "average_last": 1}
+    changes = {"train.optim.epochs": FALLBACK_EPOCHS, "run.num_workers": 0, "train.optim.warmup_steps": 5}
+    changes |= {"train.optim.average_last": 1}
     shutil.rmtree(work / "decode-exp", ignore_errors=True)
-    train, seed = replace(load_train_config(params), **changes), int(params.get("seed", 0))
-    trainer = run_trainer(data, work / "decode-exp", train, data_features(data), params=params, seed=seed)
+    settings = train_settings(params, quick=False, data=data, overrides=changes)
+    trainer = run_trainer(data, work / "decode-exp", settings)
     return trainer.paths.model_path, f"trained here: {FALLBACK_EPOCHS} epochs on yesno (no exp/model.pt)"
 
 

@@ -28,7 +28,7 @@ def manifests(work: Path, utterances: int, train_repeats: int) -> tuple[Path, fl
     from lhotse import CutSet
 
     from asrflow.data.manifests import cuts_path, load_cuts
-    from asrflow.data.prepare import prepare_corpus
+    from asrflow.data.prepare.corpus import prepare_corpus
 
     root = work / f"features-speed-{utterances}"
     shutil.rmtree(root, ignore_errors=True)
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(__doc__.splitlines()[0], argv)
     import torch
 
-    from asrflow.data.features import FeatureConfig, compute_features
+    from asrflow.data.features.config import FeatureConfig
+    from asrflow.data.features.extract import compute_features
     from asrflow.params import build_config
 
     mode = "quick" if args.quick else "full"

@@ -9,12 +9,12 @@ same batches in bf16), ``gpu_precision`` (fp16 and bf16 runs of a few hundred st
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
-from asrflow.testing.corpora import data_features, generated_data
-from asrflow.testing.repo import REPO
-from bench.common import emit, machine, parse_args, run_trainer, train_config, workdir
+from asrflow.testing.corpora import generated_data
+from asrflow.testing.repo import REPO, repo_params
+from bench.common import emit, machine, parse_args, run_trainer, train_settings, workdir
 from bench.train_throughput import PlannedBatches, build, model_flops
 
 
@@ -38,18 +38,16 @@ def on_device(batch: dict) -> dict:
     return {key: value.cuda() if hasattr(value, "cuda") else value for key, value in batch.items()}
 
 
-def trainer_run(data: Path, exp: Path, config, features, *, seconds: float, max_steps: int) -> list:
-    """The Trainer as the train stage runs it, stopped after ``seconds`` or ``max_steps``; its StepResults."""
-    from asrflow.params import load_params
-
+def trainer_run(data: Path, exp: Path, settings, *, seconds: float, max_steps: int) -> list:
+    """The Trainer of ``settings`` (TrainingSettings) as the train stage runs it, stopped after ``seconds`` or
+    ``max_steps``; its StepResults."""
     results = []
 
     def stop(result) -> bool:
         results.append(result)
         return len(results) >= max_steps - 1 or sum(r.elapsed_s for r in results[1:]) > seconds
 
-    params = load_params(REPO / "presets" / "real-corpus.yaml")
-    run_trainer(data, exp, config, features, params=params, after_step=stop)
+    run_trainer(data, exp, settings, after_step=stop)
     return results
 
 
@@ -83,19 +81,22 @@ def bare_rate(model, optimizer, steps: list[list[dict]], precision) -> tuple[flo
     return audio / seconds, torch.cuda.max_memory_allocated() / 1e9
 
 
-def peer_record(planned: PlannedBatches, config, features, *, num_steps: int) -> dict:
-    """asrflow's model and SpeechBrain's of the same shape, bf16 autocast, bare steps on ``planned``'s next batches."""
+def peer_record(planned: PlannedBatches, settings, *, num_steps: int) -> dict:
+    """asrflow's model and SpeechBrain's of the same shape (``settings``' ``train.model``), bf16 autocast, bare
+    steps on ``planned``'s next batches."""
     import torch
 
     from asrflow.training.precision import resolve_precision
     from bench.peer.speechbrain_side import speechbrain_model
 
+    train, features, vocab_size = settings.train, settings.features, planned.tokenizer.vocab_size
     steps = [[on_device(b) for b in planned.next_step()] for _ in range(num_steps)]
     precision = resolve_precision("bf16", "cuda", torch.cuda.get_device_capability(), ())
-    model = build(config, features, 0, planned.tokenizer.vocab_size)[0].cuda()
-    ours = bare_rate(model, torch.optim.AdamW(model.parameters(), lr=config.lr, fused=True), steps, precision)
-    peer = speechbrain_model(asdict(config), features.num_mel_bins, planned.tokenizer.vocab_size).cuda()
-    theirs = bare_rate(peer, torch.optim.AdamW(peer.parameters(), lr=config.lr, fused=True), steps, precision)
+    model = build(train, features, 0, vocab_size)[0].cuda()
+    lr = train.optim.lr
+    ours = bare_rate(model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True), steps, precision)
+    peer = speechbrain_model(asdict(train.model), features.num_mel_bins, vocab_size).cuda()
+    theirs = bare_rate(peer, torch.optim.AdamW(peer.parameters(), lr=lr, fused=True), steps, precision)
     record = {"asrflow_audio_s_per_s": ours[0], "speechbrain_audio_s_per_s": theirs[0], "ratio": ours[0] / theirs[0]}
     record |= {"asrflow_peak_gb": ours[1], "speechbrain_peak_gb": theirs[1], "memory_ratio": ours[1] / theirs[1]}
     return record | {"params": [sum(p.numel() for p in m.parameters()) for m in (model, peer)]}
@@ -104,7 +105,7 @@ def peer_record(planned: PlannedBatches, config, features, *, num_steps: int) ->
 def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
-    from asrflow.params import load_params
+    from asrflow.presets import preset_params
 
     def configure(parser) -> None:
         parser.add_argument("--seconds", type=float, default=60.0, help="timed training per feature mode")
@@ -117,28 +118,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = [emit({**matmul, "machine": machine()})]
     with workdir(args.workdir) as work:
         data = generated_data(work, 200 if args.quick else args.utterances)
-        features = data_features(data)
-        preset = train_config(load_params(REPO / "presets" / "real-corpus.yaml"), quick=args.quick, epochs=1000)
-        timing = {"checkpoint_every_steps": 10**6, "validate_every_steps": 10**6}  # steps only; stop saves
-        config = replace(preset, precision="bf16", warmup_steps=200, **timing)
-        planned = PlannedBatches(data, config, features, seed=0)
-        model = build(config, features, 0, planned.tokenizer.vocab_size)[0].cuda()
+        preset = preset_params(repo_params(), REPO / "presets" / "real-corpus.yaml")
+        timing = {"train.checkpoint.checkpoint_every_steps": 10**6, "train.checkpoint.validate_every_steps": 10**6}
+        fixed = {"seed": 0, "train.optim.epochs": 1000, **timing}  # steps only; stop saves
+
+        def settings_of(precision: str, warmup_steps: int, more: dict | None = None):
+            changes = {"train.optim.precision": precision, "train.optim.warmup_steps": warmup_steps, **(more or {})}
+            return train_settings(preset, quick=args.quick, data=data, overrides=fixed | changes)
+
+        settings = settings_of("bf16", 200)
+        planned = PlannedBatches(data, settings, seed=0)
+        model = build(settings.train, settings.features, 0, planned.tokenizer.vocab_size)[0].cuda()
         batch = on_device(planned.next_step()[0])
         flops = model_flops(model, batch) / float(batch["durations"].sum())
         del model
         for on_the_fly in (False, True):
             torch.cuda.reset_peak_memory_stats()
-            mode, exp = replace(features, on_the_fly=on_the_fly), work / f"exp-{on_the_fly}-1"
-            results = trainer_run(data, exp, config, mode, seconds=args.seconds, max_steps=10**6)
+            mode, exp = settings_of("bf16", 200, {"features.on_the_fly": on_the_fly}), work / f"exp-{on_the_fly}-1"
+            results = trainer_run(data, exp, mode, seconds=args.seconds, max_steps=10**6)
             record = {"benchmark": "gpu_train", "on_the_fly": on_the_fly, "precision": "bf16"}
-            record |= {"flops_per_audio_s": flops, "max_duration_s": config.max_duration_s}
+            record |= {"flops_per_audio_s": flops, "max_duration_s": settings.train.data.max_duration_s}
             out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
-        out.append(emit({"benchmark": "gpu_peer", **peer_record(planned, config, features, num_steps=30)}))
+        out.append(emit({"benchmark": "gpu_peer", **peer_record(planned, settings, num_steps=30)}))
         for precision in ("fp16", "bf16"):
             torch.cuda.reset_peak_memory_stats()
-            config = replace(preset, precision=precision, warmup_steps=100, **timing)
             steps = 20 if args.quick else args.precision_steps
-            results = trainer_run(data, work / f"exp-{precision}", config, features, seconds=1e9, max_steps=steps)
+            runs = settings_of(precision, 100)
+            results = trainer_run(data, work / f"exp-{precision}", runs, seconds=1e9, max_steps=steps)
             record = {"benchmark": "gpu_precision", "precision": precision}
             record["nonfinite_steps"] = sum(not r.finite for r in results)
             out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))

@@ -15,13 +15,12 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 
-from asrflow.testing.corpora import data_features, generated_data, yesno_data
+from asrflow.testing.corpora import generated_data, yesno_data
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO
-from bench.common import emit, machine, parse_args, ratio, train_config, workdir
+from bench.common import emit, machine, parse_args, ratio, train_settings, workdir
 from bench.peer.batches import cached_batches, dump_batches
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
 from bench.peer.sweep import SWEEP_STEPS, median_step_rate, sweep
@@ -63,22 +62,27 @@ def summary(result: dict) -> dict:
 
 def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, settings, params_file, precision):
     """One corpus: the record to print, and the settings used (from the sweep, when one ran)."""
-    from asrflow.params import load_params
+    from asrflow.presets import preset_params
+    from asrflow.testing.repo import repo_params
 
-    params = load_params(params_file)
-    fixed = {"precision": precision, "validate_every_steps": 0, "average_last": 1}
-    config = train_config(params, quick=quick, epochs=epochs, **fixed)
-    features = data_features(data)
-    seed = int(params.get("seed", 0))
-    dump = lambda out: dump_batches(data, out, config, features, seed=seed, max_steps=max_steps)  # noqa: E731
+    params = preset_params(repo_params(), params_file)  # a whole params file, or a preset of the keys it changes
+    fixed = {"train.optim.epochs": epochs, "train.optim.precision": precision, "train.optim.average_last": 1}
+    fixed |= {"train.checkpoint.validate_every_steps": 0}
+
+    def settings_of(changes: dict):
+        """The TrainingSettings of ``params`` on ``data`` with ``fixed`` and ``changes`` (dotted keys)."""
+        return train_settings(params, quick=quick, data=data, overrides=fixed | changes)
+
+    ours = settings_of({})
+    dump = lambda out: dump_batches(data, out, ours, max_steps=max_steps)  # noqa: E731
     batches, info = cached_batches(work, f"{corpus}-{epochs}-{max_steps}", params_file, data=data, dump=dump)
 
     def train(side: str, threads: int, workers: int, *, name: str, steps: int | None, dev: bool) -> dict:
+        """``side`` trained in a process of its own; it rebuilds its settings from the params it is given."""
         shutil.rmtree(work / name, ignore_errors=True)  # a fresh run, never a resumed one
-        side_config = asdict(replace(config, num_threads=threads, num_workers=workers))
-        options = {"data": str(data), "batches": str(batches), "exp": str(work / name), "seed": seed, "dev": dev}
-        options |= {"vocab_size": info["vocab_size"], "config": side_config, "max_steps": steps}
-        options |= {"features": asdict(features), "params_file": str(params_file)}
+        given = settings_of({"train.optim.num_threads": threads, "run.num_workers": workers})
+        options = {"data": str(data), "batches": str(batches), "exp": str(work / name), "seed": given.seed, "dev": dev}
+        options |= {"vocab_size": info["vocab_size"], "params": given.params, "max_steps": steps}
         return summary(run_side(side, options, work / f"{name}.log"))
 
     sweep_figures = None
@@ -89,8 +93,8 @@ def measure(corpus, data, work, *, quick, epochs, max_steps, peer_problem, setti
 
         settings, sweep_figures = sweep(rate, peer=peer_problem is None)
     if settings is None:  # --quick: the shipped settings, and the peer at 2 threads
-        ours = {"num_threads": config.num_threads, "num_workers": config.num_workers}
-        settings = {"asrflow": ours, "speechbrain": {"num_threads": 2, "num_workers": 0}}
+        shipped = {"num_threads": ours.train.optim.num_threads, "num_workers": ours.run.num_workers}
+        settings = {"asrflow": shipped, "speechbrain": {"num_threads": 2, "num_workers": 0}}
     record: dict = {"benchmark": "peer_speed", "corpus": corpus, "params_file": params_file.name, "epochs": epochs}
     record |= {"steps_per_run": info["steps"], "max_steps": max_steps}
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
@@ -132,7 +136,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         add("--epochs", type=int, help="epochs per corpus (default: 1 of generated, 30 of yesno)")
         add("--steps", type=int, help="only the first N steps of each run (default: all the epochs')")
         add("--corpora", nargs="+", choices=("generated", "yesno"), help="only these (default: both; quick: generated)")
-        add("--params", type=Path, default=REPO / "params.yaml", help="its train: section shapes both models")
+        add(
+            "--params",
+            type=Path,
+            default=REPO / "params.yaml",
+            help="its train: section shapes both models (a whole "
+            "params file, or a preset of the keys it changes in params.yaml)",
+        )
         add("--precision", choices=("fp32", "bf16"), default="fp32", help="both sides (bf16: CPU autocast)")
         add("--settings", nargs=2, metavar=("ASRFLOW", "SPEECHBRAIN"), help="THREADSxWORKERS each (2x0 2x0): no sweep")
 

@@ -11,11 +11,17 @@ import shutil
 
 from asrflow.testing.repo import copy_repo, tool_env, write_shipped_params
 from asrflow.testing.tiny_config import TINY_MODEL
-from asrflow.training.config import KEY_SECTION
 from bench.common import emit, noop_runs, parse_args, rounded, timed_run, workdir
 
-#: params.yaml changes that make the copy's pipeline quick to build.
-TRAIN = {"epochs": 1, "num_workers": 0, "max_duration_s": 60.0, "warmup_steps": 2, "average_last": 1, "num_threads": 1}
+#: params.yaml changes (dotted keys) that make the copy's pipeline quick to build, with the tiny model.
+TRAIN = {
+    "train.optim.epochs": 1,
+    "run.num_workers": 0,
+    "train.data.max_duration_s": 60.0,
+    "train.optim.warmup_steps": 2,
+    "train.optim.average_last": 1,
+    "train.optim.num_threads": 1,
+}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -24,7 +30,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         repo = work / "pipeline-copy"
         shutil.rmtree(repo, ignore_errors=True)
         copy_repo(repo)
-        changes = {f"{KEY_SECTION[key]}.{key}": value for key, value in {**TINY_MODEL, **TRAIN}.items()}
+        changes = {f"train.model.{key}": value for key, value in TINY_MODEL.items()} | TRAIN
         write_shipped_params(repo, {"features.num_jobs": 1, **changes})
         env = tool_env(repo)
         build_s, _ = timed_run(["snakemake", "--cores", "all"], repo, env)

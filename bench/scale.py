@@ -1,7 +1,7 @@
 """Batch plans: padding on real corpora, and a million training utterances, metadata only (no audio).
 
 ``python -m bench.scale [--quick] [--workdir DIR] [--cuts N] [--padding]``. Record ``padding`` per corpus
-(generated, yesno): ``1 - real / padded frames`` over three epochs of :func:`asrflow.data.batches.plan_epoch`
+(generated, yesno): ``1 - real / padded frames`` over three epochs of :func:`asrflow.data.loading.planner.plan_epoch`
 against Lhotse's shuffled ``SimpleCutSampler``, and ``by_num_buckets``. Record ``scale`` (not with ``--padding``),
 over a train manifest of N synthetic cuts: the index's build time and size, one epoch's plan per million cuts
 against Lhotse's ``DynamicBucketingSampler`` (over fewer eager cuts, extrapolated), a spawned worker's RSS growth
@@ -41,12 +41,12 @@ def padding(corpus: str, data: Path, params: dict) -> dict:
     """The ``padding`` record of the train cuts of ``data`` at params.yaml's plan settings."""
     from lhotse.dataset import SimpleCutSampler
 
-    from asrflow.data.batches import plan_epoch
+    from asrflow.data.loading.planner import plan_epoch
     from asrflow.data.manifests import load_cuts
     from asrflow.training.config import load_train_config
 
     train, seed = load_train_config(params), int(params.get("seed", 0))
-    max_duration, num_buckets = train.max_duration_s, train.num_buckets
+    max_duration, num_buckets = train.data.max_duration_s, train.data.num_buckets
     cuts = load_cuts(data / "fbank", "train").to_eager()
     frames = {cut.id: cut.num_frames for cut in cuts}
 
@@ -135,8 +135,8 @@ def measure(work: Path, count: int, mode: str) -> dict:
     """The ``scale`` record over a manifest of ``count`` synthetic cuts (written once into ``work``)."""
     from lhotse import CutSet
 
-    from asrflow.data.batches import TrainingBatches, plan_epoch, steps_in_plan
-    from asrflow.data.index import CutIndex
+    from asrflow.data.loading.cut_index import CutIndex
+    from asrflow.data.loading.planner import TrainingBatches, plan_epoch, steps_in_plan
 
     rss_start, manifest = peak_rss_mb(), work / f"scale-{count}.jsonl.gz"
     start = time.perf_counter()

@@ -48,8 +48,14 @@ KINDS = {
     "segments": ((5.0, 50.0), (0.1, 0.4), ("features",)),
 }
 VOCAB_SIZE = 300
-#: ``train`` overrides of the spoken corpus: SIGTERM ends training, so epochs only has to outlast ``--steps``.
-TRAIN = {"epochs": 1000, "max_duration_s": 120.0, "num_workers": 0, "validate_every_steps": 0}
+#: params.yaml overrides (dotted keys) of the spoken corpus: SIGTERM ends training, so epochs only has to outlast
+#: ``--steps``.
+TRAIN = {
+    "train.optim.epochs": 1000,
+    "train.data.max_duration_s": 120.0,
+    "run.num_workers": 0,
+    "train.checkpoint.validate_every_steps": 0,
+}
 
 
 def corpus(kind: str, size: float, work: Path, args) -> tuple[Path, dict]:
@@ -78,8 +84,8 @@ def corpus(kind: str, size: float, work: Path, args) -> tuple[Path, dict]:
 
 def write_params(root: Path, kind: str, corpus_dir: Path, train_keys: dict) -> Path:
     """params.yaml in ``root``: the repository's, pointed at ``corpus_dir``, with 16 kHz features (spoken: with
-    ``train_keys``)."""
-    from asrflow.training.config import set_train_keys
+    :data:`TRAIN` and ``train_keys``, dotted keys such as ``train.model.num_layers``)."""
+    from asrflow.params import with_overrides
 
     params = repo_params()
     splits = {"train": "train", "dev": None if kind == "kaldi" else "dev", "test": None if kind == "kaldi" else "test"}
@@ -87,7 +93,7 @@ def write_params(root: Path, kind: str, corpus_dir: Path, train_keys: dict) -> P
     params["features"] = corpora.generated_features()
     if kind == "spoken":
         params["tokenizer"].update(model_type="bpe", vocab_size=VOCAB_SIZE)
-        set_train_keys(params, TRAIN | train_keys)
+        params = with_overrides(params, TRAIN | train_keys, "bench.stage_scale --train")
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return root / "params.yaml"
@@ -95,7 +101,8 @@ def write_params(root: Path, kind: str, corpus_dir: Path, train_keys: dict) -> P
 
 def in_process(params: Path, out: Path) -> dict:
     """Prepare in this process: wall and CPU seconds (every thread), utterances per CPU second."""
-    from asrflow.data.prepare import PrepareConfig, prepare_corpus
+    from asrflow.data.prepare.config import PrepareConfig
+    from asrflow.data.prepare.corpus import prepare_corpus
 
     config = PrepareConfig.from_section(yaml.safe_load(params.read_text())["prepare"])
     wall, cpu = time.perf_counter(), time.process_time()
@@ -226,7 +233,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.add_argument("--seed", type=int, default=0, help="spoken: corpus seed")
         parser.add_argument("--voices", type=int, default=100, help="spoken: corpus voices")
         parser.add_argument("--minutes", type=float, help="spoken: train this long instead (memory by minute, WER)")
-        parser.add_argument("--train", type=json.loads, default={}, help="spoken: train keys as JSON (num_layers...)")
+        parser.add_argument(
+            "--train",
+            type=json.loads,
+            default={},
+            help='spoken: params overrides as JSON, dotted ({"train.model.num_layers": 6})',
+        )
         parser.add_argument("--no-noop", action="store_true", help="spoken: skip the no-op snakemake / dvc timing")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)

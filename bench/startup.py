@@ -62,13 +62,13 @@ def log_marks(text: str, markers: dict[str, tuple[str, str]] = MARKERS) -> dict[
 
 
 def write_params(run_dir: Path, train: dict, data: Path) -> None:
-    """params.yaml in ``run_dir``: the repository's with ``train`` keys overridden and ``data``'s features section."""
+    """params.yaml in ``run_dir``: the repository's with ``train`` (dotted keys: ``{"train.optim.epochs": 100}``)
+    overridden and ``data``'s features section."""
     import yaml
 
-    from asrflow.training.config import set_train_keys
+    from asrflow.params import with_overrides
 
-    params = params_for(data, repo_params())
-    set_train_keys(params, train)
+    params = with_overrides(params_for(data, repo_params()), train, "bench.startup")
     (run_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -116,7 +116,7 @@ def measure_startup(work: Path, repeat: int) -> list[dict]:
     for round_ in range(repeat):
         run_dir = root / f"round{round_}"
         run_dir.mkdir(parents=True)
-        write_params(run_dir, {"epochs": 100}, data)
+        write_params(run_dir, {"train.optim.epochs": 100}, data)
         for case in ("fresh_new_db", "resumed", "fresh_existing_db"):
             if case == "fresh_existing_db":
                 shutil.rmtree(run_dir / "exp")
@@ -190,8 +190,8 @@ def launch_until(run_dir: Path, data: Path, steps: int, *, tmp: Path, name: str)
 
 def in_process_costs(data: Path, tmp: Path) -> dict:
     """Plan size and a checkpoint's plan-position state cost over the data's shared index."""
-    from asrflow.data.batches import TrainingBatches
-    from asrflow.data.index import shared_index
+    from asrflow.data.loading.index_store import shared_index
+    from asrflow.data.loading.planner import TrainingBatches
     from asrflow.data.manifests import cuts_path
     from asrflow.training.run_state import PlanPosition
 
@@ -214,14 +214,15 @@ def in_process_costs(data: Path, tmp: Path) -> dict:
 def measure_scale(work: Path, counts: list[int], steps: int) -> list[dict]:
     """The ``scale`` part: one ``trainer_scale`` record per corpus size in ``counts``."""
     records, source = [], generated_data(work, 200, dev_utterances=40)
-    train = {"epochs": 1, "max_duration_s": 60.0, "num_workers": 0, "checkpoint_every_steps": CHECKPOINT_EVERY}
+    train = {"train.optim.epochs": 1, "train.data.max_duration_s": 60.0, "run.num_workers": 0}
+    train |= {"train.checkpoint.checkpoint_every_steps": CHECKPOINT_EVERY}
     for count in counts:
         data = grow_corpus(source, work / f"grown-{count}", count)
         tmp, run_dir = work / f"tmp-{count}", work / f"run-{count}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         run_dir.mkdir(exist_ok=True)
-        write_params(run_dir, {**train, "validate_every_steps": 100_000}, data)
+        write_params(run_dir, {**train, "train.checkpoint.validate_every_steps": 100_000}, data)
         load_before = load_average()
         launches = {name: launch_until(run_dir, data, steps, tmp=tmp, name=name) for name in ("first", "again")}
         store_mb = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) / 2**20

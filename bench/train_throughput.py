@@ -14,12 +14,21 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from asrflow.testing.corpora import data_features, generated_data, yesno_data
+from asrflow.testing.corpora import generated_data, yesno_data
 from asrflow.testing.repo import REPO, repo_params
-from bench.common import emit, machine, matmul_flops, parse_args, ratio, run_trainer, train_config, workdir
+from bench.common import (
+    emit,
+    machine,
+    matmul_flops,
+    parse_args,
+    ratio,
+    run_trainer,
+    train_data,
+    train_settings,
+    workdir,
+)
 
 #: Utterances of the generated corpus, per mode (the yesno corpus is fixed).
 GENERATED = {"full": 2000, "quick": 200}
@@ -33,30 +42,32 @@ MIN_STEPS = 4
 
 
 class PlannedBatches:
-    """The batches the train loop will draw (the same ``TrainData`` the Trainer builds), made in this process."""
+    """The batches the train loop will draw (the same ``TrainData`` the Trainer builds for ``settings``, a
+    TrainingSettings, at ``seed``), made in this process."""
 
-    def __init__(self, data: Path, config, features, seed: int):
-        from asrflow.training.train_data import TrainData
-
-        train_data = TrainData.build(config, features, seed=seed, fbank_dir=data / "fbank", lang_dir=data / "lang")
-        self.tokenizer, self.dataset = train_data.tokenizer, train_data.dataset
-        self.items = iter(train_data.batches)
-        self.accum_grad = config.accum_grad
+    def __init__(self, data: Path, settings, seed: int):
+        built = train_data(data, settings, seed=seed)
+        self.tokenizer, self.dataset = built.tokenizer, built.dataset
+        self.items = iter(built.batches)
+        self.accum_grad = settings.train.optim.accum_grad
 
     def next_step(self) -> list[dict]:
         """The micro-batches of the next optimizer step."""
         return [self.dataset[next(self.items)] for _ in range(self.accum_grad)]
 
 
-def build(config, features, seed: int, vocab_size: int):
-    """The model and optimizer the Trainer builds (params.yaml's whole model shape), seeded the same way."""
+def build(train, features, seed: int, vocab_size: int):
+    """The model and optimizer the Trainer builds for ``train`` (a TrainConfig: its whole ``train.model`` section,
+    ``train.optim``'s lr and weight decay) over ``features``, seeded the same way."""
     from asrflow.model.conformer_ctc import build_model
     from asrflow.training.run_state import seed_everything
     from asrflow.training.step import build_optimizer
 
     seed_everything(seed)
-    model = build_model(config.model(features.num_mel_bins, vocab_size))
-    optimizer = build_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    model = build_model(train.model, input_dim=features.num_mel_bins, vocab_size=vocab_size)
+    optim = train.optim
+    scale = train.finetune.encoder_lr_scale
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, encoder_lr_scale=scale)
     model.train()
     return model, optimizer
 
@@ -91,10 +102,11 @@ def model_flops(model, batch: dict) -> float:
     return float(counter.get_total_flops())
 
 
-def run_paired(data: Path, exp: Path, *, tracking_uri, params, config, features, seed, max_steps, budget_s):
-    """The Trainer, with a bare step after each of its steps; per-step records, and FLOPs/audio s."""
-    planned = PlannedBatches(data, config, features, seed)
-    bare_model, bare_optimizer = build(config, features, seed, planned.tokenizer.vocab_size)
+def run_paired(data: Path, exp: Path, *, tracking_uri, settings, max_steps, budget_s):
+    """The Trainer of ``settings`` (TrainingSettings), with a bare step after each of its steps; per-step records,
+    and FLOPs/audio s."""
+    planned = PlannedBatches(data, settings, settings.seed)
+    bare_model, bare_optimizer = build(settings.train, settings.features, settings.seed, planned.tokenizer.vocab_size)
     first = planned.next_step()
     flops_per_audio_s = model_flops(bare_model, first[0]) / float(first[0]["durations"].sum())
     pending, records, started = [first], [], []
@@ -113,21 +125,17 @@ def run_paired(data: Path, exp: Path, *, tracking_uri, params, config, features,
         steps, spent = result.step, time.perf_counter() - started[0]
         return steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s)
 
-    run_trainer(data, exp, config, features, params=params, seed=seed, after_step=paired, uri=tracking_uri)
+    run_trainer(data, exp, settings, after_step=paired, uri=tracking_uri)
     return records, flops_per_audio_s
 
 
 def measure(corpus: str, data: Path, *, work: Path, quick: bool, max_steps, budget_s, peak, num_threads=None):
     """One corpus: the ``train_throughput`` and ``data_wait`` records."""
-    import torch
-
-    params = repo_params()
-    config = train_config(params, quick=quick, epochs=1000, **({"num_threads": num_threads} if num_threads else {}))
-    torch.set_num_threads(config.num_threads)
+    overrides = {"train.optim.epochs": 1000} | ({"train.optim.num_threads": num_threads} if num_threads else {})
+    settings = train_settings(repo_params(), quick=quick, data=data, overrides=overrides)
     exp = work / f"train-throughput-{corpus}"
     shutil.rmtree(exp, ignore_errors=True)
-    run = {"tracking_uri": f"sqlite:///{work / 'bench-mlflow.db'}", "params": params, "config": config}
-    run |= {"features": data_features(data), "seed": int(params.get("seed", 0))}
+    run = {"tracking_uri": f"sqlite:///{work / 'bench-mlflow.db'}", "settings": settings}
     records, flops = run_paired(data, exp, max_steps=max_steps, budget_s=budget_s, **run)
     timed = records[1:]
     total = {key: sum(r[key] for r in timed) for key in ("audio_s", "bare_s", "elapsed", "waited")}
@@ -136,8 +144,11 @@ def measure(corpus: str, data: Path, *, work: Path, quick: bool, max_steps, budg
     loop_rate = audio / (records[-1]["t"] - records[0]["t"] - sum(r["hook_s"] for r in records[:-1]))
     bare_rate, wait = audio / total["bare_s"], total["waited"] / total["elapsed"]
     per_step = [r["bare_s"] / r["elapsed"] for r in timed]
-    names = "d_model num_heads ffn_dim num_layers conv_kernel_size max_duration_s num_buckets accum_grad num_threads"
-    settings = {k: getattr(config, k) for k in (*names.split(), "num_workers", "precision")}
+    train, num_workers = settings.train, settings.run.num_workers
+    shown = {k: getattr(train.model, k) for k in ("d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")}
+    shown |= {"max_duration_s": train.data.max_duration_s, "num_buckets": train.data.num_buckets}
+    shown |= {"accum_grad": train.optim.accum_grad, "num_threads": train.optim.num_threads}
+    shown |= {"num_workers": num_workers, "precision": train.optim.precision}
     common = {"corpus": corpus, "steps": len(records), "timed_steps": len(timed), "audio_s_timed": audio}
     common["same_batches"] = all(r["same_batch"] for r in records)
     loop = {
@@ -160,8 +171,8 @@ def measure(corpus: str, data: Path, *, work: Path, quick: bool, max_steps, budg
     }
     waits = {"benchmark": "data_wait", **common, "data_wait_fraction": wait, "baseline": 0.0}
     waits |= {"per_step_max": max(r["waited"] / r["elapsed"] for r in timed), "first_step_wait_s": records[0]["waited"]}
-    waits |= {"goal": "data_wait_fraction <= 0.02", "meets_goal": wait <= 0.02, "num_workers": config.num_workers}
-    return [{**loop, "settings": settings}, waits]
+    waits |= {"goal": "data_wait_fraction <= 0.02", "meets_goal": wait <= 0.02, "num_workers": num_workers}
+    return [{**loop, "settings": shown}, waits]
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -170,36 +181,42 @@ PRESET_BATCH_S = 60.0
 
 
 def precision_cases(work: Path, quick: bool, steps: int) -> list[tuple[str, Path, object, int]]:
-    """(name, data folder, TrainConfig, timed batches) per case of ``--precisions``."""
-    from asrflow.params import load_params
-    from asrflow.testing.tiny_config import TINY_MODEL
-    from asrflow.training.config import load_train_config
+    """(name, data folder, TrainingSettings, timed batches) per case of ``--precisions``."""
+    from asrflow.params import flatten
+    from asrflow.presets import preset_params
 
-    train = train_config(repo_params(), quick=quick, epochs=1000)
+    params = repo_params()
+
+    def settings(data: Path, changes: dict | None = None):
+        overrides = {"train.optim.epochs": 1000} | (changes or {})
+        return train_settings(params, quick=quick, data=data, overrides=overrides)
+
     if quick:
-        return [("generated, tiny model", generated_data(work, 200), train, 1)]
-    preset = load_train_config(load_params(REPO / "presets" / "real-corpus.yaml"))
-    shape = {key: getattr(preset, key) for key in (*TINY_MODEL, "subsampling_channels")}
-    preset, generated = replace(train, **shape, max_duration_s=PRESET_BATCH_S), generated_data(work, 300)
+        data = generated_data(work, 200)
+        return [("generated, tiny model", data, settings(data), 1)]
+    yesno, generated = yesno_data(work), generated_data(work, 300)
+    preset = preset_params(params, REPO / "presets" / "real-corpus.yaml")
+    preset_model = flatten({"train": {"model": preset["train"]["model"]}})  # the preset's train.model, whole
+    preset_model["train.data.max_duration_s"] = PRESET_BATCH_S
     return [
-        ("yesno, params.yaml model", yesno_data(work), train, steps),
-        ("generated, params.yaml model", generated, train, steps),
-        ("generated, real-corpus preset model", generated, preset, max(2, steps // 2)),
+        ("yesno, params.yaml model", yesno, settings(yesno), steps),
+        ("generated, params.yaml model", generated, settings(generated), steps),
+        ("generated, real-corpus preset model", generated, settings(generated, preset_model), max(2, steps // 2)),
     ]
 
 
-def measure_precisions(name: str, data: Path, config, *, timed: int, threads: int) -> list[dict]:
+def measure_precisions(name: str, data: Path, settings, *, timed: int, threads: int) -> list[dict]:
     """Every precision's bare step time on the same ``timed`` batches (plus one warm-up); one record each."""
     import torch
 
     from asrflow.model.conformer_ctc import count_parameters
     from asrflow.training.precision import resolve_precision
 
-    torch.set_num_threads(threads)
-    features = data_features(data)
-    planned = PlannedBatches(data, config, features, seed=0)
+    torch.set_num_threads(threads)  # no Trainer here: bare steps only
+    train, features = settings.train, settings.features
+    planned = PlannedBatches(data, settings, seed=0)
     vocab = planned.tokenizer.vocab_size
-    runs = {p: (resolve_precision(p, "cpu", None), *build(config, features, 0, vocab)) for p in PRECISIONS}
+    runs = {p: (resolve_precision(p, "cpu", None), *build(train, features, 0, vocab)) for p in PRECISIONS}
     seconds, audio_s = dict.fromkeys(PRECISIONS, 0.0), 0.0
     for index in range(timed + 1):  # the first is a warm-up
         batches = planned.next_step()
@@ -222,16 +239,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"
-    threads = args.num_threads or train_config(repo_params(), quick=args.quick).num_threads
+    threads = args.num_threads or train_settings(repo_params(), quick=args.quick).train.optim.num_threads
     with workdir(args.workdir) as work:
         if args.precisions:
-            from asrflow.training.precision import native_bf16_cpu_flags, resolve_precision
+            from asrflow.training.precision import resolve_precision
 
-            flags = native_bf16_cpu_flags()
-            auto = resolve_precision("auto", "cpu", None, flags).name
-            out = [emit({"benchmark": "machine", **machine(), "cpu_bf16": list(flags), "auto_picks": auto})]
-            for name, data, config, timed in precision_cases(work, args.quick, args.steps):
-                out += [emit(r) for r in measure_precisions(name, data, config, timed=timed, threads=threads)]
+            auto = resolve_precision("auto", "cpu", None).name
+            out = [emit({"benchmark": "machine", **machine(), "auto_picks": auto})]
+            for name, data, settings, timed in precision_cases(work, args.quick, args.steps):
+                out += [emit(r) for r in measure_precisions(name, data, settings, timed=timed, threads=threads)]
             return out
         peak = matmul_flops(threads=threads)
         matmul = {"size": 2048, "threads": threads, "flops": peak, "flops_1_thread": matmul_flops(threads=1)}

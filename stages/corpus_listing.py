@@ -7,7 +7,7 @@ Run from the repository root::
 ``prepare`` depends on this small file instead of the corpus folder, so a run with nothing
 to do stats the corpus but never reads or hashes its audio. DVC runs the stage every time
 (``always_changed``); Snakemake runs it while reading the workflow (workflow/rules/common.smk).
-The file is rewritten only when the listing changed (:func:`asrflow.data.listing.write_listing`).
+The file is rewritten only when the listing changed (:func:`asrflow.data.prepare.listing.write_listing`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from asrflow.data.listing import write_listing
+from asrflow.data.prepare.listing import write_listing
 from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import load_params, require_mapping

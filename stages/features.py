@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from asrflow.data.features import FeatureConfig, compute_features
+from asrflow.data.features.config import FeatureConfig
+from asrflow.data.features.extract import compute_features
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import build_config, load_params

@@ -4,7 +4,7 @@ Run from the repository root::
 
     python -m stages.prepare --params params.yaml --out data/manifests
 
-The work is done by :func:`asrflow.data.prepare.prepare_corpus`; see its module for the
+The work is done by :func:`asrflow.data.prepare.corpus.prepare_corpus`; see its module for the
 outputs and the rules (splits, dev carving, text normalisation, rejections).
 """
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from asrflow.data.prepare import PrepareConfig, prepare_corpus
+from asrflow.data.prepare.config import PrepareConfig
+from asrflow.data.prepare.corpus import prepare_corpus
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.params import load_params, read_seed

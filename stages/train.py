@@ -32,15 +32,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.allocator import limit_onednn_cache, training_mmap_threshold, tune_malloc
-from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.launch.multinode import rendezvous_from_environment
 from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_command
 from asrflow.logs import setup_logging
-from asrflow.params import build_config, load_params, read_seed
+from asrflow.params import load_params
 from asrflow.tracking.store import check_tracking_uri
-from asrflow.training.config import TrainPaths, load_train_config
+from asrflow.training.assemble import TrainingSettings, build_trainer
+from asrflow.training.config import TrainPaths
 from asrflow.training.init_model import check_declared
 from asrflow.training.observers import TrainObserver
 from asrflow.training.outcome import Outcome, TrainingFailure, TrainOutcome, exit_code
@@ -104,30 +103,25 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
     args = parser.parse_args(argv)
     setup_logging()
     logger.info("train stage started (pid %d)", os.getpid())  # imports done: bench.startup times from here
-    params = load_params(args.params)
-    config = load_train_config(params)
     overrides = rendezvous_from_environment()  # a cluster job's allocation, for that job only
     if args.node_rank is not None:
         overrides["node_rank"] = args.node_rank
-    config = replace(config, **overrides)
-    check_declared(config.init_from)  # a model file is a declared dependency: it lies under pretrained/
-    features = build_config(FeatureConfig, params.get("features"), "features")
+    settings = TrainingSettings.from_params(load_params(args.params), **overrides)
+    check_declared(settings.train.finetune.init_from)  # a model file is a declared dependency: under pretrained/
     check_tracking_uri()  # an unreachable MLFLOW_TRACKING_URI stops here, before any training
-    if needs_torchrun(config):
-        check_launch(config)
-        command = torchrun_command(config, ["-m", "stages.train", *(argv if argv is not None else sys.argv[1:])])
+    if needs_torchrun(settings.run):
+        check_launch(settings.run)
+        module = ["-m", "stages.train", *(argv if argv is not None else sys.argv[1:])]
+        command = torchrun_command(settings.run, module)
         logger.info("launching %s", " ".join(command))
         os.execvp(command[0], command)
     fbank_dir = input_folder(args.fbank, "--fbank", "features")
     lang_dir = input_folder(args.lang, "--lang", "tokenizer")
     paths = TrainPaths.under(args.exp, fbank_dir=fbank_dir, lang_dir=lang_dir)
-    tune_malloc()  # batches of varying shapes would otherwise fragment glibc's heap
-    limit_onednn_cache()  # ... and fill oneDNN's cache with primitives for shapes that do not come back
     main_process = os.environ.get("RANK", "0") == "0"
+    params = settings.params
     with checkpoints_outside_temp_workspace(paths.checkpoint_dir, params, main_process=main_process) as folder:
-        paths = replace(paths, checkpoint_dir=folder)
-        trainer = Trainer(config, features, seed=read_seed(params), all_params=params, paths=paths, observers=observers)
-        tune_malloc(training_mmap_threshold(trainer.precision.name))  # fp32 takes a higher one, for speed
+        trainer = build_trainer(settings, replace(paths, checkpoint_dir=folder), observers=observers)
         code, _ = run_trainer(trainer)
     if code:
         raise SystemExit(code)

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from asrflow.allocator import FP32_TRAINING_MMAP_THRESHOLD, MMAP_THRESHOLD, _glibc, training_mmap_threshold
+from asrflow.allocator import FP32_TRAINING_MMAP_THRESHOLD, MMAP_THRESHOLD, glibc_malloc, training_mmap_threshold
 
-pytestmark = pytest.mark.skipif(_glibc() is None, reason="the C library here is not glibc")
+pytestmark = pytest.mark.skipif(not glibc_malloc(), reason="the C library here is not glibc")
 
 #: The resident set in MB, put before each script below (each runs in a fresh interpreter).
 _RSS_MB = """

@@ -1,7 +1,7 @@
 """``asrflow export``: the ONNX and TorchScript encoders compute what the model bundle computes.
 
 Compared on real yesno feature batches of different sizes, lengths and padding, with
-the model trained in this session (tests/trained_model.py). Tolerances on log-probabilities
+the model trained in this session (the ``yesno_model`` fixture). Tolerances on log-probabilities
 (natural log): ONNX Runtime 1e-4 absolute (it fuses and reorders float32 arithmetic;
 observed differences are about 1e-5), TorchScript 1e-5 (the same kernels; observed 0).
 Output lengths must be equal.
@@ -22,9 +22,6 @@ from asrflow.serving.bundle import load_bundle
 from asrflow.serving.cli import main
 from asrflow.serving.export import export_model
 from asrflow.serving.inference import cut_features, log_probs
-
-#: The session's trained model, ``yesno_model``: one fixture however many modules use it.
-pytest_plugins = ["trained_model"]
 
 ONNX_ATOL = 1e-4
 TORCHSCRIPT_ATOL = 1e-5

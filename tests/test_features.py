@@ -7,9 +7,12 @@ import json
 import pytest
 import torch
 
-from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, compute_features, load_cmvn
+from asrflow.data.features.cmvn import CMVN_FILE, load_cmvn
+from asrflow.data.features.config import check_same_features
+from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
+from asrflow.testing.corpora import feature_config
 from asrflow.testing.repo import write_shipped_params
 
 
@@ -32,7 +35,7 @@ def test_yesno_features_are_80_dim_at_the_target_rate(yesno_data):
 
 def test_missing_manifests_are_a_user_error_and_leave_no_output(tmp_path):
     with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz not found"):
-        compute_features(tmp_path / "nowhere", tmp_path / "fbank", FeatureConfig(num_jobs=1))
+        compute_features(tmp_path / "nowhere", tmp_path / "fbank", feature_config(num_jobs=1))
     assert not (tmp_path / "fbank").exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -40,7 +43,7 @@ def test_missing_manifests_are_a_user_error_and_leave_no_output(tmp_path):
 def test_two_processes_extract_the_same_features_as_one(yesno_data, tmp_path):
     import numpy as np
 
-    compute_features(yesno_data / "manifests", tmp_path / "fbank2", FeatureConfig(num_jobs=2))
+    compute_features(yesno_data / "manifests", tmp_path / "fbank2", feature_config(num_jobs=2))
     for split in ("dev", "test"):
         one = {cut.id: cut.load_features() for cut in load_cuts(yesno_data / "fbank", split)}
         two = {cut.id: cut.load_features() for cut in load_cuts(tmp_path / "fbank2", split)}
@@ -49,7 +52,7 @@ def test_two_processes_extract_the_same_features_as_one(yesno_data, tmp_path):
 
 
 def test_automatic_job_count_follows_the_amount_of_audio(yesno_data):
-    from asrflow.data.features import AUDIO_S_PER_JOB, jobs_for
+    from asrflow.data.features.extract import AUDIO_S_PER_JOB, jobs_for
 
     assert jobs_for(180.0, 8) == 1  # about 3 minutes
     assert jobs_for(4 * AUDIO_S_PER_JOB + 1, 8) == 4
@@ -59,13 +62,13 @@ def test_automatic_job_count_follows_the_amount_of_audio(yesno_data):
 def test_num_jobs_zero_uses_every_available_core_on_a_large_split():
     import os
 
-    from asrflow.data.features import AUDIO_S_PER_JOB, available_cores, resolve_jobs
+    from asrflow.data.features.extract import AUDIO_S_PER_JOB, available_cores, resolve_jobs
 
     cores = available_cores()
     assert cores == len(os.sched_getaffinity(0))
-    assert resolve_jobs(FeatureConfig(num_jobs=0), cores * AUDIO_S_PER_JOB + 1) == cores
-    assert resolve_jobs(FeatureConfig(num_jobs=0), 180.0) == 1  # 3 minutes: one process
-    assert resolve_jobs(FeatureConfig(num_jobs=3), 180.0) == 3  # an explicit count is taken as it is
+    assert resolve_jobs(feature_config(num_jobs=0), cores * AUDIO_S_PER_JOB + 1) == cores
+    assert resolve_jobs(feature_config(num_jobs=0), 180.0) == 1  # 3 minutes: one process
+    assert resolve_jobs(feature_config(num_jobs=3), 180.0) == 3  # an explicit count is taken as it is
 
 
 def write_split_manifests(folder, audio_dir, names_by_split) -> None:
@@ -95,8 +98,8 @@ def test_a_cut_whose_audio_vanished_is_dropped_and_named(tmp_path, caplog):
     splits = {"train": ["a", "b", "c"], "dev": ["d"], "test": ["e"]}
     write_split_manifests(tmp_path / "manifests", tmp_path / "audio", splits)
     (tmp_path / "audio" / "b.wav").unlink()
-    with caplog.at_level("WARNING", logger="asrflow.features"):
-        counts = compute_features(tmp_path / "manifests", tmp_path / "fbank", FeatureConfig(num_jobs=1))
+    with caplog.at_level("WARNING", logger="asrflow.data.features.extract"):
+        counts = compute_features(tmp_path / "manifests", tmp_path / "fbank", feature_config(num_jobs=1))
     assert counts == {"train": 3, "dev": 1, "test": 1}
     assert sorted(cut.recording_id for cut in load_cuts(tmp_path / "fbank", "train")) == ["a", "c"]
     assert "train: 1 cut(s) dropped because their audio could not be read: b" in caplog.text
@@ -130,8 +133,8 @@ def test_the_job_count_changes_no_manifest_order_statistic_digest_or_plan(yesno_
     import numpy as np
     from lhotse import CutSet
 
-    from asrflow.data.batches import plan_digest, plan_epoch
-    from asrflow.data.index import CutIndex, data_digest
+    from asrflow.data.loading.cut_index import CutIndex, data_digest
+    from asrflow.data.loading.planner import plan_digest, plan_epoch
     from asrflow.data.manifests import cuts_path
 
     manifests = tmp_path / "manifests"
@@ -146,7 +149,7 @@ def test_the_job_count_changes_no_manifest_order_statistic_digest_or_plan(yesno_
     for jobs in (1, 2):
         out = tmp_path / f"fbank{jobs}"
         # Coarse frames (0.1 s, 10 bins) keep 4 hours of extraction to seconds; the order is what is tested.
-        compute_features(manifests, out, FeatureConfig(num_jobs=jobs, frame_shift_s=0.1, num_mel_bins=10))
+        compute_features(manifests, out, feature_config(num_jobs=jobs, frame_shift_s=0.1, num_mel_bins=10))
         index = CutIndex.build(cuts_path(out, "train"), tmp_path / f"store{jobs}.jsonl")
         results[jobs] = (
             [cut.id for cut in load_cuts(out, "train")],
@@ -168,7 +171,7 @@ def test_an_unsorted_manifest_is_refused_by_name(tmp_path):
     splits = {"train": ["b", "a"], "dev": ["d"], "test": ["e"]}
     write_split_manifests(tmp_path / "manifests", tmp_path / "audio", splits)
     with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz: cut 'a' comes after 'b'.*re-run prepare"):
-        compute_features(tmp_path / "manifests", tmp_path / "fbank", FeatureConfig(num_jobs=1))
+        compute_features(tmp_path / "manifests", tmp_path / "fbank", feature_config(num_jobs=1))
     assert not (tmp_path / "fbank").exists()
 
 
@@ -193,7 +196,7 @@ def test_training_on_features_computed_with_other_settings_is_refused_by_name(ye
 
 
 def test_features_of_the_same_settings_pass_and_an_older_folder_is_not_checked(yesno_data, tmp_path):
-    check_same_features(FeatureConfig(num_jobs=3, on_the_fly=False), yesno_data / "fbank")  # num_jobs: how, not what
+    check_same_features(feature_config(num_jobs=3, on_the_fly=False), yesno_data / "fbank")  # num_jobs: how, not what
     with pytest.raises(AsrflowError, match=r"features.frame_shift_s = 0.02 but 0.01 there"):
-        check_same_features(FeatureConfig(frame_shift_s=0.02), yesno_data / "fbank")
-    check_same_features(FeatureConfig(num_mel_bins=40), tmp_path)  # no config.json: written before the check
+        check_same_features(feature_config(frame_shift_s=0.02), yesno_data / "fbank")
+    check_same_features(feature_config(num_mel_bins=40), tmp_path)  # no config.json: written before the check

@@ -2,66 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from pathlib import Path
 
 import pytest
 
 from asrflow.params import flatten
 from asrflow.testing.processes import free_port
+from asrflow.testing.servers import api, http, stop, wait_healthy
 from asrflow.tracking.run import MlflowRun
-
-STARTUP_TIMEOUT_S = 60
-
-
-def http(base: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
-    url = f"{base}{path}"
-    if query:
-        url += "?" + urllib.parse.urlencode(query)
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return response.read()
-
-
-def api(base: str, path: str, query: dict | None = None, body: dict | None = None) -> dict:
-    return json.loads(http(base, path, query, body))
-
-
-def wait_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"mlflow ui exited with {server.returncode}:\n{log.read_text()}")
-        try:
-            if http(base, "/health").strip() == b"OK":
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"mlflow ui not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
-
-
-def stop(server: subprocess.Popen) -> None:
-    """Terminate the server and everything it started (its own process group)."""
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=15)
-    with contextlib.suppress(ProcessLookupError):  # workers left behind in the group
-        os.killpg(server.pid, signal.SIGKILL)
 
 
 def test_mlflow_ui_shows_run_metrics_and_artifacts(tmp_path, monkeypatch):

@@ -11,8 +11,10 @@ import yaml
 
 from asrflow.errors import AsrflowError
 from asrflow.launch.multinode import ENDPOINT_ENV, NNODES_ENV, rendezvous_from_environment
+from asrflow.params import with_overrides
 from asrflow.testing.processes import free_port
-from asrflow.testing.repo import REPO
+from asrflow.testing.repo import REPO, repo_params
+from asrflow.training.run_config import RunConfig
 
 
 def test_nothing_set_changes_nothing():
@@ -20,9 +22,10 @@ def test_nothing_set_changes_nothing():
     assert rendezvous_from_environment({NNODES_ENV: "", ENDPOINT_ENV: " "}) == {}
 
 
-def test_both_values_become_train_config_fields():
+def test_both_values_become_run_config_fields():
     environ = {NNODES_ENV: "4", ENDPOINT_ENV: "node17:29511"}
     assert rendezvous_from_environment(environ) == {"nnodes": 4, "rdzv_endpoint": "node17:29511"}
+    assert {"nnodes", "rdzv_endpoint"} <= set(RunConfig.__dataclass_fields__)
     assert rendezvous_from_environment({ENDPOINT_ENV: "head:1"}) == {"rdzv_endpoint": "head:1"}
 
 
@@ -40,8 +43,8 @@ def test_bad_values_name_the_variable(environ, message):
         rendezvous_from_environment(environ)
 
 
-#: One node, 2 s to reach a rendezvous.
-PARAMS = yaml.safe_dump({"seed": 1, "run": {"nnodes": 1, "dist_timeout_s": 2.0}})
+#: The shipped params with one node, 2 s to reach a rendezvous.
+PARAMS = yaml.safe_dump(with_overrides(repo_params(), {"run.nnodes": 1, "run.dist_timeout_s": 2.0}, "this test"))
 
 
 def _train_stage(tmp_path, **environ: str) -> subprocess.CompletedProcess:

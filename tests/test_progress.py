@@ -27,7 +27,7 @@ logging.getLogger("asrflow.guard").warning("a warning")
 
 def test_step_progress_line_and_eta():
     progress = TerminalProgress(total_steps=400, start_step=100, every_s=30)
-    line = progress.line(150, 12, 0.81234, 64.25, now=progress._started + 100)
+    line = progress.line(150, 12, 0.81234, 64.25, now=progress.started + 100)
     # 50 steps in 100 s: 250 steps left take 500 s.
     assert line == "step 150/400 (38%) epoch 12: loss 0.8123, 64.2 audio s/s, ETA 8m20s"
     assert TerminalProgress().line(7, 0, 2.0, 1.0) == "step 7 epoch 0: loss 2.0000, 1.0 audio s/s"

@@ -10,12 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
 from asrflow.params import flatten
 from asrflow.testing.mlflow_store import fresh_mlflow_store
+from asrflow.tracking.metric_log import MetricLog
 from asrflow.tracking.naming import param_value
 from asrflow.tracking.run import LOGGED_THROUGH_TAG, REOPENED_END_STATUS_TAG, MlflowRun
 from asrflow.tracking.store import default_artifact_location, default_tracking_uri, resolve_tracking_uri
@@ -58,28 +60,40 @@ class Crash(BaseException):
     """Stands for the process dying (SIGKILL) at the point where it is raised."""
 
 
-class CrashingTracker(MlflowRun):
-    """A real tracker that 'dies' after ``chunks_before_crash`` metric writes, or before its tag."""
+class CrashingLog(MetricLog):
+    """A real metric log whose tracker 'dies' in a flush: after ``chunks_before_crash`` chunks were handed to
+    MLflow (as the flush takes the next one), or before it claims the watermark (``crash_before_tag``)."""
 
     chunks_before_crash: int | None = None
     crash_before_tag = False
 
-    def _write_metrics(self, points):
-        if self.chunks_before_crash is not None:
+    def unsent(self, limit: int, through: int | None = None) -> list:
+        chunk = super().unsent(limit, through)
+        if chunk and self.chunks_before_crash is not None:
             if self.chunks_before_crash == 0:
                 raise Crash
             self.chunks_before_crash -= 1
-        return super()._write_metrics(points)
+        return chunk
 
-    def commit_in_flight(self) -> None:
-        """What was handed to MLflow's async queue before the death reaches the store."""
-        for operation, _ in self._in_flight:
-            operation.wait()
-
-    def _write_watermark(self, step: int) -> None:
+    def stored_through(self) -> int:
         if self.crash_before_tag:
             raise Crash
-        super()._write_watermark(step)
+        return super().stored_through()
+
+
+def crashing_tracker(uri: str, **options) -> tuple[MlflowRun, CrashingLog]:
+    """A new run whose points wait in a :class:`CrashingLog`."""
+    tracker = MlflowRun.start(tracking_uri=uri, **options)
+    tracker.metrics = log = CrashingLog()
+    return tracker, log
+
+
+def land_async_writes(tracking_uri: str) -> None:
+    """What was handed to MLflow's async queue before the death reaches the store (MLflow's own flush of the
+    store that ``MLFLOW_TRACKING_URI`` names)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+        mlflow.flush_async_logging()
 
 
 # --------------------------------------------------------------------------- store and URIs
@@ -236,19 +250,19 @@ def test_flush_more_than_one_batch(uri, client):
 
 
 def test_flush_failed_half_way_can_be_called_again(uri, client):
-    tracker = CrashingTracker.start(tracking_uri=uri)
+    tracker, log = crashing_tracker(uri)
     tracker.max_metrics_per_batch = 4
     record_steps(tracker, 1, 10)
-    tracker.chunks_before_crash = 2
+    log.chunks_before_crash = 2
     with pytest.raises(Crash):
         tracker.flush()
-    assert len(tracker.metrics.pending) == 20 and len(tracker._in_flight) == 2  # sent, not yet confirmed
-    tracker.chunks_before_crash = None
-    tracker.crash_before_tag = True
+    log.chunks_before_crash = None
+    assert len(log.pending) == 20 and len(log.unsent(100)) == 12  # 2 chunks of 4 sent, not yet confirmed
+    log.crash_before_tag = True
     with pytest.raises(Crash):
         tracker.flush()
-    assert len(tracker.metrics.pending) == 0
-    tracker.crash_before_tag = False
+    assert len(log.pending) == 0
+    log.crash_before_tag = False
     tracker.flush()  # nothing left to write, but the tag is still due
     assert client.get_run(tracker.run_id).data.tags[LOGGED_THROUGH_TAG] == "10"
     tracker.end()
@@ -302,7 +316,7 @@ def test_killed_after_checkpoint_flush_resumes_same_run(uri, client):
 @pytest.mark.parametrize("crash", ["before_any_write", "after_some_chunks", "before_tag", "after_flush"])
 def test_killed_during_flush_does_not_duplicate(uri, client, crash):
     """Checkpoint 20 saved (pending 11..20), then the process dies during/after the flush."""
-    tracker = CrashingTracker.start(tracking_uri=uri, run_name="train")
+    tracker, log = crashing_tracker(uri, run_name="train")
     tracker.max_metrics_per_batch = 3
     record_steps(tracker, 1, 10)
     tracker.state_dict()
@@ -310,18 +324,18 @@ def test_killed_during_flush_does_not_duplicate(uri, client, crash):
     record_steps(tracker, 11, 20)
     checkpoint = json.loads(json.dumps(tracker.state_dict()))
     if crash == "before_any_write":
-        tracker.chunks_before_crash = 0
+        log.chunks_before_crash = 0
     elif crash == "after_some_chunks":
-        tracker.chunks_before_crash = 4  # 12 of the 20 points are committed
+        log.chunks_before_crash = 4  # 12 of the 20 points are committed
     elif crash == "before_tag":
-        tracker.crash_before_tag = True
+        log.crash_before_tag = True
     if crash == "after_flush":
         tracker.flush()
     else:
         with pytest.raises(Crash):
             tracker.flush()
-        tracker.commit_in_flight()
-    del tracker
+        land_async_writes(tracker.tracking_uri)
+    del tracker, log
 
     resumed = MlflowRun.start(tracking_uri=uri, run_id=checkpoint["run_id"])
     resumed.load_state_dict(checkpoint)
@@ -394,20 +408,23 @@ def test_resume_twice_from_same_checkpoint(uri, client):
 
 CHILD = r"""
 import json, os, signal, sys
+import mlflow
+from asrflow.tracking.metric_log import MetricLog
 from asrflow.tracking.run import MlflowRun
 
 uri, mode, ckpt = sys.argv[1:4]
+mlflow.set_tracking_uri(uri)
 
-class Dying(MlflowRun):
+class DyingLog(MetricLog):
     chunks_left = None
-    def _write_metrics(self, points):
-        operation = super()._write_metrics(points)
-        if self.chunks_left is not None:
-            self.chunks_left -= 1
-            if self.chunks_left == 0:
-                operation.wait()
+    def unsent(self, limit, through=None):
+        chunk = super().unsent(limit, through)
+        if chunk and self.chunks_left is not None:
+            if self.chunks_left == 0:  # the chunks sent so far reach the store, then the process dies
+                mlflow.flush_async_logging()
                 os.kill(os.getpid(), signal.SIGKILL)
-        return operation
+            self.chunks_left -= 1
+        return chunk
 
 def save(state):
     tmp = ckpt + ".tmp"
@@ -421,13 +438,14 @@ def rec(t, a, b):
     for s in range(a, b + 1):
         t.record(s, {"train/loss": 10.0 / s, "train/lr": 1e-3 * s})
 
-t = Dying.start(tracking_uri=uri, run_name="train")
+t = MlflowRun.start(tracking_uri=uri, run_name="train")
+t.metrics = DyingLog()
 t.log_params({"train.lr": 0.001})
 rec(t, 1, 10); save(t.state_dict()); t.flush()
 rec(t, 11, 20); save(t.state_dict())
 if mode == "during_flush":
     t.max_metrics_per_batch = 4
-    t.chunks_left = 2
+    t.metrics.chunks_left = 2
 t.flush()
 rec(t, 21, 23)
 os.kill(os.getpid(), signal.SIGKILL)

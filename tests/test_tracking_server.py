@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from test_mlflow_ui import stop, wait_healthy
 
 from asrflow.testing.processes import free_port
+from asrflow.testing.servers import stop, wait_healthy
 from asrflow.tracking.run import LOGGED_THROUGH_TAG, MlflowRun
 
 pytestmark = pytest.mark.serve

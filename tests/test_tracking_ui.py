@@ -17,7 +17,7 @@ from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
 from mlflow.tracking import MlflowClient
 
-from asrflow.data.index import combined_digest, manifest_facts
+from asrflow.data.loading.index_store import combined_digest, manifest_facts
 from asrflow.errors import AsrflowError
 from asrflow.params import committed_params
 from asrflow.testing.processes import free_port
@@ -225,7 +225,7 @@ def test_system_metrics_by_mlflow_monitor(uri):
     assert "system/cpu_utilization_percentage" in metrics
     assert "system/system_memory_usage_megabytes" in metrics
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
-    assert tracker._monitor is None
+    assert not tracker.system_metrics_active
 
 
 def test_mlflow_switch_turns_system_metrics_on_and_off(uri, monkeypatch):
@@ -234,11 +234,11 @@ def test_mlflow_switch_turns_system_metrics_on_and_off(uri, monkeypatch):
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "")  # restored after the test
     mlflow.enable_system_metrics_logging()
     on = MlflowRun.start(tracking_uri=uri)
-    assert on._monitor is not None
+    assert on.system_metrics_active
     on.end()
     mlflow.disable_system_metrics_logging()
     off = start_training_run(PARAMS, {}, tracking_uri=uri)  # training asks for them; the switch says no
-    assert off.run_id and off._monitor is None
+    assert off.run_id and not off.system_metrics_active
     off.end()
 
 
@@ -292,9 +292,9 @@ def test_start_training_does_what_the_ui_shows(uri, tmp_path, monkeypatch):
         "dev": write_cuts(tmp_path / "dev_cuts.jsonl.gz", [2.0], prefix="dev"),
     }
     tracker = start_training_run(PARAMS, manifests, tracking_uri=uri, system_metrics_interval_s=0.2)
-    assert tracker.run_id and tracker._monitor is not None  # run_id waits for the opening
+    assert tracker.run_id and tracker.system_metrics_active  # run_id waits for the opening
     tracker.end("KILLED")
-    assert tracker._monitor is None
+    assert not tracker.system_metrics_active
     resumed = start_training_run(PARAMS, manifests, run_id=tracker.run_id, tracking_uri=uri, system_metrics=False)
     resumed.end()
 
@@ -312,7 +312,7 @@ def test_start_training_with_a_missing_manifest_fails_the_run(uri, tmp_path):
     tracker = start_training_run(PARAMS, {"train": tmp_path / "train_cuts.jsonl.gz"}, tracking_uri=uri)
     tracker.record(1, {"train/loss": 1.0})  # opens the run in the background
     with pytest.raises(AsrflowError, match="train_cuts.jsonl.gz not found"):
-        tracker.state_dict() if tracker._opened.wait(60) else None
+        tracker.state_dict() if tracker.wait_open(60) else None
     tracker.end("FAILED")
     (run,) = MlflowClient(tracking_uri=uri).search_runs(
         [MlflowClient(tracking_uri=uri).get_experiment_by_name("asrflow").experiment_id]

@@ -1,7 +1,9 @@
-"""Tests and benchmarks extend the trainer only through its public observers and ``request_stop()``.
+"""Tests and benchmarks extend the trainer only through its public observers and ``request_stop()``, and
+train what users run.
 
-No file under tests/ or bench/ subclasses ``Trainer``, reads or writes a private attribute of a
-trainer object, or monkeypatches the class.
+No file under tests/, bench/ or asrflow/testing/ (the helpers they share) subclasses ``Trainer``, reads or
+writes a private attribute of a trainer object, or monkeypatches the class; none constructs a ``Trainer``
+itself: a run is assembled by :func:`asrflow.training.assemble.build_trainer`, as the train stage's is.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FILES = sorted(
     path
-    for folder in ("tests", "bench")
+    for folder in ("tests", "bench", "asrflow/testing")
     for path in (REPO / folder).rglob("*.py")
     if not any(part.startswith(".") for part in path.relative_to(REPO).parts)  # bench/.peer: SpeechBrain's install
 )
@@ -47,6 +49,15 @@ def private_trainer_uses(source: str) -> list[str]:
     return found
 
 
+def direct_trainer_constructions(source: str) -> list[str]:
+    """Places in ``source`` that construct a ``Trainer`` (``Trainer(...)``, ``trainer.Trainer(...)``)."""
+    return [
+        f"{node.lineno}: {ast.unparse(node.func)}(...)"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and _owner_name(node.func) == "Trainer"
+    ]
+
+
 def test_the_check_finds_each_way_of_reaching_in():
     source = (
         "class Mine(Trainer):\n    pass\n"
@@ -56,8 +67,15 @@ def test_the_check_finds_each_way_of_reaching_in():
         "trainer.request_stop()\n"
     )
     assert sorted(int(line.split(":")[0]) for line in private_trainer_uses(source)) == [1, 3, 4, 5]
+    built = "trainer = Trainer(config, run, features)\nother = training.trainer.Trainer(c)\nbuild_trainer(s, p)\n"
+    assert direct_trainer_constructions(built) == ["1: Trainer(...)", "2: training.trainer.Trainer(...)"]
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda path: str(path.relative_to(REPO)))
 def test_no_private_trainer_access(path: Path):
     assert private_trainer_uses(path.read_text()) == []
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda path: str(path.relative_to(REPO)))
+def test_runs_are_assembled_as_the_stage_assembles_them(path: Path):
+    assert direct_trainer_constructions(path.read_text()) == [], "use asrflow.training.assemble.build_trainer"

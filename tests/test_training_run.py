@@ -36,7 +36,7 @@ def test_nothing_opens_before_the_first_point_and_points_keep_their_time(uri):
     tracker.set_tags({"precision": "fp32"})
     state = tracker.state_dict()
     assert state["run_id"] is None and state["pending"] == [] and state["run_key"]
-    assert tracker.flush() is False and not tracker._opened.is_set()
+    assert tracker.flush() is False and not tracker.wait_open(0)
     assert runs(uri) == []  # the store was not touched: the run opens after the first step
     before = int(time.time() * 1000)
     tracker.record(1, {"train/loss": 3.0})
@@ -102,7 +102,7 @@ def test_a_resumed_run_gets_only_the_points_it_lacks(uri):
 def test_an_opening_error_is_raised_by_the_next_call_and_end_stays_quiet(uri):
     tracker = start(uri, run_id="0123456789abcdef0123456789abcdef")  # not in the store
     tracker.record(1, {"train/loss": 1.0})  # starts the opening
-    tracker._opened.wait(60)
+    assert tracker.wait_open(60)
     with pytest.raises(AsrflowError, match="is not in the tracking store"):
         tracker.state_dict()
     tracker.end("FAILED")  # the error was raised once; ending says nothing more

@@ -1,4 +1,4 @@
-"""``asrflow transcribe`` on a yesno model trained in this session (see tests/trained_model.py).
+"""``asrflow transcribe`` on a yesno model trained in this session (``yesno_model``, asrflow.testing.trained_model).
 
 The model and the audio are copied to a temporary folder that is also the working
 directory, so these tests also show that a bundle works outside the repository.
@@ -19,13 +19,10 @@ import pytest
 import soundfile as sf
 import torch
 import torchaudio.functional as AF
-import trained_model
 
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.serving.cli import main
-
-#: The session's trained model, ``yesno_model``: one fixture however many modules use it.
-pytest_plugins = ["trained_model"]
+from asrflow.testing.trained_model import split_files
 
 #: Files of each split copied into the working folder.
 NUM_FILES = 5
@@ -40,7 +37,7 @@ def workdir(yesno_model, yesno_data, tmp_path_factory) -> Path:
     shutil.copy(yesno_model, folder / "model.pt")
     for split in ("test", "train"):
         (folder / split).mkdir()
-        for path, _ in trained_model.split_files(yesno_data, split)[:NUM_FILES]:
+        for path, _ in split_files(yesno_data, split)[:NUM_FILES]:
             shutil.copy(path, folder / split / path.name)
     return folder
 
@@ -48,13 +45,13 @@ def workdir(yesno_model, yesno_data, tmp_path_factory) -> Path:
 @pytest.fixture
 def refs(yesno_data) -> dict[str, str]:
     """Held-out file (relative to ``workdir``) -> reference transcript."""
-    return {f"test/{path.name}": text for path, text in trained_model.split_files(yesno_data)[:NUM_FILES]}
+    return {f"test/{path.name}": text for path, text in split_files(yesno_data)[:NUM_FILES]}
 
 
 @pytest.fixture
 def train_files(yesno_data) -> list[str]:
     """Train-split files, relative to ``workdir``."""
-    return [f"train/{path.name}" for path, _ in trained_model.split_files(yesno_data, "train")[:NUM_FILES]]
+    return [f"train/{path.name}" for path, _ in split_files(yesno_data, "train")[:NUM_FILES]]
 
 
 def transcribe(capsys, *args: str) -> tuple[int, list[tuple[str, str]], str]:

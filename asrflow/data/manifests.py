@@ -123,9 +123,19 @@ def load_cuts(directory: str | Path, split: str) -> CutSet:
     return CutSet.from_jsonl_lazy(path)
 
 
+def join_texts(texts: Iterable[str | None]) -> str:
+    """A cut's transcript from its supervisions' texts: the non-empty ones, joined by spaces."""
+    return " ".join(text for text in texts if text)
+
+
 def cut_text(cut) -> str:
-    """The transcript of a cut (its supervisions' texts joined by spaces)."""
-    return " ".join(s.text for s in cut.supervisions if s.text)
+    """The transcript of a cut (:func:`join_texts` of its supervisions' texts)."""
+    return join_texts(s.text for s in cut.supervisions)
+
+
+def entry_text(entry: dict) -> str:
+    """:func:`cut_text` of a cut's manifest entry (its JSON object), with no ``Cut`` made."""
+    return join_texts(s.get("text") for s in entry.get("supervisions", []))
 
 
 def pack_by_duration(items: Iterable[T], duration_s: Callable[[T], float], max_seconds: float) -> list[list[T]]:

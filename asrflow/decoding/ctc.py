@@ -149,9 +149,9 @@ def prefix_beam_search(
     without an LM: it scores a hypothesis by its best alignment (Viterbi) and so can rank
     prefixes differently (two frames with P(blank) = 0.6: it returns the empty output,
     0.36, where the exact search returns the one token, 0.64). The work per frame is
-    small (``beam_size`` prefixes times at most ``max(beam_size, 2)`` tokens): on the
-    yesno test split, features + encoder + beam (8) take 1.05 times as long as features +
-    encoder alone, and 1.04 times greedy decoding (bench/RESULTS.md, ``decode_rtf``).
+    small (``beam_size`` prefixes times at most ``max(beam_size, 2)`` tokens), so next to
+    the encoder's matrix products it adds little (bench/RESULTS.md, "Figures (full run)",
+    decoding RTF).
     Utterances are independent, so a caller that needs more speed can split a batch
     across processes.
 

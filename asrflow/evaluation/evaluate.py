@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lhotse import CutSet
 
-from asrflow.data.features import check_same_features
+from asrflow.data.features.config import check_same_features
 from asrflow.data.manifests import cut_text, cuts_path, list_test_sets, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
 from asrflow.evaluation.metrics import pool_scores, score_corpus

@@ -8,8 +8,9 @@ job got, which one is first), known only once the job runs. The Slurm recipe
 
 and the train stage (every node's, and every torchrun worker's, which inherit the environment)
 takes them over ``params.yaml``, which stays as it is: a later local run neither trains again
-nor waits for a second node, and the git tree stays clean. ``rdzv_endpoint`` is an operational
-key (``asrflow.training.config.OPERATIONAL_KEYS``): an unfinished run resumes on another allocation.
+nor waits for a second node, and the git tree stays clean. ``rdzv_endpoint`` is not among the training
+params a resume compares (:func:`asrflow.training.resume.training_params`): an unfinished run resumes on
+another allocation.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 def rendezvous_from_environment(environ: Mapping[str, str] | None = None) -> dict:
     """``{"nnodes": int, "rdzv_endpoint": "host:port"}`` from ``$ASRFLOW_NNODES`` and
-    ``$ASRFLOW_RDZV_ENDPOINT``, each only where set (and not empty): TrainConfig fields to replace."""
+    ``$ASRFLOW_RDZV_ENDPOINT``, each only where set (and not empty): ``run:`` keys to replace."""
     environ = os.environ if environ is None else environ
     overrides: dict = {}
     nnodes = environ.get(NNODES_ENV, "").strip()

@@ -8,15 +8,15 @@ import sys
 import time
 
 from asrflow.errors import AsrflowError
-from asrflow.training.config import TrainConfig
+from asrflow.training.run_config import RunConfig
 
 
-def needs_torchrun(config: TrainConfig) -> bool:
+def needs_torchrun(config: RunConfig) -> bool:
     """True when params ask for several processes and this one was not started by torchrun."""
     return (config.nproc_per_node > 1 or config.nnodes > 1) and "LOCAL_RANK" not in os.environ
 
 
-def torchrun_command(config: TrainConfig, module_args: list[str]) -> list[str]:
+def torchrun_command(config: RunConfig, module_args: list[str]) -> list[str]:
     """``python -m torch.distributed.run ...`` running ``python <module_args>`` on every process."""
     rendezvous = (
         ["--standalone"]
@@ -38,7 +38,7 @@ def torchrun_command(config: TrainConfig, module_args: list[str]) -> list[str]:
     ]
 
 
-def check_launch(config: TrainConfig) -> None:
+def check_launch(config: RunConfig) -> None:
     """Refuse a launch that could only fail or wait forever: more processes than devices (GPUs, or CPU
     cores without one), or, on a node other than the first, a rendezvous endpoint nobody listens on
     within ``run.dist_timeout_s``."""

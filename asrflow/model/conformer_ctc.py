@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchaudio.models import Conformer
 
+from asrflow.params import check_at_least, param_error
 from asrflow.tokenizer import BLANK_ID
+
+SECTION = "train.model"
 
 #: Parameter-name prefix of the CTC head (``ConformerCtc.head``); every other parameter is the encoder's.
 HEAD_PREFIX = "head."
@@ -17,41 +20,64 @@ HEAD_PREFIX = "head."
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape of the model; every field changes the parameters, so all are fingerprinted."""
+    """params.yaml's ``train.model`` section: the encoder's shape (each key is documented there). Every field
+    changes the parameters, so all are fingerprinted. The input width (fbank bins) and the vocabulary size come
+    from the data and are given to :class:`ConformerCtc` beside this section."""
 
-    input_dim: int
-    vocab_size: int
-    d_model: int = 144
-    num_heads: int = 4
-    ffn_dim: int = 576
-    num_layers: int = 2
-    conv_kernel_size: int = 15
-    dropout: float = 0.1
-    #: Dropout of the attention weights (``dropout`` covers the rest). Above 0, PyTorch's attention
-    #: on the CPU leaves its fused kernel for one that keeps (N, heads, T', T') tensors for the
-    #: backward: at 8 layers and 8 x 15 s batches, 460 MB more memory and 1.25x the step time
-    #: (bench/RESULTS.md, "Training memory against SpeechBrain"). It has no parameters, so bundles
-    #: written before this field load unchanged.
-    attention_dropout: float = 0.0
-    #: Output channels of the two subsampling convolutions; None = (d_model, d_model), what
-    #: bundles written before this field had. Narrower is much cheaper: (64, 32) is a ninth
-    #: of (144, 144)'s front-end FLOPs (bench/RESULTS.md, peer_speed).
-    subsampling_channels: tuple[int, int] | None = None
-    #: LayerNorm over each frame's (channels x frequency) after each subsampling convolution;
-    #: False (no norm) is what bundles written before this field had. A narrow front end
-    #: trains badly without it.
-    subsampling_norm: bool = False
-    #: Initial bias of the CTC head's blank logit; None = PyTorch's default draw, what
-    #: bundles written before this field had. Drawn like the others, the blank starts no
-    #: likelier than a word piece, and on a small corpus training can settle on emitting one
-    #: piece over the whole of the speech: yesno stayed there at 3 of the 4 seeds tried. A blank that
-    #: starts likelier (3.0: e^3 = 20 times any other class) makes the outputs peaky from
-    #: the first steps (bench/yesno_seeds).
-    blank_bias_init: float | None = None
+    d_model: int
+    num_heads: int
+    ffn_dim: int
+    num_layers: int
+    conv_kernel_size: int
+    dropout: float
+    attention_dropout: float
+    #: None = (d_model, d_model).
+    subsampling_channels: tuple[int, int] | None
+    subsampling_norm: bool
+    #: None = drawn like the other biases.
+    blank_bias_init: float | None
 
     def __post_init__(self) -> None:
-        channels = self.subsampling_channels or (self.d_model, self.d_model)
+        check_at_least(self, SECTION, 1, "d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")
+        if self.d_model % self.num_heads:
+            raise param_error(SECTION, "num_heads", self.num_heads, f"must divide {SECTION}.d_model ({self.d_model})")
+        if self.conv_kernel_size % 2 == 0:
+            raise param_error(SECTION, "conv_kernel_size", self.conv_kernel_size, "must be odd (e.g. 15)")
+        channels = self.subsampling_channels
+        if channels is not None and (
+            len(channels) != 2 or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in channels)
+        ):
+            raise param_error(
+                SECTION, "subsampling_channels", channels, "must be null (d_model each) or two positive integers"
+            )
+        for key in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise param_error(SECTION, key, getattr(self, key), "must be in [0, 1)")
+        channels = channels or (self.d_model, self.d_model)
         object.__setattr__(self, "subsampling_channels", tuple(int(c) for c in channels))
+
+
+#: What bundles written before a ``train.model`` key existed were built with: a saved shape without the key
+#: loads with this value (the front end of d_model channels without a norm, a blank bias drawn like the others).
+ADDED_LATER = {
+    "attention_dropout": 0.0,
+    "subsampling_channels": None,
+    "subsampling_norm": False,
+    "blank_bias_init": None,
+}
+
+
+def shape_record(config: ModelConfig, *, input_dim: int, vocab_size: int) -> dict:
+    """The model's whole shape as bundles, exports and fingerprints record it: ``config`` with the input width
+    (fbank bins) and the vocabulary size (blank included)."""
+    return {"input_dim": input_dim, "vocab_size": vocab_size, **asdict(config)}
+
+
+def config_from_record(record: dict) -> tuple[ModelConfig, int, int]:
+    """The section, input width and vocabulary size of a :func:`shape_record` (old ones included)."""
+    fields = dict(ADDED_LATER) | dict(record)
+    input_dim, vocab_size = fields.pop("input_dim"), fields.pop("vocab_size")
+    return ModelConfig(**fields), int(input_dim), int(vocab_size)
 
 
 def subsampled_lengths(lengths: Tensor) -> Tensor:
@@ -195,11 +221,14 @@ class ConformerCtc(nn.Module):
     part of the encoder either works frame by frame or masks the padded frames.
     """
 
-    def __init__(self, config: ModelConfig):
+    #: Python-side properties that ``torch.jit.script`` (the TorchScript export) must not compile.
+    __jit_unused_properties__ = ["shape"]
+
+    def __init__(self, config: ModelConfig, *, input_dim: int, vocab_size: int):
         super().__init__()
-        self.config = config
+        self.config, self.input_dim, self.vocab_size = config, input_dim, vocab_size
         self.subsampling = Conv2dSubsampling(
-            config.input_dim, config.d_model, config.subsampling_channels, norm=config.subsampling_norm
+            input_dim, config.d_model, config.subsampling_channels, norm=config.subsampling_norm
         )
         self.dropout = nn.Dropout(config.dropout)
         self.encoder = Conformer(
@@ -216,10 +245,15 @@ class ConformerCtc(nn.Module):
         )
         for block in self.encoder.conformer_layers:
             block.self_attn.dropout = config.attention_dropout  # torchaudio gives it ``dropout``
-        self.head = nn.Linear(config.d_model, config.vocab_size)
+        self.head = nn.Linear(config.d_model, vocab_size)
         if config.blank_bias_init is not None:
             with torch.no_grad():
                 self.head.bias[BLANK_ID] = config.blank_bias_init
+
+    @property
+    def shape(self) -> dict:
+        """This model's :func:`shape_record`."""
+        return shape_record(self.config, input_dim=self.input_dim, vocab_size=self.vocab_size)
 
     def forward(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """Encode a padded batch.
@@ -267,9 +301,26 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def build_model(config: ModelConfig) -> ConformerCtc:
-    """Construct the model (parameters drawn from the current torch RNG)."""
-    return ConformerCtc(config)
+def build_model(config: ModelConfig, *, input_dim: int, vocab_size: int) -> ConformerCtc:
+    """Construct the model for ``input_dim`` fbank bins and ``vocab_size`` classes (blank included), parameters
+    drawn from the current torch RNG."""
+    return ConformerCtc(config, input_dim=input_dim, vocab_size=vocab_size)
 
 
-__all__ = ["HEAD_PREFIX", "ConformerCtc", "ModelConfig", "build_model", "count_parameters", "subsampled_lengths"]
+def build_from_record(record: dict) -> ConformerCtc:
+    """The model a :func:`shape_record` describes (parameters drawn from the current torch RNG)."""
+    config, input_dim, vocab_size = config_from_record(record)
+    return build_model(config, input_dim=input_dim, vocab_size=vocab_size)
+
+
+__all__ = [
+    "HEAD_PREFIX",
+    "ConformerCtc",
+    "ModelConfig",
+    "build_from_record",
+    "build_model",
+    "config_from_record",
+    "count_parameters",
+    "shape_record",
+    "subsampled_lengths",
+]

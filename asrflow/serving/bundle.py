@@ -12,13 +12,17 @@ from pathlib import Path
 import torch
 from lhotse.dataset import GlobalMVN
 
-from asrflow.data.features import FeatureConfig, cmvn_from_dict
+from asrflow.data.features.cmvn import cmvn_from_dict
+from asrflow.data.features.config import FeatureConfig
 from asrflow.errors import AsrflowError, first_line
 from asrflow.files import atomic_path
-from asrflow.model.conformer_ctc import ConformerCtc, ModelConfig, build_model
+from asrflow.model.conformer_ctc import ConformerCtc, build_from_record
 from asrflow.tokenizer import Tokenizer
 
 BUNDLE_FORMAT = 1
+#: How the features of bundles written before these ``features`` keys existed were computed (neither shapes
+#: the features the model takes).
+FEATURES_ADDED_LATER = {"num_jobs": 0, "on_the_fly": False}
 
 
 @dataclass(kw_only=True)
@@ -37,18 +41,19 @@ def save_bundle(
     path: str | Path,
     *,
     model_state: dict[str, torch.Tensor],
-    model_config: ModelConfig,
+    model_shape: dict,
     tokenizer: Tokenizer,
     features: FeatureConfig,
     cmvn: dict[str, list[float]],
     run_id: str | None,
     info: dict | None = None,
 ) -> None:
-    """Write the bundle atomically."""
+    """Write the bundle atomically; ``model_shape`` is the model's
+    :func:`~asrflow.model.conformer_ctc.shape_record`."""
     payload = {
         "format": BUNDLE_FORMAT,
         "model": model_state,
-        "model_config": asdict(model_config),
+        "model_config": model_shape,
         "tokenizer": torch.frombuffer(bytearray(tokenizer.serialized()), dtype=torch.uint8),
         "features": asdict(features),
         "cmvn": cmvn,
@@ -78,15 +83,13 @@ def read_bundle(path: str | Path) -> dict:
 def load_bundle(path: str | Path) -> Bundle:
     """Load a bundle written by :func:`save_bundle` (no code runs while loading)."""
     payload = read_bundle(path)
-    # bundles written before subsampling_channels / subsampling_norm existed lack them: the
-    # defaults (d_model channels, no norm) are the front end they had
-    model = build_model(ModelConfig(**payload["model_config"]))
+    model = build_from_record(payload["model_config"])  # older bundles lack later keys: see ADDED_LATER
     model.load_state_dict(payload["model"])
     model.eval()
     return Bundle(
         model=model,
         tokenizer=Tokenizer(payload["tokenizer"].numpy().tobytes()),
-        features=FeatureConfig(**payload["features"]),
+        features=FeatureConfig(**(FEATURES_ADDED_LATER | payload["features"])),
         mvn=cmvn_from_dict(payload["cmvn"]),
         run_id=payload["run_id"] or None,
         info=payload["info"],

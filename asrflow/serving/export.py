@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from asrflow.data.features import cmvn_stats
+from asrflow.data.features.cmvn import cmvn_stats
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
 from asrflow.model.conformer_ctc import ConformerCtc
@@ -72,7 +72,7 @@ def metadata(bundle: Bundle) -> dict[str, str]:
         "blank_id": json.dumps(BLANK_ID),
         "features": json.dumps(asdict(bundle.features)),
         "cmvn": json.dumps(stats),
-        "model_config": json.dumps(asdict(bundle.model.config)),
+        "model_config": json.dumps(bundle.model.shape),
         "subsampling": json.dumps("out_lens = ((lengths - 1) // 2 - 1) // 2, at least 1"),
     }
 
@@ -80,7 +80,7 @@ def metadata(bundle: Bundle) -> dict[str, str]:
 def example_inputs(bundle: Bundle, batch: int = 2, frames: int = 200) -> tuple[Tensor, Tensor]:
     """A padded example batch: ``features`` (batch, frames, F) and unequal ``lengths`` (batch,)."""
     generator = torch.Generator().manual_seed(0)
-    features = torch.randn(batch, frames, bundle.model.config.input_dim, generator=generator)
+    features = torch.randn(batch, frames, bundle.model.input_dim, generator=generator)
     lengths = torch.linspace(frames, frames // 2, batch).to(torch.int64)
     return features, lengths
 

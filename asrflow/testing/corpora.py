@@ -16,8 +16,13 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asrflow.testing.repo import REPO, YESNO_DIR, repo_params
+
+if TYPE_CHECKING:
+    from asrflow.data.features.config import FeatureConfig
+    from asrflow.tokenizer import TokenizerConfig
 
 SAMPLING_RATE = 16000
 
@@ -160,7 +165,7 @@ def torch_threads(count: int | None = 1):
 
 def folder_corpus(corpus_dir: Path):
     """The ``PrepareConfig`` of a ``corpus: folder`` corpus with train, dev and test TSVs (:func:`generate_corpus`)."""
-    from asrflow.data.prepare import PrepareConfig
+    from asrflow.data.prepare.config import PrepareConfig
 
     splits = {"train": "train", "dev": "dev", "test": "test"}
     return PrepareConfig(corpus="folder", corpus_dir=str(corpus_dir), splits=splits)
@@ -190,9 +195,9 @@ def write_folder_corpus(corpus_dir: Path, splits: dict[str, list[tuple[Path, str
 def prepare_features_tokenizer(root: Path, prepare, features, tokenizer, *, seed: int = 42) -> Path:
     """prepare + features + tokenizer into ``root/{manifests,fbank,lang}``, as the stages run them,
     from a ``PrepareConfig``, a ``FeatureConfig`` and a ``TokenizerConfig``."""
-    from asrflow.data.features import compute_features
+    from asrflow.data.features.extract import compute_features
     from asrflow.data.manifests import load_cuts
-    from asrflow.data.prepare import prepare_corpus
+    from asrflow.data.prepare.corpus import prepare_corpus
     from asrflow.tokenizer import train_tokenizer
 
     prepare_corpus(prepare, root / "manifests", seed=seed)
@@ -206,7 +211,7 @@ def prepare_from_params(root: Path, prepare, params: dict, num_jobs: int) -> Pat
     """:func:`prepare_features_tokenizer` with the features and tokenizer sections of ``params``."""
     from dataclasses import replace
 
-    from asrflow.data.features import FeatureConfig
+    from asrflow.data.features.config import FeatureConfig
     from asrflow.params import build_config
     from asrflow.tokenizer import TokenizerConfig
 
@@ -216,13 +221,12 @@ def prepare_from_params(root: Path, prepare, params: dict, num_jobs: int) -> Pat
 
 
 def prepare_yesno(root: Path) -> Path:
-    """The shipped yesno corpus prepared into ``root`` with the configs' defaults (one extraction job)."""
-    from asrflow.data.features import FeatureConfig
-    from asrflow.data.prepare import PrepareConfig
-    from asrflow.tokenizer import TokenizerConfig
+    """The shipped yesno corpus prepared into ``root`` with params.yaml's prepare section,
+    :func:`feature_config` (16 kHz / 80 bins, one extraction job) and :func:`tokenizer_config` (char, 32)."""
+    from asrflow.data.prepare.config import PrepareConfig
 
     prepare = PrepareConfig(corpus_dir=str(YESNO_DIR))
-    return prepare_features_tokenizer(root, prepare, FeatureConfig(num_jobs=1), TokenizerConfig())
+    return prepare_features_tokenizer(root, prepare, feature_config(num_jobs=1), tokenizer_config())
 
 
 def _cached(root: Path, build) -> Path:
@@ -239,7 +243,7 @@ def _cached(root: Path, build) -> Path:
 def yesno_data(work: Path, params: dict | None = None) -> Path:
     """The shipped yesno corpus prepared with the prepare, features and tokenizer sections of ``params``
     (default: params.yaml), cached in ``work`` per set of their values."""
-    from asrflow.data.prepare import PrepareConfig
+    from asrflow.data.prepare.config import PrepareConfig
 
     params = params or repo_params()
     sections = {key: params.get(key) for key in ("seed", "prepare", "features", "tokenizer")}
@@ -253,11 +257,36 @@ def yesno_data(work: Path, params: dict | None = None) -> Path:
     return _cached(work / f"yesno-{digest}", build)
 
 
-def generated_features() -> dict:
-    """The features section of a 16 kHz corpus (presets/real-corpus.yaml's); params.yaml's are yesno's."""
-    from asrflow.params import load_params
+def real_corpus_params() -> dict:
+    """params.yaml with presets/real-corpus.yaml applied (nothing written)."""
+    from asrflow.presets import preset_params
 
-    return load_params(REPO / "presets" / "real-corpus.yaml")["features"]
+    return preset_params(repo_params(), REPO / "presets" / "real-corpus.yaml")
+
+
+def generated_features() -> dict:
+    """The features section of a 16 kHz corpus (the real-corpus preset's); params.yaml's are yesno's."""
+    return real_corpus_params()["features"]
+
+
+def feature_config(**changes) -> FeatureConfig:
+    """The ``FeatureConfig`` the tests extract with: :func:`generated_features` (params.yaml's section at
+    16000 Hz / 80 bins, the rate of the generated corpora and of a real corpus; params.yaml's own 8000 / 40 suit
+    only yesno), with ``changes``. The yesno fixtures use it too: 16 kHz is the rate the tests were written at."""
+    from asrflow.data.features.config import FeatureConfig
+    from asrflow.params import build_config
+
+    return build_config(FeatureConfig, {**generated_features(), **changes}, "features")
+
+
+def tokenizer_config(**changes) -> TokenizerConfig:
+    """The ``TokenizerConfig`` the tests train: params.yaml's section as a char model of at most 32 pieces, with
+    ``changes``. A char model's size is only an upper bound, so it trains on any of the tests' small texts
+    (params.yaml's 13-piece BPE is sized for yesno's two words), and 32 holds every character they use."""
+    from asrflow.testing.repo import repo_config
+    from asrflow.tokenizer import TokenizerConfig
+
+    return repo_config(TokenizerConfig, "tokenizer", **{"model_type": "char", "vocab_size": 32, **changes})
 
 
 def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterances: int = 2) -> Path:
@@ -281,7 +310,7 @@ def generated_data(work: Path, num_utterances: int, seed: int = 0, dev_utterance
 
 def data_features(data: Path):
     """The ``FeatureConfig`` that ``data/fbank`` was computed with: what a trainer on ``data`` must be given."""
-    from asrflow.data.features import CONFIG_FILE, FeatureConfig
+    from asrflow.data.features.config import CONFIG_FILE, FeatureConfig
 
     return FeatureConfig(**json.loads((data / "fbank" / CONFIG_FILE).read_text()))
 

@@ -74,3 +74,14 @@ def copy_repo(destination: Path) -> Path:
     """A copy of the repository's own files (no venv, outputs or caches) for tool runs."""
     shutil.copytree(REPO, destination, ignore=shutil.ignore_patterns(*COPY_IGNORE))
     return destination
+
+
+def repo_config(cls, section: str, **changes):
+    """Dataclass ``cls`` built from params.yaml's ``section`` (dotted, e.g. ``train.data``: what users get),
+    with ``changes``."""
+    from asrflow.params import build_config
+
+    node = repo_params()
+    for part in section.split("."):
+        node = node[part]
+    return build_config(cls, {**node, **changes}, section)

@@ -12,7 +12,7 @@ Each utterance is a sentence of ``min_words``-``max_words`` words drawn from a w
 (words per minute) and a pitch (0-99). Audio is resampled from espeak-ng's 22,050 Hz to
 16 kHz and written as 16-bit FLAC. Transcripts are the words exactly as spoken (lowercase).
 
-Layout (``corpus: folder``, see :mod:`asrflow.data.importers`)::
+Layout (``corpus: folder``, see :mod:`asrflow.data.prepare.importers.folder`)::
 
     OUT/train.tsv, dev.tsv, test.tsv   audio/<split>/<voice>/<index>.flac <TAB> words <TAB> voice
     OUT/audio/<split>/<voice>/<index>.flac

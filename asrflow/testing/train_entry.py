@@ -8,9 +8,10 @@ Usage::
     python -m torch.distributed.run --standalone --nproc-per-node=2 -m asrflow.testing.train_entry ...
 
 ``DATA`` holds ``fbank/`` and ``lang/``; ``EXP`` receives the run's outputs and, from rank 0,
-``summary.json``. The config is :func:`~asrflow.testing.tiny_config.tiny_train_config` with
-``--overrides``; MLflow goes to ``$MLFLOW_TRACKING_URI`` (default ``sqlite:///EXP/mlflow.db``). The
-exit status is the train stage's (:func:`stages.train.run_trainer`); a user error exits 2 with one line.
+``summary.json``. The params are :func:`~asrflow.testing.tiny_config.tiny_params` with ``--overrides``
+(dotted keys, ``{"train.optim.epochs": 3}``), assembled as the train stage assembles them; MLflow goes to
+``$MLFLOW_TRACKING_URI`` (default ``sqlite:///EXP/mlflow.db``). The exit status is the train stage's
+(:func:`stages.train.run_trainer`); a user error exits 2 with one line.
 
 Hooks that observe the loop without changing what it computes:
 
@@ -39,14 +40,13 @@ import re
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from asrflow.testing.faults import NonFiniteSteps
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.tiny_config import tiny_settings, tiny_trainer
 from asrflow.training.observers import TrainObserver
 
 STEP_MARK = "asrflow.test.step"
@@ -129,28 +129,11 @@ class Hooks(TrainObserver):
 
 
 def build_trainer(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, seed: int = 42, observers=()):
-    """The Trainer of ``tiny_train_config(**overrides)`` on ``data``, writing under ``exp``; ``nonfinite_steps``
-    and ``nonfinite_ranks`` in ``overrides`` go to :class:`~asrflow.testing.faults.NonFiniteSteps`."""
-    from asrflow.data.features import FeatureConfig
-    from asrflow.training.config import KEY_SECTION, set_train_keys
-    from asrflow.training.trainer import Trainer
-
+    """The tiny Trainer with ``overrides`` on ``data``, writing under ``exp``; ``nonfinite_steps`` and
+    ``nonfinite_ranks`` in ``overrides`` go to :class:`~asrflow.testing.faults.NonFiniteSteps`."""
     overrides = dict(overrides)
     nonfinite = NonFiniteSteps(overrides.pop("nonfinite_steps", ()), overrides.pop("nonfinite_ranks", ()))
-    config = tiny_train_config(**overrides)
-    features = FeatureConfig(num_jobs=1)
-    all_params = {"seed": seed, "features": asdict(features)}  # the train keys in their params.yaml sections
-    set_train_keys(all_params, {key: value for key, value in asdict(config).items() if key in KEY_SECTION})
-    paths = train_paths(data, exp)
-    return Trainer(
-        config,
-        features,
-        seed=seed,
-        all_params=all_params,
-        paths=paths,
-        tracking_uri=tracking_uri,
-        observers=[*observers, nonfinite],
-    )
+    return tiny_trainer(data, exp, overrides, seed=seed, tracking_uri=tracking_uri, observers=[*observers, nonfinite])
 
 
 def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, seed: int = 42) -> dict:
@@ -162,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--exp", type=Path, required=True)
-    parser.add_argument("--overrides", default="{}", help="JSON object of TrainConfig overrides")
+    parser.add_argument("--overrides", default="{}", help="JSON object of params overrides (dotted keys)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--log-every-step", action="store_true")
     parser.add_argument("--pause-after-step", type=int, default=None)
@@ -187,8 +170,9 @@ def main(argv: list[str] | None = None) -> None:
 
 class TrainingProcess(ChildProcess):
     """This module run on ``data`` into ``exp`` (cwd), in a session of its own; ``ranks`` > 1 runs it
-    under torchrun with gloo. Steps are always logged (:meth:`steps`). MLflow goes to ``tracking_uri``,
-    else to ``EXP/mlflow.db`` (a fresh store when there is none yet)."""
+    under torchrun with gloo (and sets ``run.nproc_per_node`` to ``ranks`` unless ``overrides`` do). Steps
+    are always logged (:meth:`steps`). MLflow goes to ``tracking_uri``, else to ``EXP/mlflow.db`` (a fresh
+    store when there is none yet)."""
 
     def __init__(
         self,
@@ -209,6 +193,8 @@ class TrainingProcess(ChildProcess):
         if tracking_uri is None:
             store = self.exp / "mlflow.db"
             tracking_uri = f"sqlite:///{store.resolve()}" if store.is_file() else fresh_mlflow_store(self.exp)
+        if ranks > 1:  # the params say how many processes run, as the train stage's do
+            overrides = {"run.nproc_per_node": ranks, **overrides}
         args = ["--data", str(data), "--exp", str(self.exp), "--overrides", json.dumps(overrides)]
         args += ["--seed", str(seed), "--log-every-step"]
         if pause_after_step is not None:
@@ -217,10 +203,12 @@ class TrainingProcess(ChildProcess):
             args += ["--pause-in-step", str(pause_in_step)]
         module = ["-m", "asrflow.testing.train_entry", *args]
         if ranks > 1:
-            from asrflow.launch.torchrun import torchrun_command
-            from asrflow.training.config import TrainConfig
+            from dataclasses import replace
 
-            command = torchrun_command(TrainConfig(nproc_per_node=ranks), module)
+            from asrflow.launch.torchrun import torchrun_command
+
+            run = replace(tiny_settings().run, nproc_per_node=ranks)
+            command = torchrun_command(run, module)
         else:
             command = [sys.executable, *module]
         full_env = {

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from asrflow.data.index import combined_digest, manifest_facts
+from asrflow.data.loading.index_store import combined_digest, manifest_facts
 from asrflow.errors import AsrflowError, first_line
 from asrflow.params import committed_params, flatten
 from asrflow.tracking.metric_log import MetricLog, Point, now_ms
@@ -192,6 +192,21 @@ class MlflowRun:
     def run_id(self) -> str:
         self._ready()
         return self._run_id
+
+    def wait_open(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` seconds (``None``: as long as it takes) for the run's opening to end, without
+        starting it; True once it has ended (the run is open, or the opening failed and the next call raises
+        its error), False if it has not, or never started (no point recorded, no call that needs the run)."""
+        return self._opened.wait(timeout_s)
+
+    @property
+    def system_metrics_active(self) -> bool:
+        """Whether MLflow's system metrics monitor samples this run now: from the opening (waited for, and started
+        as :attr:`run_id` starts it), when ``system_metrics`` asked for it and MLflow's own switch allows it, until
+        :meth:`end` stops it."""
+        if not self._ended:
+            self._ready()
+        return self._monitor is not None
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log flat params (once the run is open); a changed value raises :class:`AsrflowError`."""

@@ -17,15 +17,33 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from asrflow.errors import AsrflowError
+from asrflow.params import check_at_least
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.distributed import DistInfo, barrier, broadcast_from_main
 from asrflow.training.resume import FRESH, RESUME, decide
 
 logger = logging.getLogger(__name__)
+
+SECTION = "train.checkpoint"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """params.yaml's ``train.checkpoint`` section (each key is documented there): bookkeeping, which never
+    changes what the steps compute."""
+
+    checkpoint_every_steps: int
+    keep_last: int
+    validate_every_steps: int
+
+    def __post_init__(self) -> None:
+        check_at_least(self, SECTION, 1, "checkpoint_every_steps", "keep_last")
+        check_at_least(self, SECTION, 0, "validate_every_steps")
 
 
 class Stateful(Protocol):
@@ -58,8 +76,8 @@ class CheckpointManager:
         self.good_step = 0
 
     @classmethod
-    def for_run(cls, config, directory: Path, *, dist: DistInfo, facts: dict) -> CheckpointManager:
-        """The manager ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for."""
+    def for_run(cls, config: CheckpointConfig, directory: Path, *, dist: DistInfo, facts: dict) -> CheckpointManager:
+        """The manager ``config`` asks for."""
         return cls(
             directory, every_steps=config.checkpoint_every_steps, keep_last=config.keep_last, dist=dist, facts=facts
         )

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from asrflow.data.features import cmvn_stats, load_cmvn
+from asrflow.data.features.cmvn import cmvn_stats, load_cmvn
 from asrflow.files import atomic_path
 from asrflow.serving.bundle import save_bundle
 from asrflow.tokenizer import MODEL_FILE
@@ -94,7 +94,7 @@ def log_final_run(
 def write_final_model(
     *,
     model: torch.nn.Module,
-    model_config,
+    model_shape: dict,
     features,
     data,
     recent: list[Path],
@@ -110,8 +110,8 @@ def write_final_model(
     ``model``'s weights, by dev loss in ``precision``), the loss plot from ``history``, and the run's end
     in MLflow.
 
-    ``model_config``, ``features`` and ``data`` (a :class:`~asrflow.training.train_data.TrainData`: the
-    tokenizer and CMVN) go into the bundle with ``summary``.
+    ``model_shape`` (:func:`~asrflow.model.conformer_ctc.shape_record`), ``features`` and ``data`` (a
+    :class:`~asrflow.training.train_data.TrainData`: the tokenizer and CMVN) go into the bundle with ``summary``.
     """
     last = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
     device = next(model.parameters()).device
@@ -120,7 +120,7 @@ def write_final_model(
     save_bundle(
         paths.model_path,
         model_state=weights,
-        model_config=model_config,
+        model_shape=model_shape,
         tokenizer=data.tokenizer,
         features=features,
         cmvn=cmvn_stats(load_cmvn(data.cmvn_path)),

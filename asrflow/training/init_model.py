@@ -20,16 +20,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from asrflow.data.features import FeatureConfig
+from asrflow.data.features.config import FeatureConfig
 from asrflow.errors import AsrflowError, first_line
-from asrflow.model.conformer_ctc import HEAD_PREFIX, ModelConfig
+from asrflow.model.conformer_ctc import HEAD_PREFIX, ModelConfig, config_from_record, shape_record
+from asrflow.params import check_at_least, check_positive, param_error
 from asrflow.serving.bundle import read_bundle
 from asrflow.tokenizer import Tokenizer
 from asrflow.tracking.store import check_tracking_uri
 
 logger = logging.getLogger(__name__)
 
-KEY = "train.finetune.init_from"
+SECTION = "train.finetune"
+KEY = f"{SECTION}.init_from"
 #: MLflow run tag naming the model a fine-tuning run started from (``asrflow.init_digest``: its content).
 INIT_FROM_TAG = "asrflow.init_from"
 #: URI schemes resolved through MLflow; anything else is a local path.
@@ -51,6 +53,30 @@ ENCODER_FIELDS = {
 FEATURE_FIELDS = ("sampling_rate", "num_mel_bins", "frame_shift_s", "frame_length_s")
 
 
+@dataclass(frozen=True, kw_only=True)
+class FinetuneConfig:
+    """params.yaml's ``train.finetune`` section (each key is documented there): the model a run starts from."""
+
+    init_from: str | None
+    freeze_encoder_steps: int
+    encoder_lr_scale: float
+
+    def __post_init__(self) -> None:
+        check_at_least(self, SECTION, 0, "freeze_encoder_steps")
+        check_positive(self, SECTION, "encoder_lr_scale")
+        if self.init_from is not None and not self.init_from.strip():
+            raise param_error(
+                SECTION, "init_from", self.init_from, "must be null, a model bundle path or an MLflow model URI"
+            )
+        if self.init_from is None and (self.freeze_encoder_steps or self.encoder_lr_scale != 1.0):
+            raise param_error(
+                SECTION,
+                "init_from",
+                None,
+                "must name a model when freeze_encoder_steps or encoder_lr_scale is set (they act on its encoder)",
+            )
+
+
 @dataclass(kw_only=True)
 class InitModel:
     """A trained model read for fine-tuning: its ``weights`` (CPU tensors, emptied once applied), shape,
@@ -58,7 +84,8 @@ class InitModel:
 
     source: str
     digest: str
-    model_config: ModelConfig
+    #: Its :func:`~asrflow.model.conformer_ctc.shape_record`.
+    shape: dict
     features: dict
     pieces: list[str]
     weights: dict[str, torch.Tensor] = field(repr=False)
@@ -119,20 +146,21 @@ def _read(source: str, path: Path) -> InitModel:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     try:
         payload = read_bundle(path)
-        config = ModelConfig(**payload["model_config"])
+        config_from_record(payload["model_config"])  # a record that builds no model is not a model
+        shape = dict(payload["model_config"])
         pieces = Tokenizer(payload["tokenizer"].numpy().tobytes()).pieces
         weights, features = payload["model"], payload["features"]
     except (AsrflowError, KeyError, TypeError, RuntimeError) as error:
         raise AsrflowError(f"{KEY}: {source} is not an asrflow model ({first_line(error)})") from None
-    return InitModel(
-        source=source, digest=digest, model_config=config, features=features, pieces=pieces, weights=weights
-    )
+    return InitModel(source=source, digest=digest, shape=shape, features=features, pieces=pieces, weights=weights)
 
 
 def check_compatible(init: InitModel, model_config: ModelConfig, features: FeatureConfig) -> None:
     """Refuse an init model whose encoder has another shape, or was trained on other features, than the params
     ask for: one line naming each difference as ``key params-value vs init-value``."""
-    ours, theirs = asdict(model_config), asdict(init.model_config)
+    ours = shape_record(model_config, input_dim=features.num_mel_bins, vocab_size=0)
+    config, input_dim, vocab_size = config_from_record(init.shape)
+    theirs = shape_record(config, input_dim=input_dim, vocab_size=vocab_size)
     differences = [
         f"{key} {ours[name]} vs {theirs[name]}" for name, key in ENCODER_FIELDS.items() if ours[name] != theirs[name]
     ]

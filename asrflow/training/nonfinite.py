@@ -9,8 +9,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asrflow.errors import AsrflowError
+from asrflow.params import check_at_least, param_error
 
 logger = logging.getLogger(__name__)
+
+SECTION = "train.nonfinite"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFiniteConfig:
+    """params.yaml's ``train.nonfinite`` section (each key is documented there)."""
+
+    max_consecutive_nonfinite: int
+    rollback_lr_factor: float
+    max_rollbacks: int
+
+    def __post_init__(self) -> None:
+        check_at_least(self, SECTION, 1, "max_consecutive_nonfinite")
+        check_at_least(self, SECTION, 0, "max_rollbacks")
+        if not 0.0 < self.rollback_lr_factor <= 1.0:
+            raise param_error(SECTION, "rollback_lr_factor", self.rollback_lr_factor, "must be in (0, 1]")
 
 
 class RollbackNeeded(Exception):
@@ -36,8 +54,8 @@ class NonFiniteGuard:
     recent_bad: list[list[str]] = field(default_factory=list)
 
     @classmethod
-    def for_run(cls, config, bad_batches_path: Path, *, writes_records: bool) -> NonFiniteGuard:
-        """The guard ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for."""
+    def for_run(cls, config: NonFiniteConfig, bad_batches_path: Path, *, writes_records: bool) -> NonFiniteGuard:
+        """The guard ``config`` asks for."""
         return cls(
             max_consecutive=config.max_consecutive_nonfinite,
             max_rollbacks=config.max_rollbacks,

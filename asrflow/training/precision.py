@@ -3,10 +3,12 @@
 ``auto`` picks bfloat16 autocast on CUDA devices of compute capability 8.0 or higher
 (Ampere and newer have bf16 tensor cores and fp32's exponent range, so no loss scaling),
 and fp32 on older GPUs (V100, T4: fp16's range of about +-65504 overflows in long runs).
-On the CPU it picks bf16 where the CPU has native bf16 instructions (``avx512_bf16`` or
-``amx_bf16`` in /proc/cpuinfo), and fp32 elsewhere: without them the bf16 matmuls are
-emulated and slower than fp32 (``bench.train_throughput --precisions``, bench/RESULTS.md). fp16 is never
-automatic on the CPU (slower than fp32 there) and always runs with a dynamic gradient scaler.
+On the CPU it picks fp32. Whether bf16 is faster there depends on the CPU model and the
+model's shapes, not only on native bf16 instructions: oneDNN's bf16 kernels can be faster
+than fp32 on one CPU with ``avx512_bf16`` and slower on another with AMX (bench/RESULTS.md,
+"Precision by CPU"). So the CPU's choice is measured, not guessed: ``python -m
+asrflow.training.tune`` times both on the machine at hand and writes ``bf16`` into a preset
+where it wins. fp16 is never automatic and always runs with a dynamic gradient scaler.
 
 Whatever the precision, the model's CTC head (its log-softmax) and the CTC loss run in
 fp32 (:meth:`asrflow.model.conformer_ctc.ConformerCtc.output`), so reduced precision never
@@ -18,15 +20,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from asrflow.errors import AsrflowError
 
 CHOICES = ("auto", "fp32", "bf16", "fp16")
-#: /proc/cpuinfo flags of native bf16 matrix instructions (AVX-512 BF16: Cooper Lake, Zen 4 and later; AMX).
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -56,20 +55,13 @@ class PrecisionPolicy:
         return torch.amp.GradScaler(self.device_type, enabled=self.uses_scaler)
 
 
-def resolve_precision(
-    requested: str,
-    device_type: str,
-    capability: tuple[int, int] | None,
-    cpu_bf16_flags: tuple[str, ...] = (),
-) -> PrecisionPolicy:
+def resolve_precision(requested: str, device_type: str, capability: tuple[int, int] | None) -> PrecisionPolicy:
     """Apply the policy.
 
     Args:
         requested: ``train.optim.precision`` (auto, fp32, bf16 or fp16).
         device_type: ``"cuda"`` or ``"cpu"``.
         capability: the CUDA compute capability (major, minor), or None off CUDA.
-        cpu_bf16_flags: the CPU's native bf16 instruction sets (:func:`native_bf16_cpu_flags`);
-            only read for ``auto`` on the CPU.
     """
     if requested not in CHOICES:
         raise AsrflowError(f"params.yaml: train.optim.precision = {requested!r}; use one of {', '.join(CHOICES)}")
@@ -82,18 +74,9 @@ def resolve_precision(
     if device_type == "cuda":
         cap = f"{capability[0]}.{capability[1]}" if capability else "unknown"
         return PrecisionPolicy("fp32", device_type, f"auto: GPU compute capability {cap} < 8.0 lacks bf16")
-    if cpu_bf16_flags:
-        return PrecisionPolicy("bf16", device_type, f"auto: the CPU has native bf16 ({', '.join(cpu_bf16_flags)})")
-    return PrecisionPolicy("fp32", device_type, "auto: fp32 on a CPU without native bf16 (it would be emulated)")
-
-
-def native_bf16_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[str, ...]:
-    """The native bf16 instruction sets this CPU lists (:data:`NATIVE_BF16_FLAGS`); () when none or unreadable."""
-    try:
-        flags = set(Path(cpuinfo).read_text().split())
-    except OSError:
-        return ()
-    return tuple(flag for flag in NATIVE_BF16_FLAGS if flag in flags)
+    return PrecisionPolicy(
+        "fp32", device_type, "auto: fp32 on the CPU (python -m asrflow.training.tune measures whether bf16 is faster)"
+    )
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -124,6 +107,5 @@ def precision_change_tags(saved: str, policy: PrecisionPolicy, step: int) -> dic
 
 
 def precision_for(requested: str, device: torch.device) -> PrecisionPolicy:
-    """:func:`resolve_precision` for ``device``, reading its capability (CUDA) or bf16 flags (CPU)."""
-    cpu_flags = native_bf16_cpu_flags() if device.type == "cpu" else ()
-    return resolve_precision(requested, device.type, device_capability(device), cpu_flags)
+    """:func:`resolve_precision` for ``device``, reading its capability (CUDA)."""
+    return resolve_precision(requested, device.type, device_capability(device))

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from asrflow.data.batches import BatchItem, TrainingBatches, plan_digest
+from asrflow.data.loading.planner import BatchItem, TrainingBatches, plan_digest
 
 logger = logging.getLogger(__name__)
 

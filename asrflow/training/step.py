@@ -28,9 +28,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from asrflow.model.conformer_ctc import HEAD_PREFIX
+from asrflow.params import check_at_least, check_choice, check_positive
 from asrflow.tokenizer import BLANK_ID
 from asrflow.training.distributed import DistInfo, agree_on_step
+from asrflow.training.precision import CHOICES as PRECISIONS
 from asrflow.training.precision import PrecisionPolicy, precision_for
+
+SECTION = "train.optim"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """params.yaml's ``train.optim`` section (each key is documented there): the optimizer, its schedule, the
+    precision and the length of the run."""
+
+    epochs: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    max_grad_norm: float
+    accum_grad: int
+    precision: str
+    num_threads: int
+    average_last: int
+
+    def __post_init__(self) -> None:
+        check_positive(self, SECTION, "lr", "max_grad_norm")
+        check_at_least(self, SECTION, 1, "epochs", "accum_grad", "num_threads", "average_last")
+        check_at_least(self, SECTION, 0, "weight_decay", "warmup_steps")
+        check_choice(self, SECTION, "precision", PRECISIONS)
 
 
 @dataclass(kw_only=True)
@@ -131,18 +157,27 @@ class StepContext:
     seed: int | None = None
 
     @classmethod
-    def for_run(cls, model: nn.Module, config, *, dist: DistInfo, device: torch.device, seed: int) -> StepContext:
-        """What ``config`` (a :class:`~asrflow.training.config.TrainConfig`) asks for: AdamW over ``model``,
-        the precision for ``device`` and its gradient scaler."""
-        precision = precision_for(config.precision, device)
+    def for_run(
+        cls,
+        model: nn.Module,
+        optim: OptimConfig,
+        *,
+        encoder_lr_scale: float,
+        dist: DistInfo,
+        device: torch.device,
+        seed: int,
+    ) -> StepContext:
+        """What ``optim`` asks for: AdamW over ``model`` (the encoder's learning rate scaled by
+        ``encoder_lr_scale``), the precision for ``device`` and its gradient scaler."""
+        precision = precision_for(optim.precision, device)
         optimizer = build_optimizer(
-            model, lr=config.lr, weight_decay=config.weight_decay, encoder_lr_scale=config.encoder_lr_scale
+            model, lr=optim.lr, weight_decay=optim.weight_decay, encoder_lr_scale=encoder_lr_scale
         )
         return cls(
             optimizer=optimizer,
             scaler=precision.grad_scaler(),
             precision=precision,
-            max_grad_norm=config.max_grad_norm,
+            max_grad_norm=optim.max_grad_norm,
             dist=dist,
             device=device,
             seed=seed,

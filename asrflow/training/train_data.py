@@ -15,15 +15,19 @@ import torch
 from lhotse.dataset import GlobalMVN
 
 from asrflow.allocator import release_free_memory
-from asrflow.data.batches import SPEED_FACTORS, AsrBatchDataset, TrainingBatches, steps_in_plan
-from asrflow.data.features import CMVN_FILE, FeatureConfig, check_same_features, load_cmvn
-from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
-from asrflow.data.index import CorpusMix, CutIndex, data_digest, shared_index
+from asrflow.data.features.cmvn import CMVN_FILE, load_cmvn
+from asrflow.data.features.config import FeatureConfig, check_same_features
+from asrflow.data.loading.augment import SPEED_FACTORS
+from asrflow.data.loading.config import DataConfig
+from asrflow.data.loading.ctc_filter import filter_ctc_feasible, filter_ctc_feasible_index
+from asrflow.data.loading.cut_index import CutIndex, data_digest
+from asrflow.data.loading.dataset import AsrBatchDataset
+from asrflow.data.loading.index_store import shared_index
+from asrflow.data.loading.planner import CorpusMix, TrainingBatches, steps_in_plan
+from asrflow.data.loading.workers import init_worker, pack_batch
 from asrflow.data.manifests import corpus_of_ids, cuts_path, list_corpora, load_cuts
-from asrflow.data.workers import init_worker, pack_batch
 from asrflow.errors import AsrflowError
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
-from asrflow.training.config import TrainConfig
 from asrflow.training.distributed import DistInfo
 from asrflow.training.resume import file_digest
 from asrflow.training.validation import dev_batches, dev_loss
@@ -40,7 +44,7 @@ class TrainData:
         mvn: global mean/variance normalisation from the features stage's CMVN stats.
         cmvn_path: the stats file (copied into the model bundle).
         batches: this rank's micro-batches over every epoch (a plan per epoch).
-        dataset: builds a train batch for a :class:`~asrflow.data.batches.BatchItem`.
+        dataset: builds a train batch for a :class:`~asrflow.data.loading.planner.BatchItem`.
         dev_dataset: the same without augmentation, over the dev cuts.
         dev_batches: dev cut ids packed by duration (every rank holds all of them).
         num_train, num_dev: utterances kept; removed_for_ctc: train utterances too short for their transcript.
@@ -69,15 +73,21 @@ class TrainData:
     @classmethod
     def build(
         cls,
-        config: TrainConfig,
+        config: DataConfig,
         features: FeatureConfig,
         *,
+        epochs: int,
+        accum_grad: int,
+        num_workers: int,
+        mp_start_method: str,
         seed: int,
         fbank_dir: Path,
         lang_dir: Path,
         dist: DistInfo | None = None,
     ) -> TrainData:
-        """Read the features and tokenizer stages' outputs and make this rank's data."""
+        """Read the features and tokenizer stages' outputs and make this rank's data: ``config`` is the
+        ``train.data`` section, ``epochs`` and ``accum_grad`` are ``train.optim``'s, ``num_workers`` data-loading
+        processes started with ``mp_start_method``."""
         _check_options(config, features)
         check_same_features(features, fbank_dir)
         tokenizer_path = Path(lang_dir) / MODEL_FILE
@@ -102,12 +112,12 @@ class TrainData:
             seed=seed,
             max_duration_s=config.max_duration_s,
             num_buckets=config.num_buckets,
-            accum_grad=config.accum_grad,
+            accum_grad=accum_grad,
             world_size=(dist or DistInfo()).world_size,
             rank=(dist or DistInfo()).rank,
             start_epoch=0,
             start_step=0,
-            num_epochs=config.epochs,
+            num_epochs=epochs,
             mix=corpus_mix(train_cuts, list_corpora(fbank_dir), config.corpus_weights),
         )
         extractor = features.extractor() if features.on_the_fly else None
@@ -119,7 +129,7 @@ class TrainData:
             cmvn_path=cmvn_path,
             batches=batches,
             dataset=AsrBatchDataset(
-                train_cuts, tokenizer, mvn, seed=seed, augment=config.augment(), extractor=extractor, noise_cuts=noise
+                train_cuts, tokenizer, mvn, seed=seed, augment=config, extractor=extractor, noise_cuts=noise
             ),
             dev_dataset=AsrBatchDataset(dev_cuts, tokenizer, mvn, seed=seed, augment=None, extractor=extractor),
             dev_batches=dev_batches(dev_cuts, config.max_duration_s),
@@ -127,8 +137,8 @@ class TrainData:
             num_dev=len(dev_cuts),
             removed_for_ctc=len(removed),
             digest=data_digest(full_index, tokenizer_path, cmvn_path),
-            num_workers=config.data_workers(features.on_the_fly),
-            mp_start_method=config.mp_start_method,
+            num_workers=num_workers,
+            mp_start_method=mp_start_method,
             seed=seed,
             manifests={
                 split: cuts_path(fbank_dir, split)
@@ -149,7 +159,7 @@ class TrainData:
     def loader(self, epoch: int, step_in_epoch: int) -> torch.utils.data.DataLoader:
         """This rank's batches from optimizer step ``step_in_epoch`` of ``epoch`` to the end of training.
 
-        Yields packed batches (see :func:`asrflow.data.workers.unpack_batch`), built by
+        Yields packed batches (see :func:`asrflow.data.loading.workers.unpack_batch`), built by
         ``num_workers`` spawned processes (0: in this process).
         """
         self.batches.start_at(epoch, step_in_epoch)
@@ -179,16 +189,23 @@ class TrainData:
         """Shut the open loader's data workers down. Not left to garbage collection: an exception's traceback
         keeps the iterator alive, and a worker still running holds the process at exit."""
         iterator, self._open = self._open, None
-        shutdown = getattr(iterator, "_shutdown_workers", None)  # what DataLoader's own __del__ calls
-        if shutdown is None:
-            return
-        try:
-            shutdown()
-        except RuntimeError as error:  # a worker that crashes while exiting took no batch with it
-            logger.warning("a data worker ended abnormally while shutting down, after its last batch: %s", error)
-            for worker in getattr(iterator, "_workers", []):
-                if worker.is_alive():
-                    worker.terminate()
+        shut_down_workers(iterator)
+
+
+def shut_down_workers(iterator: Iterator | None) -> None:
+    """Shut the data workers of a ``DataLoader`` iterator down now (nothing for an iterator without workers,
+    or ``None``). A worker that crashes while exiting (native code holding a live thread aborts at exit) took
+    no batch with it: that is logged as a warning, not raised, and any worker still alive is terminated."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # what DataLoader's own __del__ calls
+    if shutdown is None:
+        return
+    try:
+        shutdown()
+    except RuntimeError as error:  # DataLoader's SIGCHLD handler: "worker killed by signal"
+        logger.warning("a data worker ended abnormally while shutting down, after its last batch: %s", error)
+        for worker in getattr(iterator, "_workers", []):
+            if worker.is_alive():
+                worker.terminate()
 
 
 #: Free heap pages go back to the system every this many batches (see :mod:`asrflow.allocator`).
@@ -235,28 +252,21 @@ def corpus_mix(index: CutIndex, corpora: list[str], weights: dict[str, float]) -
     return mix
 
 
-def _check_options(config: TrainConfig, features: FeatureConfig) -> None:
-    """Refuse option combinations that would be silently ignored; warn about weak ones."""
+def _check_options(config: DataConfig, features: FeatureConfig) -> None:
+    """Refuse option combinations that would be silently ignored."""
     if config.speed_perturb and not features.on_the_fly:
         raise AsrflowError(
             "train.data.speed_perturb needs features.on_the_fly: true (speed perturbation changes the audio, "
             "and precomputed features have none): set features.on_the_fly: true or train.data.speed_perturb: false"
         )
-    if config.keep_last < config.average_last:
-        logger.warning(
-            "train.checkpoint.keep_last (%d) < train.optim.average_last (%d): at most %d checkpoints can be averaged",
-            config.keep_last,
-            config.average_last,
-            config.keep_last,
-        )
 
 
-def _noise_cuts(config: TrainConfig, features: FeatureConfig):
-    """Noise cuts for augmentation from ``train.data.noise_dir`` (see :mod:`asrflow.data.noise`), or None."""
+def _noise_cuts(config: DataConfig, features: FeatureConfig):
+    """Noise cuts for augmentation from ``train.data.noise_dir`` (see :mod:`asrflow.data.loading.noise`), or None."""
     if not config.noise_dir:
         return None
     if not features.on_the_fly:
         raise AsrflowError("train.data.noise_dir needs features.on_the_fly: true (noise is mixed into audio)")
-    from asrflow.data.noise import load_noise_cuts
+    from asrflow.data.loading.noise import load_noise_cuts
 
     return load_noise_cuts(config.noise_dir, features.sampling_rate)

@@ -18,8 +18,8 @@ from dataclasses import asdict, replace
 import torch
 
 from asrflow.code_digest import source_digest
-from asrflow.data.features import FeatureConfig
-from asrflow.data.workers import unpack_batch
+from asrflow.data.features.config import FeatureConfig
+from asrflow.data.loading.workers import unpack_batch
 from asrflow.logs import TerminalProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.tracking.run import MlflowRun, NullTracker, start_training_run
@@ -35,6 +35,7 @@ from asrflow.training.observers import ObservedRun, StopFlag, TrainObserver
 from asrflow.training.outcome import Outcome, TrainOutcome, as_failure
 from asrflow.training.precision import precision_change_tags
 from asrflow.training.resume import build_fingerprint, training_params
+from asrflow.training.run_config import RunConfig
 from asrflow.training.run_state import LossHistory, PlanPosition, RandomState, RunCounters, seed_everything
 from asrflow.training.step import StepContext, StepResult, apply_lr_scale, build_scheduler, train_step
 from asrflow.training.train_data import TrainData
@@ -47,7 +48,8 @@ class Trainer:
     """One training run described by ``config``: constructing it joins the process group, reads the data and
     builds the model and the stateful components; :meth:`run` trains (or resumes) and writes the model bundle.
 
-    ``config``, ``features`` and ``seed`` are the params' ``train:``, ``features:`` and ``seed``;
+    ``config``, ``run``, ``features`` and ``seed`` are the params' ``train:``, ``run:``, ``features:`` and ``seed``
+    (build them with :func:`~asrflow.training.assemble.build_trainer`, which also sets up the process);
     ``all_params`` are logged to MLflow as the run's params; ``tracking_uri`` is the MLflow store (default:
     ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``); ``observers``: :class:`~.observers.TrainObserver`.
     """
@@ -55,6 +57,7 @@ class Trainer:
     def __init__(
         self,
         config: TrainConfig,
+        run: RunConfig,
         features: FeatureConfig,
         *,
         seed: int,
@@ -63,42 +66,60 @@ class Trainer:
         tracking_uri: str | None = None,
         observers: Sequence[TrainObserver] = (),
     ):
-        self.config, self.features, self.seed = config, features, seed
+        self.config, self.run_config, self.features, self.seed = config, run, features, seed
         self.all_params, self.paths = all_params or {}, paths or TrainPaths()
         self.tracking_uri, self.observers = tracking_uri, list(observers)
         self.stop = StopFlag()
         self.tracker: MlflowRun | NullTracker = NullTracker()
         self.terminal_progress: TerminalProgress | None = None  # rank 0's, once the run starts
-        self.dist = init_distributed(config.dist_timeout_s)
+        self.dist = init_distributed(run.dist_timeout_s)
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu")
-        torch.set_num_threads(config.num_threads)
         seed_everything(seed)
         self.data = TrainData.build(
-            config, features, seed=seed, fbank_dir=self.paths.fbank_dir, lang_dir=self.paths.lang_dir, dist=self.dist
+            config.data,
+            features,
+            epochs=config.optim.epochs,
+            accum_grad=config.optim.accum_grad,
+            num_workers=run.data_workers(features.on_the_fly),
+            mp_start_method=run.mp_start_method,
+            seed=seed,
+            fbank_dir=self.paths.fbank_dir,
+            lang_dir=self.paths.lang_dir,
+            dist=self.dist,
         )
-        self.model_config = config.model(features.num_mel_bins, self.data.tokenizer.vocab_size)
-        self.model = build_model(self.model_config).to(self.device)
-        self.init_model = load_init_model(config.init_from, tracking_uri=tracking_uri) if config.init_from else None
+        dims = {"input_dim": features.num_mel_bins, "vocab_size": self.data.tokenizer.vocab_size}
+        self.model = build_model(config.model, **dims).to(self.device)
+        finetune = config.finetune
+        self.init_model = load_init_model(finetune.init_from, tracking_uri=tracking_uri) if finetune.init_from else None
         if self.init_model is not None:  # refused before any step: a shape or feature that differs
-            check_compatible(self.init_model, self.model_config, features)
-        self.frozen = encoder_parameters(self.model) if config.freeze_encoder_steps else []
+            check_compatible(self.init_model, config.model, features)
+        self.frozen = encoder_parameters(self.model) if finetune.freeze_encoder_steps else []
         self.ddp_model: torch.nn.Module = self.model  # wrapped in DDP once the model is restored
-        self.step_context = StepContext.for_run(self.model, config, dist=self.dist, device=self.device, seed=seed)
+        self.step_context = StepContext.for_run(
+            self.model,
+            config.optim,
+            encoder_lr_scale=finetune.encoder_lr_scale,
+            dist=self.dist,
+            device=self.device,
+            seed=seed,
+        )
         self.optimizer, self.scaler = self.step_context.optimizer, self.step_context.scaler
         self.precision = self.step_context.precision
-        self.scheduler = build_scheduler(self.optimizer, config.warmup_steps)
-        self.guard = NonFiniteGuard.for_run(config, self.paths.bad_batches, writes_records=self.dist.is_main)
+        self.scheduler = build_scheduler(self.optimizer, config.optim.warmup_steps)
+        self.guard = NonFiniteGuard.for_run(config.nonfinite, self.paths.bad_batches, writes_records=self.dist.is_main)
         self.counters, self.history = RunCounters(), LossHistory()
         self.position = PlanPosition(self.data.batches, self.dist.world_size)
         dev_loss = functools.partial(self.data.dev_loss, precision=self.precision, dist=self.dist, device=self.device)
-        self.validator = Validator(config.validate_every_steps, dev_loss if self.data.dev_batches else None)
-        shapes, digest = (asdict(self.model_config), asdict(features)), self.data.digest
+        self.validator = Validator(config.checkpoint.validate_every_steps, dev_loss if self.data.dev_batches else None)
+        shapes, digest = (self.model.shape, asdict(features)), self.data.digest
         init = self.init_model.fingerprint() if self.init_model is not None else None
         fingerprint = build_fingerprint(*shapes, data_digest=digest, seed=seed, config=config, init=init)
-        self.train_params = training_params(config, source_digest(__name__))
+        self.train_params = training_params(config, run, source_digest(__name__))
         check_same_everywhere(self.dist, content_digest([fingerprint, self.train_params]), "params, code or data")
         facts = {"fingerprint": fingerprint, "train_params": self.train_params, "precision": self.precision.name}
-        self.checkpoints = CheckpointManager.for_run(config, self.paths.checkpoint_dir, dist=self.dist, facts=facts)
+        self.checkpoints = CheckpointManager.for_run(
+            config.checkpoint, self.paths.checkpoint_dir, dist=self.dist, facts=facts
+        )
         self.checkpoints.register(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         self.checkpoints.register(scaler=self.scaler, rng=RandomState(), counters=self.counters)
         self.checkpoints.register(position=self.position, history=self.history, guard=self.guard)
@@ -125,7 +146,7 @@ class Trainer:
             self.ddp_model = data_parallel(self.model, self.dist, self.device)
             self.ddp_model.train()
             label = f"rank {self.dist.rank}: " if self.dist.enabled else ""  # labels its stack dumps
-            with StallWatchdog(self.config.stall_timeout_s, label) as watchdog:
+            with StallWatchdog(self.run_config.stall_timeout_s, label) as watchdog:
                 finished = self._train_with_rollbacks(loader, watchdog)
             if finished:
                 self._finish()
@@ -152,7 +173,7 @@ class Trainer:
 
     def _train(self, loader: Iterator[dict], watchdog: StallWatchdog) -> bool:
         """The steps from the current position to the end of training (True) or a requested stop (False)."""
-        accum_grad = self.config.accum_grad
+        accum_grad = self.config.optim.accum_grad
         while True:
             began = time.perf_counter()
             micro_batches = [unpack_batch(batch) for _, batch in zip(range(accum_grad), loader, strict=False)]
@@ -166,7 +187,7 @@ class Trainer:
                 self.step_context,
                 step_tokens=micro_batches[0]["step_tokens"],
                 stop_requested=functools.partial(self._stop_flag, step),
-                frozen=self.frozen if step <= self.config.freeze_encoder_steps else (),
+                frozen=self.frozen if step <= self.config.finetune.freeze_encoder_steps else (),
             )
             self.scheduler.step()
             watchdog.beat()
@@ -219,7 +240,7 @@ class Trainer:
     def _rollback(self) -> None:
         """Back to the newest good checkpoint with a lower learning rate; the run's guard totals are kept."""
         state, path = self.checkpoints.rollback_target()
-        lr_scale = self.counters.lr_scale * self.config.rollback_lr_factor
+        lr_scale = self.counters.lr_scale * self.config.nonfinite.rollback_lr_factor
         skipped, rollbacks = self.guard.total_skipped, self.guard.rollbacks
         self.tracker.discard_after(int(state["step"]))  # the abandoned steps are trained again
         self.checkpoints.restore(state)
@@ -227,7 +248,7 @@ class Trainer:
         self.counters.lr_scale = lr_scale
         apply_lr_scale(self.scheduler, lr_scale)
         logger.warning(
-            f"rollback {self.guard.rollbacks} of at most {self.config.max_rollbacks}: back to {path} (step "
+            f"rollback {self.guard.rollbacks} of at most {self.config.nonfinite.max_rollbacks}: back to {path} (step "
             f"{self.counters.global_step}), learning rate scaled to {lr_scale:.3g} x train.optim.lr"
         )
 
@@ -252,11 +273,11 @@ class Trainer:
             self.tracker = start_training_run(
                 self.all_params,
                 self.data.manifests,
-                experiment=self.config.experiment,
+                experiment=self.run_config.experiment,
                 run_id=state["tracker"].get("run_id") if state else None,
                 tracking_uri=self.tracking_uri,
             )
-            total_steps = self.data.steps_per_epoch(0) * self.config.epochs
+            total_steps = self.data.steps_per_epoch(0) * self.config.optim.epochs
             self.terminal_progress = TerminalProgress(total_steps=total_steps, start_step=self.counters.global_step)
         self.checkpoints.register(tracker=self.tracker)
         if state is None:
@@ -275,23 +296,23 @@ class Trainer:
         if self.dist.is_main:
             write_final_model(
                 model=self.model,
-                model_config=self.model_config,
+                model_shape=self.model.shape,
                 features=self.features,
                 data=self.data,
-                recent=self.checkpoints.late_checkpoints(self.counters.global_step, self.config.average_last),
+                recent=self.checkpoints.late_checkpoints(self.counters.global_step, self.config.optim.average_last),
                 precision=self.precision,
                 history=self.history,
                 summary=self._summary(),
                 paths=self.paths,
                 tracker=self.tracker,
                 all_params=self.all_params,
-                register_model_name=self.config.register_model_name,
+                register_model_name=self.run_config.register_model_name,
             )
 
     def _summary(self) -> dict:
         return {
             "steps": self.counters.global_step,
-            "epochs": self.config.epochs,
+            "epochs": self.config.optim.epochs,
             "best_dev_loss": self.checkpoints.best_dev_loss,
             "nonfinite_skipped": self.guard.total_skipped,
             "rollbacks": self.guard.rollbacks,

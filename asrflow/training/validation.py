@@ -9,7 +9,8 @@ import torch
 from lhotse import CutSet
 from torch import nn
 
-from asrflow.data.batches import AsrBatchDataset, BatchItem
+from asrflow.data.loading.dataset import AsrBatchDataset
+from asrflow.data.loading.planner import BatchItem
 from asrflow.data.manifests import pack_by_duration
 from asrflow.training.distributed import DistInfo, all_reduce_sum
 from asrflow.training.precision import PrecisionPolicy

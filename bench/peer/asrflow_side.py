@@ -12,21 +12,18 @@ from bench.peer.side import report, run_as_child
 def train(options: dict, launched: float) -> dict:
     import torch
 
-    from asrflow.data.features import FeatureConfig
-    from asrflow.params import load_params
-    from asrflow.training.config import TrainConfig
+    from asrflow.training.assemble import TrainingSettings
     from asrflow.training.distributed import DistInfo
     from asrflow.training.step import ctc_loss_sum
 
-    config, features = TrainConfig(**options["config"]), FeatureConfig(**options["features"])
+    settings = TrainingSettings.from_params(options["params"])  # the side's params, features and seed included
     data, exp, max_steps, steps = Path(options["data"]), Path(options["exp"]), options["max_steps"], []
 
     def timing(result) -> bool:
         steps.append({"t": time.time(), "audio_s": result.audio_seconds})
         return max_steps is not None and len(steps) >= max_steps - 1
 
-    params = load_params(options["params_file"])
-    trainer = run_trainer(data, exp, config, features, params=params, seed=options["seed"], after_step=timing)
+    trainer = run_trainer(data, exp, settings, after_step=timing)
     model, loss = trainer.model, None
     if options["dev"]:
         loss = trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=torch.device("cpu"))
@@ -37,8 +34,9 @@ def train(options: dict, launched: float) -> dict:
         log_probs, out_lens = model(batch["features"], batch["feature_lens"])
         ctc_loss_sum(log_probs, out_lens, batch).backward()
 
-    settings = {"num_threads": config.num_threads, "num_workers": config.num_workers, "precision": config.precision}
-    return report(model, forward_backward, batch, steps=steps, launched=launched, dev_loss=loss, settings=settings)
+    optim = settings.train.optim
+    shown = {"num_threads": optim.num_threads, "num_workers": settings.run.num_workers, "precision": optim.precision}
+    return report(model, forward_backward, batch, steps=steps, launched=launched, dev_loss=loss, settings=shown)
 
 
 if __name__ == "__main__":

@@ -5,23 +5,21 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 KEYS = ("features", "feature_lens", "targets", "target_lens", "durations", "step_tokens")
 
 
-def dump_batches(data: Path, out: Path, config, features, *, seed: int, max_steps: int | None) -> dict:
-    """``out/step-<k>.pt`` for each planned training step and ``out/dev-<k>.pt`` for each dev batch;
-    returns ``{"steps", "vocab_size"}``."""
+def dump_batches(data: Path, out: Path, settings, *, max_steps: int | None) -> dict:
+    """``out/step-<k>.pt`` for each training step ``settings`` (TrainingSettings, one batch per step) plans
+    and ``out/dev-<k>.pt`` for each dev batch; returns ``{"steps", "vocab_size"}``."""
     import torch
 
-    from asrflow.data.batches import BatchItem
-    from asrflow.training.train_data import TrainData
+    from asrflow.data.loading.planner import BatchItem
+    from bench.common import train_data as build_train_data
 
     out.mkdir(parents=True, exist_ok=True)
-    config = replace(config, accum_grad=1)
-    train_data = TrainData.build(config, features, seed=seed, fbank_dir=data / "fbank", lang_dir=data / "lang")
+    train_data = build_train_data(data, settings, accum_grad=1)
     steps = 0
     for item in train_data.batches:
         batch = train_data.dataset[item]

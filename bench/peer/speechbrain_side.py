@@ -10,7 +10,8 @@ from bench.peer.side import report, run_as_child
 
 
 def speechbrain_model(config: dict, input_dim: int, vocab_size: int):
-    """Two stride-2 convolution blocks (64, 32 channels), a Conformer encoder of asrflow's shape, a CTC head."""
+    """Two stride-2 convolution blocks (64, 32 channels), a Conformer encoder of asrflow's shape (``config``: its
+    ``train.model`` section as a dict), a CTC head."""
     import torch
     from speechbrain.lobes.models.convolution import ConvolutionFrontEnd
     from speechbrain.lobes.models.transformer.TransformerASR import TransformerASR
@@ -46,12 +47,13 @@ def train(options: dict, launched: float) -> dict:
     import torch
     import torch.nn.functional as F
 
-    config = options["config"]
+    train = options["params"]["train"]  # asrflow's params: the same model shape and optimizer settings
+    config = train["optim"]
     torch.set_num_threads(config["num_threads"])
     torch.manual_seed(options["seed"])
     folder = Path(options["batches"])
     first = torch.load(folder / "step-0.pt", weights_only=True)
-    model = speechbrain_model(config, first["features"].shape[-1], options["vocab_size"])
+    model = speechbrain_model(train["model"], first["features"].shape[-1], options["vocab_size"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
     warmup = config["warmup_steps"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(

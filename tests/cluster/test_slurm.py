@@ -1,4 +1,4 @@
-"""The whole pipeline on a real Slurm cluster (one node on localhost, see slurm_cluster.py),
+"""The whole pipeline on a real Slurm cluster (one node on localhost, see asrflow.testing.slurm_cluster),
 submitted by ``snakemake --executor slurm --profile workflow/profiles/slurm``.
 
 Every stage runs as a Slurm job; the model is, weight for weight, the one ``snakemake --cores
@@ -15,29 +15,23 @@ missing plugin, a failed install or daemons that do not start fail them.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from pipeline.helpers import ToolError, git_init, run, set_params, tail, tool_env
 
+from asrflow.testing.pipeline_tools import ToolError, run, tail
 from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import copy_repo
-
-from .slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install
+from asrflow.testing.repo import tool_env
+from asrflow.testing.slurm_cluster import PARTITION, LocalSlurm
+from asrflow.testing.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, slurm_env
 
 # End to end: also `pipeline`, so `make test-fast` (-m "not pipeline") leaves them out.
 pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
 
-# Short training (8 epochs, ~80 steps on yesno), a checkpoint every 20 steps, no checkpoint
-# averaging: the final weights do not depend on which extra checkpoints an interruption wrote.
-PARAMS = {"train.optim.epochs": 8, "train.checkpoint.checkpoint_every_steps": 20, "train.optim.average_last": 1}
 SLURM_COMMAND = (
     "snakemake",
     "--executor",
@@ -47,7 +41,6 @@ SLURM_COMMAND = (
     "--slurm-init-seconds-before-status-checks",
     "2",
 )
-RUN_TIMEOUT_S = 1800  # only a hung run reaches it: one takes 3-7 minutes on 2 shared cores
 WAIT_S = 900
 SUBMITTED = re.compile(r"has been submitted with SLURM jobid (\d+) \(log: \S*/rule_(\w+)/")
 CHECKPOINT_SAVED = re.compile(r"saved checkpoint \S*step-(\d+)\.pt")
@@ -55,63 +48,10 @@ RESUMED = re.compile(r"resuming from \S*step-(\d+)\.pt: step (\d+)")
 STOPPED = re.compile(r"stopped at step (\d+) with a checkpoint saved")
 
 
-def slurm_impossible_here() -> str | None:
-    """Why Slurm cannot run here at all (the one reason to skip), or None."""
-    if os.geteuid() != 0:
-        return "the local Slurm test cluster runs its daemons as root; not root here"
-    if binaries_missing() and shutil.which("apt-get") is None:
-        return f"Slurm is not installed ({', '.join(binaries_missing())} missing) and there is no apt-get to install it"
-    return None
-
-
-def start_cluster(cluster: LocalSlurm) -> None:
-    """Start ``cluster``; a Slurm that is there but does not start fails the test with its daemons' log lines."""
-    try:
-        cluster.start()
-    except SlurmUnavailable as error:
-        cluster.stop()
-        pytest.fail(f"the local Slurm cluster did not start: {error}", pytrace=False)
-
-
-def local_cluster(tmp_path_factory, nodes: int = 1):
-    """Yield a running local Slurm cluster of ``nodes`` nodes; torn down after. Skips the test,
-    saying why, only where Slurm cannot run here (not root, or neither Slurm nor apt-get);
-    anything else that stops it (no plugin, a failed install, daemons that do not start) fails it."""
-    reason = slurm_impossible_here()
-    if reason:
-        pytest.skip(reason)
-    try:
-        import snakemake_executor_plugin_slurm  # noqa: F401
-    except ImportError:
-        pytest.fail("no Slurm executor plugin: pip install -e .[slurm] (make test does)", pytrace=False)
-    try:
-        install()
-    except (SlurmUnavailable, subprocess.SubprocessError) as error:
-        pytest.fail(f"Slurm could not be installed: {error}", pytrace=False)
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=nodes)
-    started = time.monotonic()
-    start_cluster(cluster)
-    names = ",".join(cluster.node_names)
-    print(f"\nSlurm up in {time.monotonic() - started:.1f} s (node(s) {names}, partition {PARTITION})")
-    yield cluster
-    cluster.stop()
-
-
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A running one-node Slurm cluster, torn down after the module."""
     yield from local_cluster(tmp_path_factory)
-
-
-def fresh_copy(tmp_path_factory, name: str, **params) -> Path:
-    copy = copy_repo(tmp_path_factory.mktemp(name) / "repo")
-    set_params(copy, {**PARAMS, **params})
-    git_init(copy)
-    return copy
-
-
-def slurm_env(cluster: LocalSlurm, copy: Path) -> dict[str, str]:
-    return cluster.env(tool_env(copy))
 
 
 def run_on_slurm(
@@ -127,18 +67,6 @@ def run_on_slurm(
 def submitted(output: str) -> dict[str, str]:
     """rule -> Slurm job id, from the executor's "submitted with SLURM jobid" lines."""
     return {rule: job for job, rule in SUBMITTED.findall(output)}
-
-
-def weights(copy: Path) -> dict[str, torch.Tensor]:
-    bundle = torch.load(copy / "exp/model.pt", map_location="cpu", weights_only=True)
-    return bundle["model"]
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    different = [name for name in wa if not torch.equal(wa[name], wb[name])]
-    assert not different, f"{len(different)} of {len(wa)} tensors differ, e.g. {different[:3]}"
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,28 @@ from lhotse import CutSet
 from lhotse.dataset.collation import collate_features
 from lhotse.utils import compute_num_frames
 
-from asrflow.data.batches import AsrBatchDataset, AugmentConfig, BatchItem
-from asrflow.data.features import FeatureConfig, load_cmvn
+from asrflow.data.features.cmvn import load_cmvn
+from asrflow.data.loading.config import DataConfig
+from asrflow.data.loading.dataset import AsrBatchDataset
+from asrflow.data.loading.noise import load_noise_cuts
+from asrflow.data.loading.planner import BatchItem
+from asrflow.data.loading.workers import init_worker, pack_batch, unpack_batch
 from asrflow.data.manifests import load_cuts
-from asrflow.data.noise import load_noise_cuts
-from asrflow.data.workers import init_worker, pack_batch, unpack_batch
+from asrflow.testing.corpora import feature_config
+from asrflow.testing.repo import repo_config
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
 SEED = 42
 SPEEDS = (0.9, 1.0, 1.1)
-SPEC = AugmentConfig()
-NO_SPEC = AugmentConfig(spec_augment=False)
+
+
+def augment_config(**changes) -> DataConfig:
+    """params.yaml's ``train.data`` section (the augmentation settings users get), with ``changes``."""
+    return repo_config(DataConfig, "train.data", **changes)
+
+
+SPEC = augment_config()
+NO_SPEC = augment_config(spec_augment=False)
 
 
 def item(cut_ids, batch_index: int, epoch: int = 1) -> BatchItem:
@@ -76,12 +87,12 @@ def raw(yesno_data, tmp_path_factory):
     return cuts, tokenizer, load_cmvn(yesno_data / "fbank" / "cmvn.json"), noise_cuts(folder)
 
 
-def spec_dataset(stored, augment: AugmentConfig | None = SPEC) -> AsrBatchDataset:
+def spec_dataset(stored, augment: DataConfig | None = SPEC) -> AsrBatchDataset:
     cuts, tokenizer, mvn = stored
     return AsrBatchDataset(cuts, tokenizer, mvn, seed=SEED, augment=augment)
 
 
-def otf_dataset(raw, augment: AugmentConfig | None, noise: bool, reverse_noise: bool = False) -> AsrBatchDataset:
+def otf_dataset(raw, augment: DataConfig | None, noise: bool, reverse_noise: bool = False) -> AsrBatchDataset:
     cuts, tokenizer, mvn, noise_set = raw
     noise_list = list(noise_set)[::-1] if reverse_noise else list(noise_set)
     return AsrBatchDataset(
@@ -90,7 +101,7 @@ def otf_dataset(raw, augment: AugmentConfig | None, noise: bool, reverse_noise: 
         mvn,
         seed=SEED,
         augment=augment,
-        extractor=FeatureConfig().extractor(),
+        extractor=feature_config().extractor(),
         noise_cuts=CutSet.from_cuts(noise_list) if noise else None,
     )
 
@@ -118,7 +129,7 @@ def test_spec_augment_differs_between_batches(stored):
     base = dataset[item(cut_ids, batch_index=5)]["features"]
     assert not torch.equal(base, dataset[item(cut_ids, batch_index=6)]["features"])
     assert not torch.equal(base, dataset[item(cut_ids, batch_index=5, epoch=2)]["features"])
-    other_seed = AsrBatchDataset(*stored, seed=SEED + 1, augment=AugmentConfig())
+    other_seed = AsrBatchDataset(*stored, seed=SEED + 1, augment=augment_config())
     assert not torch.equal(base, other_seed[item(cut_ids, batch_index=5)]["features"])
 
 
@@ -141,7 +152,7 @@ def test_spec_augment_zeroes_bands_and_nothing_else(stored):
     assert time_bands > 0, "no frame was masked over all mel bins"
 
 
-@pytest.mark.parametrize("augment", [None, AugmentConfig(spec_augment=False)], ids=["none", "disabled"])
+@pytest.mark.parametrize("augment", [None, augment_config(spec_augment=False)], ids=["none", "disabled"])
 def test_without_spec_augment_features_are_the_normalised_input(stored, augment):
     cuts, _, mvn = stored
     cut_ids = ids(cuts)
@@ -153,7 +164,7 @@ def test_without_spec_augment_features_are_the_normalised_input(stored, augment)
 
 def test_data_workers_build_the_same_batches(raw):
     """Two spawned workers (as in training) give exactly what the main process gives."""
-    dataset = otf_dataset(raw, AugmentConfig(speed_perturb=True), noise=True)
+    dataset = otf_dataset(raw, augment_config(speed_perturb=True), noise=True)
     cut_ids = ids(raw[0], 6)
     items = [item(cut_ids[i : i + 2], batch_index=i) for i in range(0, 6, 2)]
 
@@ -179,7 +190,7 @@ def test_data_workers_build_the_same_batches(raw):
 
 # ----------------------------------------------------------------------------- waveform augmentation
 def test_speed_and_noise_are_the_same_for_the_same_batch(raw):
-    augment = AugmentConfig(spec_augment=False, speed_perturb=True)
+    augment = augment_config(spec_augment=False, speed_perturb=True)
     batch = item(ids(raw[0]), batch_index=3)
     first = otf_dataset(raw, augment, noise=True)
     a, b = first[batch], first[batch]
@@ -193,7 +204,7 @@ def test_speed_and_noise_are_the_same_for_the_same_batch(raw):
 def test_speed_perturbation_changes_frames_and_features(raw):
     cuts = raw[0]
     plain = otf_dataset(raw, NO_SPEC, noise=False)
-    fast_slow = otf_dataset(raw, AugmentConfig(spec_augment=False, speed_perturb=True), noise=False)
+    fast_slow = otf_dataset(raw, augment_config(spec_augment=False, speed_perturb=True), noise=False)
     cut_ids = ids(cuts)
 
     def frames(cut_id: str, factor: float) -> int:

@@ -12,15 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asrflow.data.batches import TrainingBatches, plan_epoch
-from asrflow.data.features import FeatureConfig
-from asrflow.data.index import CorpusMix, CutIndex, mix_positions
+from asrflow.data.loading.cut_index import CutIndex
+from asrflow.data.loading.planner import CorpusMix, TrainingBatches, mix_positions, plan_epoch
 from asrflow.data.manifests import cuts_path, list_corpora, list_test_sets, load_cuts
-from asrflow.data.prepare import PrepareConfig
+from asrflow.data.prepare.config import PrepareConfig
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import generate_corpus, prepare_features_tokenizer, torch_threads
-from asrflow.testing.tiny_config import tiny_train_config
-from asrflow.tokenizer import TokenizerConfig
+from asrflow.testing.corpora import (
+    feature_config,
+    generate_corpus,
+    prepare_features_tokenizer,
+    tokenizer_config,
+    torch_threads,
+)
+from asrflow.testing.tiny_config import tiny_settings, tiny_train_data
 from asrflow.training.train_data import TrainData, corpus_mix
 
 SEED = 42
@@ -61,7 +65,7 @@ def two_corpora(tmp_path_factory) -> Path:
         generate_corpus(root / "corpora" / name, size, seed=seed, min_s=1.0, max_s=3.0, dev_fraction=0.2)
     with torch_threads(1):
         prepare_features_tokenizer(
-            root, two_corpora_config(root), FeatureConfig(num_jobs=1), TokenizerConfig(), seed=SEED
+            root, two_corpora_config(root), feature_config(num_jobs=1), tokenizer_config(), seed=SEED
         )
     return root
 
@@ -96,9 +100,12 @@ def test_each_corpus_keeps_its_test_set_and_every_id_names_its_corpus(two_corpor
     assert sum(split["utterances"] for split in summary["splits"].values()) == summary["items_total"]
 
 
+#: The runs' batching: short batches in two buckets (the corpora are small).
+BATCHING = {"train.data.max_duration_s": 8.0, "train.data.num_buckets": 2}
+
+
 def _train_data(data: Path, **weights: float) -> TrainData:
-    config = tiny_train_config(corpus_weights=weights, max_duration_s=8.0, num_buckets=2)
-    return TrainData.build(config, FeatureConfig(), seed=SEED, fbank_dir=data / "fbank", lang_dir=data / "lang")
+    return tiny_train_data(data, {**BATCHING, "train.data.corpus_weights": weights}, seed=SEED)
 
 
 def test_an_epoch_takes_each_corpus_in_proportion_to_its_weight(two_corpora):
@@ -164,26 +171,19 @@ def test_a_few_steps_train_on_both_and_evaluate_scores_each_test_set(two_corpora
 
     from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
     from asrflow.testing.mlflow_store import fresh_mlflow_store
-    from asrflow.testing.tiny_config import train_paths
-    from asrflow.training.trainer import Trainer
+    from asrflow.testing.tiny_config import tiny_trainer
 
-    config = tiny_train_config(corpus_weights={"published": 2.0}, max_duration_s=8.0, num_buckets=2, epochs=1)
+    overrides = {**BATCHING, "train.data.corpus_weights": {"published": 2.0}, "train.optim.epochs": 1}
     uri = fresh_mlflow_store(tmp_path)
     with torch_threads(1):
-        Trainer(
-            config,
-            FeatureConfig(),
-            seed=SEED,
-            all_params={"seed": SEED},
-            paths=train_paths(two_corpora, tmp_path),
-            tracking_uri=uri,
-        ).run()
+        trainer = tiny_trainer(two_corpora, tmp_path, overrides, seed=SEED, tracking_uri=uri)
+        trainer.run()
         metrics = evaluate(
             tmp_path / "model.pt", two_corpora / "fbank", tmp_path / "eval", EvaluateConfig(), tracking_uri=uri
         )
     assert list(metrics["test_sets"]) == ["published/test", "scraped/test"]
     client = MlflowClient(tracking_uri=uri)
-    (run,) = client.search_runs([client.get_experiment_by_name(config.experiment).experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name(trainer.run_config.experiment).experiment_id])
     assert {"test/published/test/wer", "test/scraped/test/wer"} <= set(run.data.metrics)
 
 
@@ -191,12 +191,12 @@ def test_an_interrupted_run_with_other_weights_is_refused(tmp_path):
     from asrflow.training.resume import build_fingerprint, decide
 
     def fingerprint(**weights: float) -> dict:
-        config = tiny_train_config(corpus_weights=weights)
+        config = tiny_settings(overrides={"train.data.corpus_weights": weights}).train
         return build_fingerprint({}, {}, data_digest="d", seed=SEED, config=config)
 
     unfinished = {"fingerprint": fingerprint(published=2.0), "train_params": {}, "complete": False, "step": 7}
     assert decide(unfinished, fingerprint(published=2.0), {}, tmp_path) == "resume"
-    with pytest.raises(AsrflowError, match=r"train.corpus_weights: \{'published': 2.0\} -> \{'published': 3.0\}"):
+    with pytest.raises(AsrflowError, match=r"train.data.corpus_weights: \{'published': 2.0\} -> \{'published': 3.0\}"):
         decide(unfinished, fingerprint(published=3.0), {}, tmp_path)
 
 
@@ -209,13 +209,12 @@ def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_
     from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
 
     overrides = {
-        "corpus_weights": {"published": 2.0, "scraped": 0.5},
-        "max_duration_s": 8.0,
-        "num_buckets": 2,
-        "epochs": 2,
-        "checkpoint_every_steps": 2,
-        "validate_every_steps": 4,
-        "num_workers": 1,
+        **BATCHING,
+        "train.data.corpus_weights": {"published": 2.0, "scraped": 0.5},
+        "train.optim.epochs": 2,
+        "train.checkpoint.checkpoint_every_steps": 2,
+        "train.checkpoint.validate_every_steps": 4,
+        "run.num_workers": 1,
     }
     data = _train_data(two_corpora, published=2.0, scraped=0.5)
     steps, total = data.steps_per_epoch(0), data.steps_per_epoch(0) + data.steps_per_epoch(1)

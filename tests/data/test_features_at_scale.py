@@ -8,26 +8,21 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import psutil
 import pytest
 import yaml
 
-from asrflow.data.features import (
-    FeatureConfig,
-    SplitScan,
-    check_disk_space,
-    compute_features,
-    estimate_bytes,
-    scan_split,
-)
+from asrflow.data.features.disk_space import SplitScan, check_disk_space, estimate_bytes, scan_split
+from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import write_segment_manifests
+from asrflow.testing.corpora import feature_config, write_segment_manifests
 from asrflow.testing.repo import REPO
 
 #: Coarse frames and few bins: what is tested is how the stage streams, not the features.
-COARSE = FeatureConfig(num_jobs=1, frame_shift_s=0.05, num_mel_bins=10)
+COARSE = feature_config(num_jobs=1, frame_shift_s=0.05, num_mel_bins=10)
 
 
 def manifests(root, train: int, **options):
@@ -43,8 +38,9 @@ def manifests(root, train: int, **options):
 #: arrays included) while the features of each manifests folder given are computed, one per line.
 PEAKS_CHILD = """
 import sys, tracemalloc
-from asrflow.data.features import FeatureConfig, compute_features
-config = FeatureConfig(num_jobs=1, frame_shift_s=0.05, num_mel_bins=10)
+from asrflow.testing.corpora import feature_config
+from asrflow.data.features.extract import compute_features
+config = feature_config(num_jobs=1, frame_shift_s=0.05, num_mel_bins=10)
 for manifests_dir, output_dir in zip(sys.argv[1::2], sys.argv[2::2]):
     tracemalloc.start()
     compute_features(manifests_dir, output_dir, config)
@@ -74,7 +70,7 @@ def test_memory_does_not_grow_with_the_split(tmp_path):
 
 def test_features_that_do_not_fit_the_free_space_stop_before_writing(tmp_path):
     folder = manifests(tmp_path, 200, recording_s=12.0)
-    config = FeatureConfig(num_jobs=1)
+    config = feature_config(num_jobs=1)
     needed = estimate_bytes([scan_split(folder, split) for split in ("train", "dev", "test")], config)
     with pytest.raises(
         AsrflowError, match=r"need about 0\.00 GiB \(x 1\.2 margin: 0\.00 GiB\).* but 0\.00 GiB are free"
@@ -89,7 +85,7 @@ def test_features_that_do_not_fit_the_free_space_stop_before_writing(tmp_path):
 
 def test_the_margin_and_the_message_name_sizes_in_gib():
     scan = SplitScan(count=1_000_000, audio_s=3600.0 * 1000, multichannel=0)
-    needed = estimate_bytes([scan], FeatureConfig())
+    needed = estimate_bytes([scan], feature_config())
     assert 27 * 2**30 < needed < 28 * 2**30  # 1,000 hours at 100 frames/s x 80 bins x about a byte
     with pytest.raises(AsrflowError, match=r"need about 27\.\d\d GiB \(x 1\.5 margin: 40\.\d\d GiB\) in .*/out, but "):
         check_disk_space("out", needed, free_bytes=40 * 2**30, margin=1.5)
@@ -100,7 +96,7 @@ def test_a_bad_margin_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setenv("ASRFLOW_FEATURES_DISK_MARGIN", "lots")
     folder = manifests(tmp_path, 3, recording_s=2.0)
     with pytest.raises(AsrflowError, match="ASRFLOW_FEATURES_DISK_MARGIN='lots': give a number >= 0"):
-        compute_features(folder, tmp_path / "fbank", FeatureConfig(num_jobs=1))
+        compute_features(folder, tmp_path / "fbank", feature_config(num_jobs=1))
 
 
 def stage_command(folder, out, params) -> list[str]:
@@ -122,7 +118,8 @@ def test_a_killed_stage_leaves_nothing_half_written_and_a_rerun_completes(tmp_pa
     folder, no worker left writing, and the re-run writes the whole folder and sweeps the remains."""
     folder = manifests(tmp_path, 2000, recording_s=12.0)
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"features": {"num_jobs": 2, "frame_shift_s": 0.05, "num_mel_bins": 10}}))
+    features = feature_config(num_jobs=2, frame_shift_s=0.05, num_mel_bins=10)
+    params.write_text(yaml.safe_dump({"features": asdict(features)}))
     out = tmp_path / "fbank"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     stage = subprocess.Popen(stage_command(folder, out, params), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)

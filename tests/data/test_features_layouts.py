@@ -8,10 +8,12 @@ import pytest
 import soundfile as sf
 import torch
 
-from asrflow.data.features import FeatureConfig, compute_features
+from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import load_cuts
-from asrflow.data.prepare import PrepareConfig, prepare_corpus
+from asrflow.data.prepare.config import PrepareConfig
+from asrflow.data.prepare.corpus import prepare_corpus
 from asrflow.errors import AsrflowError
+from asrflow.testing.corpora import feature_config
 
 #: (file name, sampling rate, channels, soundfile format and subtype)
 LAYOUTS = [
@@ -64,7 +66,7 @@ def prepared(tmp_path, **prepare):
 
 def test_mixed_layouts_with_channel_mix_give_cuts_that_load_features_and_audio(tmp_path):
     manifests = prepared(tmp_path)
-    counts = compute_features(manifests, tmp_path / "fbank", FeatureConfig(num_jobs=1, num_mel_bins=40))
+    counts = compute_features(manifests, tmp_path / "fbank", feature_config(num_jobs=1, num_mel_bins=40))
     assert counts == {split: len(LAYOUTS) for split in ("train", "dev", "test")}
     for split in counts:
         cuts = {cut.recording_id.split("/")[-1]: cut for cut in load_cuts(tmp_path / "fbank", split)}
@@ -88,9 +90,9 @@ def test_a_stereo_cut_gets_the_features_of_its_channels_average(tmp_path):
     from lhotse import Recording
 
     mono = Recording.from_file(tmp_path / "average.wav").to_cut()
-    extractor = FeatureConfig().extractor()
+    extractor = feature_config().extractor()
     expected = extractor.extract(mono.load_audio(), 16000)
-    compute_features(manifests, tmp_path / "fbank", FeatureConfig(num_jobs=2))
+    compute_features(manifests, tmp_path / "fbank", feature_config(num_jobs=2))
     stored = next(c for c in load_cuts(tmp_path / "fbank", "test") if c.id == cut.id)
     assert torch.allclose(torch.from_numpy(stored.load_features()), torch.from_numpy(expected), atol=0.05)
     left_only = extractor.extract(cut.load_audio()[:1], 16000)
@@ -100,13 +102,13 @@ def test_a_stereo_cut_gets_the_features_of_its_channels_average(tmp_path):
 def test_multichannel_cuts_with_on_the_fly_features_are_refused_by_name(tmp_path):
     manifests = prepared(tmp_path)
     with pytest.raises(AsrflowError, match=r"multi-channel cuts \(train 4, dev 4, test 4\).*prepare.channel"):
-        compute_features(manifests, tmp_path / "fbank", FeatureConfig(on_the_fly=True))
+        compute_features(manifests, tmp_path / "fbank", feature_config(on_the_fly=True))
     assert not (tmp_path / "fbank").exists()
 
 
 def test_a_channel_index_gives_mono_cuts_of_that_channel(tmp_path):
     manifests = prepared(tmp_path, channel=1)
-    compute_features(manifests, tmp_path / "fbank", FeatureConfig(num_jobs=1, on_the_fly=True))
+    compute_features(manifests, tmp_path / "fbank", feature_config(num_jobs=1, on_the_fly=True))
     cuts = list(load_cuts(tmp_path / "fbank", "train"))
     assert len(cuts) == len(LAYOUTS) and all(cut.num_channels == 1 for cut in cuts)
     assert all(cut.load_audio().shape == (1, round(SECONDS * 16000)) for cut in cuts)

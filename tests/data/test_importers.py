@@ -1,4 +1,4 @@
-"""Importers: folder + TSV, Kaldi data folders, Lhotse recipes (asrflow.data.importers)."""
+"""Importers: folder + TSV, Kaldi data folders, Lhotse recipes (asrflow.data.prepare.importers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from asrflow.data.importers import find_recipe, import_folder, import_kaldi, read_lines, run_recipe
+from asrflow.data.prepare.importers.common import read_lines
+from asrflow.data.prepare.importers.folder import import_folder
+from asrflow.data.prepare.importers.kaldi import import_kaldi
+from asrflow.data.prepare.importers.recipes import find_recipe, run_recipe
 from asrflow.errors import AsrflowError
 
 YESNO = Path(__file__).resolve().parents[2] / "data" / "corpora" / "yesno"

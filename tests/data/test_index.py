@@ -19,8 +19,9 @@ import pytest
 from lhotse import CutSet
 from lhotse.testing.dummies import dummy_cut
 
-from asrflow.data.batches import TrainingBatches, plan_digest, plan_epoch
-from asrflow.data.index import STORE_PREFIX, CutIndex, manifest_facts, plan_positions, shared_index
+from asrflow.data.loading.cut_index import CutIndex
+from asrflow.data.loading.index_store import STORE_PREFIX, manifest_facts, shared_index
+from asrflow.data.loading.planner import TrainingBatches, plan_digest, plan_epoch, plan_positions
 from asrflow.errors import AsrflowError
 from asrflow.testing.corpora import cut_entry
 
@@ -163,7 +164,7 @@ def test_duplicate_ids_and_broken_lines_are_clear_errors(tmp_path):
 
 
 def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_path, monkeypatch):
-    import asrflow.data.index as index_module
+    import asrflow.data.loading.cut_index as index_module
 
     _write(tmp_path / "train_cuts.jsonl.gz", _entries(50))
     monkeypatch.setattr(index_module, "BUILD_CHUNK", 20)
@@ -185,7 +186,7 @@ def test_a_manifest_too_large_for_memory_stops_by_name_and_writes_nothing(tmp_pa
 
 _HOLD_STORE = (
     "import os, signal, sys\n"
-    "from asrflow.data.index import shared_index\n"
+    "from asrflow.data.loading.index_store import shared_index\n"
     "index = shared_index(sys.argv[1], sys.argv[2])\n"
     "print(index.store, flush=True)\n"
     "{end}\n"
@@ -254,7 +255,7 @@ def test_a_killed_builders_folder_is_removed_and_a_killed_users_store_reused(tmp
 def test_the_mlflow_dataset_takes_the_indexed_manifests_digest_without_reading_it(tmp_path, monkeypatch):
     """The train manifest is read once at start-up: its decompressed-bytes digest and profile come
     from the index's pass over it, and equal what reading it gives."""
-    import asrflow.data.index as index_module
+    import asrflow.data.loading.index_store as index_module
 
     manifest, root = tmp_path / "train_cuts.jsonl.gz", tmp_path / "tmp"
     _write(manifest, _entries(400))

@@ -6,13 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asrflow.data.batches import AsrBatchDataset, AugmentConfig, TrainingBatches
-from asrflow.data.features import CMVN_FILE, load_cmvn
-from asrflow.data.filters import filter_ctc_feasible, filter_ctc_feasible_index
-from asrflow.data.index import CutIndex
+from asrflow.data.features.cmvn import CMVN_FILE, load_cmvn
+from asrflow.data.loading.config import DataConfig
+from asrflow.data.loading.ctc_filter import filter_ctc_feasible, filter_ctc_feasible_index
+from asrflow.data.loading.cut_index import CutIndex
+from asrflow.data.loading.dataset import AsrBatchDataset
+from asrflow.data.loading.planner import TrainingBatches
+from asrflow.data.loading.workers import pack_batch, unpack_batch
 from asrflow.data.manifests import cuts_path, load_cuts
-from asrflow.data.workers import pack_batch, unpack_batch
+from asrflow.testing.repo import repo_config
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
+
+
+def augment_config(**changes) -> DataConfig:
+    """params.yaml's ``train.data`` section (the augmentation settings users get), with ``changes``."""
+    return repo_config(DataConfig, "train.data", **changes)
+
 
 SEED = 42
 
@@ -41,7 +50,7 @@ def test_index_filters_plans_and_batches_like_the_cutset(yesno_data, tmp_path):
             start_step=0,
             num_epochs=1,
         )
-        dataset = AsrBatchDataset(cuts, tokenizer, mvn, seed=SEED, augment=AugmentConfig())
+        dataset = AsrBatchDataset(cuts, tokenizer, mvn, seed=SEED, augment=augment_config())
         loader = torch.utils.data.DataLoader(
             dataset,
             sampler=batches,
@@ -65,7 +74,7 @@ def test_index_filters_plans_and_batches_like_the_cutset(yesno_data, tmp_path):
 def test_ctc_verdicts_are_kept_in_the_shared_store(yesno_data, tmp_path, monkeypatch):
     """The CTC filter's pass over every transcript is done once per store and tokenizer: a later
     start on the same store keeps the same cuts without tokenizing them again; another key recomputes."""
-    from asrflow.data.index import shared_index
+    from asrflow.data.loading.index_store import shared_index
 
     tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
     manifest = cuts_path(yesno_data / "fbank", "train")

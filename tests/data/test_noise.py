@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
-from asrflow.data.noise import load_noise_cuts
+from asrflow.data.loading.noise import load_noise_cuts
 from asrflow.errors import AsrflowError
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -13,16 +12,16 @@ import soundfile as sf
 import torch
 from lhotse.dataset import GlobalMVN
 
-from asrflow.data.features import CMVN_FILE, FeatureConfig, compute_features, load_cmvn
+from asrflow.data.features.cmvn import CMVN_FILE, load_cmvn
+from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
 from asrflow.serving.bundle import load_bundle
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
-from asrflow.training.train_data import TrainData
-from asrflow.training.trainer import Trainer
+from asrflow.testing.corpora import feature_config
+from asrflow.testing.tiny_config import tiny_train_data, tiny_trainer
 
 SUBSET = {"train": 12, "dev": 2, "test": 2}
-OTF = FeatureConfig(on_the_fly=True, num_jobs=1)
+OTF = feature_config(on_the_fly=True, num_jobs=1)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +68,16 @@ def test_on_the_fly_cuts_have_no_features(otf_data, yesno_data):
 
 
 def test_training_with_on_the_fly_features_speed_and_noise(otf_data, noise_dir, tmp_path):
-    config = tiny_train_config(epochs=1, speed_perturb=True, noise_dir=str(noise_dir))
-    all_params = {"seed": 42, "features": asdict(OTF), "train": asdict(config)}
-    paths = train_paths(otf_data, tmp_path / "exp")
-    summary = (
-        Trainer(
-            config, OTF, seed=42, all_params=all_params, paths=paths, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"
-        )
-        .run()
-        .summary
-    )
+    overrides = {
+        "train.optim.epochs": 1,
+        "train.data.speed_perturb": True,
+        "train.data.noise_dir": str(noise_dir),
+        "features.num_jobs": OTF.num_jobs,  # the rest of features: as otf_data was computed
+    }
+    trainer = tiny_trainer(otf_data, tmp_path / "exp", overrides, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert trainer.features == OTF
+    paths = trainer.paths
+    summary = trainer.run().summary
     assert summary
     bundle = load_bundle(paths.model_path)
     assert bundle.features == OTF
@@ -89,8 +88,7 @@ def test_training_with_on_the_fly_features_speed_and_noise(otf_data, noise_dir, 
 
 def test_noise_needs_on_the_fly_features_and_audio(otf_data, tmp_path):
     (tmp_path / "empty").mkdir()
-    folders = {"fbank_dir": otf_data / "fbank", "lang_dir": otf_data / "lang"}
     with pytest.raises(AsrflowError, match="on_the_fly"):
-        TrainData.build(tiny_train_config(noise_dir=str(tmp_path)), FeatureConfig(), seed=42, **folders)
+        tiny_train_data(otf_data, {"train.data.noise_dir": str(tmp_path), "features.on_the_fly": False})
     with pytest.raises(AsrflowError, match="empty holds no noise"):
-        TrainData.build(tiny_train_config(noise_dir=str(tmp_path / "empty")), OTF, seed=42, **folders)
+        tiny_train_data(otf_data, {"train.data.noise_dir": str(tmp_path / "empty")})

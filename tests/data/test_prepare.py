@@ -11,7 +11,9 @@ import soundfile as sf
 from lhotse import CutSet, RecordingSet, SupervisionSegment, SupervisionSet
 
 from asrflow.data.manifests import list_test_sets
-from asrflow.data.prepare import PrepareConfig, carve_ids, prepare_corpus
+from asrflow.data.prepare.carving import carve_ids
+from asrflow.data.prepare.config import PrepareConfig
+from asrflow.data.prepare.corpus import prepare_corpus
 from asrflow.errors import AsrflowError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,10 +1,10 @@
-"""Transcript normalisation rules (asrflow.data.text)."""
+"""Transcript normalisation rules (asrflow.data.prepare.text)."""
 
 from __future__ import annotations
 
 import pytest
 
-from asrflow.data.text import TextConfig, normalize_text
+from asrflow.data.prepare.text import TextConfig, normalize_text
 from asrflow.errors import AsrflowError
 
 

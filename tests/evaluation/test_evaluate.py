@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from trained_model import split_files, yesno_model  # noqa: F401  (fixture)
 
-from asrflow.data.features import FeatureConfig, compute_features
+from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import list_test_sets, load_cuts
-from asrflow.data.prepare import PrepareConfig, prepare_corpus
+from asrflow.data.prepare.config import PrepareConfig
+from asrflow.data.prepare.corpus import prepare_corpus
 from asrflow.decoding.ctc import greedy_decode, prefix_beam_search
 from asrflow.errors import AsrflowError
 from asrflow.evaluation.evaluate import (
@@ -26,7 +26,8 @@ from asrflow.evaluation.evaluate import (
 )
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.inference import cut_features, log_probs
-from asrflow.testing.corpora import write_folder_corpus
+from asrflow.testing.corpora import feature_config, write_folder_corpus
+from asrflow.testing.trained_model import split_files
 from asrflow.tokenizer import BLANK_ID
 
 
@@ -78,7 +79,7 @@ def test_every_test_set_is_scored_and_the_overall_pools_them(yesno_model, yesno_
     named = {"train": "train", "dev": "dev", "test": {"first": "first", "more/second": "second"}}
     prepare = PrepareConfig.from_section({"corpus": "folder", "corpus_dir": str(corpus), "splits": named})
     prepare_corpus(prepare, tmp_path / "manifests", seed=42)
-    compute_features(tmp_path / "manifests", tmp_path / "fbank", FeatureConfig(num_jobs=1))
+    compute_features(tmp_path / "manifests", tmp_path / "fbank", feature_config(num_jobs=1))
     assert list_test_sets(tmp_path / "fbank") == ["first", "more/second"]
 
     uri = f"sqlite:///{yesno_model.parent / 'mlflow.db'}"

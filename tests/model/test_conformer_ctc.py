@@ -5,20 +5,48 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asrflow.data.filters import ctc_frames_needed, output_frames
-from asrflow.model.conformer_ctc import ConvFrameNorm, ModelConfig, build_model, subsampled_lengths
+from asrflow.data.loading.ctc_filter import ctc_frames_needed, output_frames
+from asrflow.errors import AsrflowError
+from asrflow.model.conformer_ctc import (
+    ConvFrameNorm,
+    ModelConfig,
+    build_from_record,
+    build_model,
+    config_from_record,
+    shape_record,
+    subsampled_lengths,
+)
 from asrflow.tokenizer import BLANK_ID
+
+#: A small ``train.model`` section (d_model 32, 2 heads, 2 layers, kernel 7) with the wide front end of
+#: d_model channels and no norm, and a blank bias drawn like the others.
+SMALL = {
+    "d_model": 32,
+    "num_heads": 2,
+    "ffn_dim": 64,
+    "num_layers": 2,
+    "conv_kernel_size": 7,
+    "dropout": 0.1,
+    "attention_dropout": 0.0,
+    "subsampling_channels": None,
+    "subsampling_norm": False,
+    "blank_bias_init": None,
+}
 
 
 def small_config(**fields) -> ModelConfig:
-    """A small model (80 bins, 9 classes, d_model 32, 2 heads, 2 layers, kernel 7); ``fields`` replace these."""
-    shape = dict(input_dim=80, vocab_size=9, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, conv_kernel_size=7)
-    return ModelConfig(**{**shape, **fields})
+    """:data:`SMALL`, ``fields`` replacing its keys."""
+    return ModelConfig(**{**SMALL, **fields})
+
+
+def small_model(*, input_dim: int = 80, vocab_size: int = 9, **fields):
+    """The model of :func:`small_config` for ``input_dim`` bins and ``vocab_size`` classes."""
+    return build_model(small_config(**fields), input_dim=input_dim, vocab_size=vocab_size)
 
 
 def test_output_shapes_and_lengths():
     torch.manual_seed(0)
-    model = build_model(small_config(num_layers=1, conv_kernel_size=15))
+    model = small_model(num_layers=1, conv_kernel_size=15)
     features = torch.randn(3, 101, 80)
     lengths = torch.tensor([101, 57, 20])
     log_probs, out_lens = model(features, lengths)
@@ -46,7 +74,7 @@ def _saved_square_maps(model, features: torch.Tensor, lengths: torch.Tensor) -> 
 def test_attention_dropout_decides_whether_attention_maps_are_kept(attention_dropout):
     """Without attention-weight dropout the CPU's fused attention keeps no (N, heads, T', T') map per layer."""
     torch.manual_seed(0)
-    model = build_model(small_config(attention_dropout=attention_dropout, dropout=0.1)).train()
+    model = small_model(attention_dropout=attention_dropout, dropout=0.1).train()
     assert {block.self_attn.dropout for block in model.encoder.conformer_layers} == {attention_dropout}
     features, lengths = torch.randn(3, 201, 80), torch.tensor([201, 150, 90])
     square = _saved_square_maps(model, features, lengths)
@@ -58,9 +86,9 @@ def test_attention_dropout_decides_whether_attention_maps_are_kept(attention_dro
 
 def test_blank_bias_init_sets_only_the_blank_logit_bias():
     torch.manual_seed(0)
-    drawn = build_model(small_config()).head.bias.detach().clone()
+    drawn = small_model().head.bias.detach().clone()
     torch.manual_seed(0)
-    biased = build_model(small_config(blank_bias_init=3.0)).head.bias.detach()
+    biased = small_model(blank_bias_init=3.0).head.bias.detach()
     assert biased[BLANK_ID] == 3.0
     assert torch.equal(biased[1:], drawn[1:])  # the other classes keep the same draw
     assert drawn[BLANK_ID].abs() < 1.0  # default: drawn like the others (|bias| <= 1/sqrt(d_model))
@@ -78,7 +106,7 @@ def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
     the last kernel_size // 2 frames see the padding and two layers of attention spread the
     difference over all frames: about 4e-3 nats here.)"""
     torch.manual_seed(0)
-    model = build_model(small_config(subsampling_channels=channels, subsampling_norm=norm)).eval()
+    model = small_model(subsampling_channels=channels, subsampling_norm=norm).eval()
     utterance = torch.randn(1, 400, 80)
     alone, alone_lens = model(utterance, torch.tensor([400]))
     padded_input = torch.cat([torch.cat([utterance, torch.randn(1, 400, 80)], dim=1), torch.randn(1, 800, 80)])
@@ -91,7 +119,7 @@ def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
 @pytest.mark.parametrize(("channels", "norm"), FRONT_ENDS)
 def test_training_gradients_do_not_depend_on_padding(channels, norm):
     torch.manual_seed(0)
-    model = build_model(small_config(subsampling_channels=channels, subsampling_norm=norm, dropout=0.0))
+    model = small_model(subsampling_channels=channels, subsampling_norm=norm, dropout=0.0)
     utterance = torch.randn(1, 300, 80)
     grads = []
     for features, lengths in (
@@ -113,7 +141,7 @@ def test_ctc_frame_requirements():
 
 
 def test_subsampling_channels_set_the_front_end_width():
-    small = build_model(small_config(vocab_size=10, d_model=48, ffn_dim=96, num_layers=1, subsampling_channels=[16, 8]))
+    small = small_model(vocab_size=10, d_model=48, ffn_dim=96, num_layers=1, subsampling_channels=[16, 8])
     convs = [m for m in small.subsampling.conv if isinstance(m, torch.nn.Conv2d)]
     assert [c.out_channels for c in convs] == [16, 8]
     assert small.subsampling.out.in_features == 8 * 19  # 19 = ((80-1)//2-1)//2 frequency bins left
@@ -123,16 +151,14 @@ def test_subsampling_channels_set_the_front_end_width():
 
 
 def test_subsampling_norm_normalises_each_frame_of_both_convolutions():
-    model = build_model(
-        small_config(
-            vocab_size=10,
-            d_model=48,
-            ffn_dim=96,
-            num_layers=1,
-            conv_kernel_size=15,
-            subsampling_channels=[8, 32],
-            subsampling_norm=True,
-        )
+    model = small_model(
+        vocab_size=10,
+        d_model=48,
+        ffn_dim=96,
+        num_layers=1,
+        conv_kernel_size=15,
+        subsampling_channels=[8, 32],
+        subsampling_norm=True,
     )
     norms = [m for m in model.subsampling.conv if isinstance(m, ConvFrameNorm)]
     assert [tuple(n.norm.normalized_shape) for n in norms] == [(8, 39), (32, 19)]
@@ -145,42 +171,65 @@ def test_subsampling_norm_normalises_each_frame_of_both_convolutions():
 
 
 def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_data, tmp_path):
-    """Bundles written before the fields existed had d_model channels in both convolutions, no norm."""
-    from asrflow.data.features import FeatureConfig
+    """Bundles written before the fields existed had d_model channels in both convolutions, no norm (and no
+    attention dropout, a drawn blank bias)."""
     from asrflow.serving.bundle import load_bundle, save_bundle
+    from asrflow.testing.corpora import feature_config
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
     tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
-    config = ModelConfig(
-        input_dim=80,
-        vocab_size=tokenizer.vocab_size,
-        d_model=32,
-        num_heads=2,
-        ffn_dim=64,
-        num_layers=1,
-        conv_kernel_size=7,
-        subsampling_channels=(32, 32),
-    )
     torch.manual_seed(0)
-    old = build_model(config)
+    old = small_model(vocab_size=tokenizer.vocab_size, num_layers=1, subsampling_channels=(32, 32))
     path = tmp_path / "old.pt"
     cmvn = {"norm_means": [0.0] * 80, "norm_stds": [1.0] * 80}
     save_bundle(
         path,
         model_state=old.state_dict(),
-        model_config=config,
+        model_shape=old.shape,
         tokenizer=tokenizer,
-        features=FeatureConfig(),
+        features=feature_config(),
         cmvn=cmvn,
         run_id=None,
     )
     payload = torch.load(path, weights_only=True)
-    del payload["model_config"]["subsampling_channels"]  # as an older asrflow wrote it
-    del payload["model_config"]["subsampling_norm"]
+    for key in ("subsampling_channels", "subsampling_norm", "attention_dropout", "blank_bias_init"):
+        del payload["model_config"][key]  # as an older asrflow wrote it
     torch.save(payload, path)
     loaded = load_bundle(path)
     assert loaded.model.config.subsampling_channels == (32, 32)
     assert loaded.model.config.subsampling_norm is False
+    assert loaded.model.config.attention_dropout == 0.0 and loaded.model.config.blank_bias_init is None
+    assert (loaded.model.input_dim, loaded.model.vocab_size) == (80, tokenizer.vocab_size)
     features = torch.randn(1, 80, 80)
     with torch.no_grad():
         assert torch.equal(loaded.model(features, torch.tensor([80]))[0], old.eval()(features, torch.tensor([80]))[0])
+
+
+def test_the_shape_record_rebuilds_the_same_model():
+    """A bundle's record (the section with the input width and vocabulary size) builds the model it describes."""
+    torch.manual_seed(0)
+    model = small_model(vocab_size=11, subsampling_channels=(8, 16), subsampling_norm=True, blank_bias_init=2.0)
+    record = model.shape
+    assert record == shape_record(model.config, input_dim=80, vocab_size=11)
+    assert record["input_dim"] == 80 and record["vocab_size"] == 11 and record["d_model"] == 32
+    assert config_from_record(record) == (model.config, 80, 11)
+    rebuilt = build_from_record(record)
+    rebuilt.load_state_dict(model.state_dict())  # strict: raises unless the names and shapes are the same
+    assert rebuilt.shape == record
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_heads": 3}, "train.model.num_heads = 3 must divide train.model.d_model (32)"),
+        ({"conv_kernel_size": 8}, "train.model.conv_kernel_size = 8 must be odd"),
+        ({"num_layers": 0}, "train.model.num_layers = 0 must be at least 1"),
+        ({"dropout": 1.0}, "train.model.dropout = 1.0 must be in [0, 1)"),
+        ({"attention_dropout": -0.1}, "train.model.attention_dropout = -0.1 must be in [0, 1)"),
+        ({"subsampling_channels": [8]}, "train.model.subsampling_channels = [8] must be null"),
+    ],
+)
+def test_a_bad_model_section_names_its_dotted_key(fields, message):
+    with pytest.raises(AsrflowError) as error:
+        small_config(**fields)
+    assert str(error.value).startswith(f"params.yaml: {message}"), str(error.value)

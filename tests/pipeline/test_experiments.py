@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from .helpers import IDENTITY, run
+from asrflow.testing.pipeline_tools import IDENTITY, run
 
 pytestmark = pytest.mark.pipeline
 

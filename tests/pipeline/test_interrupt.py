@@ -22,9 +22,18 @@ import psutil
 import pytest
 import yaml
 
+from asrflow.testing.pipeline_tools import (
+    LISTING,
+    ToolError,
+    dvc_ran_stages,
+    dvc_status,
+    run,
+    set_params,
+    snakemake_jobs,
+    tail,
+)
 from asrflow.testing.processes import ChildProcess
-
-from .helpers import LISTING, ToolError, dvc_ran_stages, dvc_status, run, set_params, snakemake_jobs, tail, tool_env
+from asrflow.testing.repo import tool_env
 
 pytestmark = pytest.mark.pipeline
 

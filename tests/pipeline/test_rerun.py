@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .helpers import (
+from asrflow.testing.pipeline_tools import (
     LISTING,
     LISTING_FILE,
     STAGES,
@@ -31,8 +31,8 @@ from .helpers import (
     restored,
     run,
     snakemake_dry_run,
-    tool_env,
 )
+from asrflow.testing.repo import tool_env
 
 pytestmark = pytest.mark.pipeline
 
@@ -143,8 +143,13 @@ def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run,
     ("path", "dep", "readers", "expected"),
     [
         ("stages/prepare.py", "stages/prepare.py", {"prepare"}, ALL),
-        ("asrflow/data/text.py", "asrflow/data/text.py", {"prepare"}, ALL),
-        ("asrflow/data/features.py", "asrflow/data/features.py", {"features", "train", "evaluate"}, FROM_FEATURES),
+        ("asrflow/data/prepare/text.py", "asrflow/data/prepare/text.py", {"prepare"}, ALL),
+        (
+            "asrflow/data/features/config.py",
+            "asrflow/data/features/config.py",
+            {"features", "train", "evaluate"},
+            FROM_FEATURES,
+        ),
         ("stages/tokenizer.py", "stages/tokenizer.py", {"tokenizer"}, FROM_TOKENIZER),
         ("asrflow/training/step.py", "asrflow/training", {"train"}, FROM_TRAIN),  # one file of a folder dep
         # train logs the model as an MLflow pyfunc that decodes with this code: it reads the folder too.

@@ -18,11 +18,10 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from asrflow.params import set_param
+from asrflow.testing.pipeline_tools import IDENTITY, run
 from asrflow.testing.repo import tool_env
 from asrflow.tracking.naming import DVC_EXP_TAG, NOTE_TAG
 from asrflow.training.sweep import SWEEP_DIR, sweep_key
-
-from .helpers import IDENTITY, run
 
 pytestmark = pytest.mark.pipeline
 

@@ -17,9 +17,8 @@ import pytest
 import torch
 import yaml
 
-from asrflow.data.listing import corpus_listing
-
-from .helpers import (
+from asrflow.data.prepare.listing import corpus_listing
+from asrflow.testing.pipeline_tools import (
     EXPECTED_OUTPUTS,
     LISTING,
     LISTING_FILE,

@@ -2,57 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from asrflow.data.features import FeatureConfig
 from asrflow.errors import EXIT_USER_ERROR
 from asrflow.serving.bundle import load_bundle
-from asrflow.testing.repo import write_shipped_params
-from asrflow.testing.tiny_config import tiny_bundle
-from asrflow.training.config import KEY_SECTION
+from asrflow.testing.tiny_config import tiny_bundle, tiny_params
 from stages.train import main
 
-#: A model and run small enough to train in a few CPU-seconds (conftest's tiny model, one epoch).
-TINY = {
-    "d_model": 32,
-    "num_heads": 2,
-    "ffn_dim": 64,
-    "num_layers": 1,
-    "conv_kernel_size": 7,
-    "max_duration_s": 60.0,
-    "num_workers": 0,
-    "epochs": 1,
-    "warmup_steps": 2,
-    "num_threads": 1,
-    "checkpoint_every_steps": 1000,
-    "validate_every_steps": 1000,
-    "average_last": 1,
+#: The tiny run (asrflow.testing.tiny_config) for one epoch of large batches, with no checkpoint or validation
+#: before the end: a few CPU-seconds.
+STAGE_RUN = {
+    "train.data.max_duration_s": 60.0,
+    "train.optim.epochs": 1,
+    "train.optim.warmup_steps": 2,
+    "train.checkpoint.checkpoint_every_steps": 1000,
+    "train.checkpoint.validate_every_steps": 1000,
 }
 
 
+def write_params(folder: Path, data: Path, overrides: dict | None = None) -> Path:
+    """``folder/params.yaml``: the tiny run of :data:`STAGE_RUN` with the features ``data`` was computed with."""
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(tiny_params(data, {**STAGE_RUN, **(overrides or {})})))
+    return path
+
+
 @pytest.fixture
-def tiny_params(tmp_path):
-    """The shipped params with the TINY run and the features of conftest's ``yesno_data`` (the defaults)."""
-    features = {f"features.{key}": value for key, value in asdict(FeatureConfig()).items()}
-    return write_shipped_params(
-        tmp_path, {**features, **{f"{KEY_SECTION[key]}.{key}": value for key, value in TINY.items()}}
-    )
+def params_file(yesno_data, tmp_path) -> Path:
+    return write_params(tmp_path, yesno_data)
 
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def test_trains_from_the_folders_on_its_command_line(yesno_data, tiny_params, tmp_path, monkeypatch):
+def test_trains_from_the_folders_on_its_command_line(yesno_data, params_file, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = tmp_path / "exp"
     main(
         [
             "--params",
-            str(tiny_params),
+            str(params_file),
             "--fbank",
             str(yesno_data / "fbank"),
             "--lang",
@@ -68,7 +62,7 @@ def test_trains_from_the_folders_on_its_command_line(yesno_data, tiny_params, tm
 
 
 @pytest.mark.parametrize("missing", ["--fbank", "--lang"])
-def test_a_missing_input_folder_is_named(yesno_data, tiny_params, tmp_path, capsys, *, monkeypatch, missing):
+def test_a_missing_input_folder_is_named(yesno_data, params_file, tmp_path, capsys, *, monkeypatch, missing):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     inputs = {"--fbank": str(yesno_data / "fbank"), "--lang": str(yesno_data / "lang")}
     inputs[missing] = str(tmp_path / "nowhere")
@@ -76,7 +70,7 @@ def test_a_missing_input_folder_is_named(yesno_data, tiny_params, tmp_path, caps
         main(
             [
                 "--params",
-                str(tiny_params),
+                str(params_file),
                 *(arg for pair in inputs.items() for arg in pair),
                 "--exp",
                 str(tmp_path / "exp"),
@@ -104,9 +98,7 @@ def test_a_bad_start_model_is_one_line_and_exit_2(yesno_data, tmp_path, capsys, 
         (tmp_path / folder).mkdir()
     tiny_bundle(tmp_path / "elsewhere" / "base.pt", yesno_data / "lang", seed=1)
     tiny_bundle(tmp_path / "pretrained" / "wide.pt", yesno_data / "lang", seed=1, d_model=48)
-    features = {f"features.{key}": value for key, value in asdict(FeatureConfig()).items()}
-    tiny = {f"{KEY_SECTION[key]}.{key}": value for key, value in {**TINY, "init_from": init_from}.items()}
-    params = write_shipped_params(tmp_path, {**features, **tiny})
+    params = write_params(tmp_path, yesno_data, {"train.finetune.init_from": init_from})
     with pytest.raises(SystemExit) as exit_info:
         main(["--params", str(params), "--fbank", str(yesno_data / "fbank"), "--lang", str(yesno_data / "lang")])
     assert exit_info.value.code == EXIT_USER_ERROR

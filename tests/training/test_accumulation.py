@@ -15,53 +15,12 @@ import copy
 import pytest
 import torch
 
-from asrflow.model.conformer_ctc import ModelConfig, build_model
+from asrflow.testing.step_batches import NUM_UTTERANCES, TOKENS, small_model, split_batch, utterances
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
 from asrflow.training.step import StepContext, ctc_loss_sum, train_step
 
-NUM_UTTERANCES, FRAMES, MEL_BINS, TOKENS, VOCAB = 4, 120, 80, 9, 8
-LENGTHS = (120, 110, 90, 70)
 ATOL, RTOL = 1e-6, 1e-5
-
-
-def _utterances() -> dict:
-    """Four utterances of 120, 110, 90 and 70 frames: (N, T, F) features, (N, U) targets without blanks."""
-    generator = torch.Generator().manual_seed(0)
-    return {
-        "features": torch.randn(NUM_UTTERANCES, FRAMES, MEL_BINS, generator=generator),  # (N, T, F)
-        "feature_lens": torch.tensor(LENGTHS, dtype=torch.int64),
-        "targets": torch.randint(1, VOCAB, (NUM_UTTERANCES, TOKENS), generator=generator),  # (N, U)
-        "target_lens": torch.full((NUM_UTTERANCES,), TOKENS, dtype=torch.int64),
-        "cut_ids": [f"utt{n}" for n in range(NUM_UTTERANCES)],
-        "durations": torch.tensor(LENGTHS, dtype=torch.float64) / 100,
-    }
-
-
-def _split(batch: dict, pieces: int) -> list[dict]:
-    """``pieces`` micro-batches, each padded only to its own longest utterance (as the collator does)."""
-    size = NUM_UTTERANCES // pieces
-    micro_batches = []
-    for i in range(pieces):
-        part = {key: value[i * size : (i + 1) * size] for key, value in batch.items()}
-        part["features"] = part["features"][:, : int(part["feature_lens"].max())]
-        micro_batches.append(part)
-    return micro_batches
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(1)
-    config = ModelConfig(
-        input_dim=MEL_BINS,
-        vocab_size=VOCAB,
-        d_model=32,
-        num_heads=2,
-        ffn_dim=64,
-        num_layers=1,
-        conv_kernel_size=7,
-        dropout=0.0,
-    )
-    return build_model(config).train()
 
 
 def _step(model: torch.nn.Module, micro_batches: list[dict], lr: float):
@@ -85,11 +44,11 @@ def _step(model: torch.nn.Module, micro_batches: list[dict], lr: float):
 
 
 def test_two_micro_batches_give_the_gradients_of_one_batch():
-    batch = _utterances()
-    whole, accumulated = _model(), _model()
+    batch = utterances()
+    whole, accumulated = small_model(), small_model()
     # lr 0: the step leaves the parameters alone and the gradients in place to compare.
     one = _step(whole, [batch], lr=0.0)
-    two = _step(accumulated, _split(batch, 2), lr=0.0)
+    two = _step(accumulated, split_batch(batch, 2), lr=0.0)
 
     assert one.finite and two.finite
     assert two.num_utterances == one.num_utterances == NUM_UTTERANCES
@@ -106,10 +65,10 @@ def test_two_micro_batches_give_the_gradients_of_one_batch():
 
 def test_loss_is_normalised_by_the_tokens_of_the_whole_step():
     """The logged loss is nats per target token of the step; the gradient is that of this mean."""
-    batch = _utterances()
-    model = _model()
+    batch = utterances()
+    model = small_model()
     reference = copy.deepcopy(model)
-    result = _step(model, _split(batch, 4), lr=0.0)  # four micro-batches of one utterance
+    result = _step(model, split_batch(batch, 4), lr=0.0)  # four micro-batches of one utterance
 
     log_probs, out_lens = reference(batch["features"], batch["feature_lens"])
     mean = ctc_loss_sum(log_probs, out_lens, batch) / (NUM_UTTERANCES * TOKENS)
@@ -121,9 +80,9 @@ def test_loss_is_normalised_by_the_tokens_of_the_whole_step():
 
 def test_accumulated_update_equals_the_big_batch_update():
     """With a real update (SGD) the parameters after the step agree as well."""
-    batch = _utterances()
-    whole, accumulated = _model(), _model()
+    batch = utterances()
+    whole, accumulated = small_model(), small_model()
     _step(whole, [batch], lr=0.1)
-    _step(accumulated, _split(batch, 2), lr=0.1)
+    _step(accumulated, split_batch(batch, 2), lr=0.1)
     for (name, p1), (_, p2) in zip(whole.named_parameters(), accumulated.named_parameters(), strict=True):
         torch.testing.assert_close(p2, p1, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")

@@ -173,7 +173,11 @@ def test_training_resumes_from_the_previous_checkpoint_when_the_newest_is_trunca
     monkeypatch.chdir(tmp_path)
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
-    overrides = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 4}
+    overrides = {
+        "train.optim.epochs": 1,
+        "train.checkpoint.checkpoint_every_steps": 4,
+        "train.checkpoint.validate_every_steps": 4,
+    }
     summary = train_in_process(yesno_data, exp, overrides, uri)
     steps = summary["steps"]
     assert steps % 4, "the last step must not be a regular checkpoint step"

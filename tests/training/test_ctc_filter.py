@@ -11,10 +11,10 @@ import math
 import pytest
 from lhotse import CutSet, MonoCut, SupervisionSegment
 
-from asrflow.data import filters
-from asrflow.data.batches import SPEED_FACTORS
-from asrflow.data.filters import ctc_frames_needed, filter_ctc_feasible, output_frames
-from asrflow.data.index import CutIndex
+from asrflow.data.loading import ctc_filter
+from asrflow.data.loading.augment import SPEED_FACTORS
+from asrflow.data.loading.ctc_filter import ctc_frames_needed, filter_ctc_feasible, output_frames
+from asrflow.data.loading.cut_index import CutIndex
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
 FRAME_SHIFT_S = 0.01
@@ -69,8 +69,8 @@ def test_filter_counts_too_short_repeats_and_empty_transcripts(tokenizer, chunk,
     kept, removed = filter_ctc_feasible(cuts, tokenizer, FRAME_SHIFT_S)
     assert removed == ["one-frame-short", "no-room-for-blanks", "empty"]
     assert sorted(cut.id for cut in kept) == ["fits", "plain-fits"]
-    monkeypatch.setattr(filters, "VERDICT_CHUNK", chunk)
-    kept_index, removed_index = filters.filter_ctc_feasible_index(CutIndex.from_cuts(cuts), tokenizer, FRAME_SHIFT_S)
+    monkeypatch.setattr(ctc_filter, "VERDICT_CHUNK", chunk)
+    kept_index, removed_index = ctc_filter.filter_ctc_feasible_index(CutIndex.from_cuts(cuts), tokenizer, FRAME_SHIFT_S)
     assert removed_index == sorted(removed) and kept_index.id_list() == ["fits", "plain-fits"]
 
 

@@ -14,6 +14,7 @@ on each of 2 ranks (so DDP's ``no_sync`` path runs). The single-process equivale
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -25,31 +26,34 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from ddp_jobs import SEED, Job, jobs_fixture  # noqa: F401 (the `jobs` fixture)
 
-from asrflow.data.batches import plan_epoch, steps_in_plan
-from asrflow.data.features import FeatureConfig
+from asrflow.data.loading.planner import plan_epoch, steps_in_plan
 from asrflow.data.manifests import load_cuts
 from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.tiny_config import tiny_settings, tiny_trainer
+from asrflow.testing.train_entry import TrainingProcess
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 from asrflow.training.monitoring import write_stacks
 from asrflow.training.outcome import DataWorkerDied, Outcome, PeerFailed, Stalled, exit_code
-from asrflow.training.trainer import Trainer
+
+SEED = 42
+#: One training job of 2 ranks unless ``ranks=`` says otherwise; ``env`` adds fault variables.
+Job = functools.partial(TrainingProcess, ranks=2, seed=SEED)
 
 #: Shared by every run that is compared: 2 epochs (6 + 5 steps with 2 ranks), checkpoints every 4 steps.
 #: fp32 whatever ``auto`` picks on this CPU: the tolerances below are float32's (under bf16 autocast
 #: the same summation-order noise is rounded to 8 mantissa bits and grows past them in 11 steps).
-BASE = dict(
-    epochs=2,
-    max_duration_s=12.0,
-    checkpoint_every_steps=4,
-    validate_every_steps=4,
-    keep_last=50,
-    average_last=1,
-    precision="fp32",
-)
-DDP = dict(BASE, accum_grad=2)
+BASE = {
+    "train.optim.epochs": 2,
+    "train.data.max_duration_s": 12.0,
+    "train.checkpoint.checkpoint_every_steps": 4,
+    "train.checkpoint.validate_every_steps": 4,
+    "train.checkpoint.keep_last": 50,
+    "train.optim.average_last": 1,
+    "train.optim.precision": "fp32",
+}
+DDP = {**BASE, "train.optim.accum_grad": 2}
+NUM_BUCKETS = tiny_settings().train.data.num_buckets
 # DDP vs one process: float32 sums in another order (each rank's sum, gloo's all-reduce, DDP's
 # averaging). Per-step losses agree to 1e-4 (relative). Most weights agree to ~1e-7, but Adam
 # turns rounding noise into a full step where a gradient is ~0 (the attention's key bias has
@@ -70,11 +74,27 @@ def _summary(exp: Path) -> dict:
     return json.loads((exp / "summary.json").read_text())
 
 
+@pytest.fixture
+def jobs():
+    """Start jobs through this (as :data:`Job`); whatever is still running at the end of the test is killed."""
+    started: list[TrainingProcess] = []
+
+    def start(*args, **kwargs) -> TrainingProcess:
+        job = Job(*args, **kwargs)
+        started.append(job)
+        return job
+
+    yield start
+    for job in started:
+        if job.process.poll() is None:
+            job.kill()
+
+
 @pytest.fixture(scope="module")
 def ddp_reference(yesno_data, tmp_path_factory) -> Path:
     """An uninterrupted 2-rank run, 2 spawned data workers on each rank."""
     exp = tmp_path_factory.mktemp("ddp_reference")
-    job = Job(yesno_data, exp, dict(DDP, num_workers=2, mp_start_method="spawn"))
+    job = Job(yesno_data, exp, {**DDP, "run.num_workers": 2, "run.mp_start_method": "spawn"})
     code = job.wait()
     assert code == 0, job.log()
     assert "world size 2" in job.log()
@@ -83,28 +103,18 @@ def ddp_reference(yesno_data, tmp_path_factory) -> Path:
 
 def _epoch_steps(data: Path, epoch: int, accum_grad: int, world_size: int) -> int:
     cuts = load_cuts(data / "fbank", "train").to_eager()
-    plan = plan_epoch(
-        cuts, epoch, seed=SEED, max_duration_s=BASE["max_duration_s"], num_buckets=tiny_train_config().num_buckets
-    )
+    plan = plan_epoch(cuts, epoch, seed=SEED, max_duration_s=BASE["train.data.max_duration_s"], num_buckets=NUM_BUCKETS)
     return steps_in_plan(plan, accum_grad, world_size)
 
 
 def test_two_ranks_match_one_process_with_the_same_global_batch(yesno_data, ddp_reference, tmp_path):
     single = tmp_path / "single"
-    config = tiny_train_config(**dict(BASE, accum_grad=4))
+    overrides = {**BASE, "train.optim.accum_grad": 4}
     summary = (
-        Trainer(
-            config,
-            FeatureConfig(),
-            seed=SEED,
-            paths=train_paths(yesno_data, single),
-            tracking_uri=fresh_mlflow_store(single),
-        )
-        .run()
-        .summary
+        tiny_trainer(yesno_data, single, overrides, seed=SEED, tracking_uri=fresh_mlflow_store(single)).run().summary
     )
 
-    steps = sum(_epoch_steps(yesno_data, epoch, 2, 2) for epoch in range(BASE["epochs"]))
+    steps = sum(_epoch_steps(yesno_data, epoch, 2, 2) for epoch in range(BASE["train.optim.epochs"]))
     assert steps >= 8
     assert summary["steps"] == _summary(ddp_reference)["steps"] == steps
     ddp_state, one_state = _last_checkpoint(ddp_reference), _last_checkpoint(single)
@@ -138,7 +148,7 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
     epoch restarts from its first batch, and training completes.
     """
     exp = tmp_path / "ddp"
-    killed = jobs(yesno_data, exp, dict(DDP, num_workers=0), env={"ASRFLOW_TEST_STALL_RANK_AT_STEP": "0:6"})
+    killed = jobs(yesno_data, exp, {**DDP, "run.num_workers": 0}, env={"ASRFLOW_TEST_STALL_RANK_AT_STEP": "0:6"})
     killed.wait_for("injected stall on rank 0 at step 6")
     killed.kill()
     assert killed.process.returncode == -signal.SIGKILL
@@ -147,7 +157,7 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
     one_process = tmp_path / "one_process"
     shutil.copytree(exp, one_process)
 
-    resumed = jobs(yesno_data, exp, dict(DDP, num_workers=0))
+    resumed = jobs(yesno_data, exp, {**DDP, "run.num_workers": 0})
     assert resumed.wait() == 0, resumed.log()
     assert re.search(r"resuming from \S+step-00000004\.pt: step 4, epoch 0, batch 4 of", resumed.log()), resumed.log()
     new, reference = _last_checkpoint(exp), _last_checkpoint(ddp_reference)
@@ -156,18 +166,9 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
     assert new["history"] == reference["history"]
 
     # The 2-rank checkpoint, resumed by one process (accum_grad unchanged).
-    config = tiny_train_config(**dict(DDP, num_workers=0))
-    summary = (
-        Trainer(
-            config,
-            FeatureConfig(),
-            seed=SEED,
-            paths=train_paths(yesno_data, one_process),
-            tracking_uri=f"sqlite:///{one_process / 'mlflow.db'}",
-        )
-        .run()
-        .summary
-    )
+    overrides = {**DDP, "run.num_workers": 0}
+    uri = f"sqlite:///{one_process / 'mlflow.db'}"
+    summary = tiny_trainer(yesno_data, one_process, overrides, seed=SEED, tracking_uri=uri).run().summary
     assert "written with 2 processes, this run has 1" in caplog.text
     assert "epoch 0 restarts from its first batch" in caplog.text
     assert summary["steps"] == 4 + _epoch_steps(yesno_data, 0, 2, 1) + _epoch_steps(yesno_data, 1, 2, 1)
@@ -182,7 +183,7 @@ def test_a_failing_rank_ends_the_job(yesno_data, tmp_path, jobs):
     job = jobs(
         yesno_data,
         tmp_path / "fail",
-        dict(DDP, num_workers=0, dist_timeout_s=FAULT_TIMEOUT_S, stall_timeout_s=60.0),
+        {**DDP, "run.num_workers": 0, "run.dist_timeout_s": FAULT_TIMEOUT_S, "run.stall_timeout_s": 60.0},
         env={"ASRFLOW_TEST_FAIL_RANK_AT_STEP": "1:2"},
     )
     code, log = _ends_cleanly(job, {0: (PEER_FAILED,), 1: (1,)}, timeout_s=FAULT_TIMEOUT_S)
@@ -213,7 +214,7 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
     job = jobs(
         yesno_data,
         tmp_path / "stall",
-        dict(DDP, num_workers=0, dist_timeout_s=FAULT_TIMEOUT_S, stall_timeout_s=stall_timeout_s),
+        {**DDP, "run.num_workers": 0, "run.dist_timeout_s": FAULT_TIMEOUT_S, "run.stall_timeout_s": stall_timeout_s},
         env={"ASRFLOW_TEST_STALL_RANK_AT_STEP": "1:2"},
     )
     code, log = _ends_cleanly(job, {0: (STALLED, PEER_FAILED), 1: (STALLED,)}, timeout_s=stall_timeout_s)
@@ -227,16 +228,14 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
 def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_path, jobs):
     """Step 2 is non-finite on both ranks: rank 0 alone writes one line, naming all 4 batches of the step."""
     exp = tmp_path / "nan"
-    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, nonfinite_steps=[2]))
+    job = jobs(yesno_data, exp, {**DDP, "train.optim.epochs": 1, "run.num_workers": 0, "nonfinite_steps": [2]})
     assert job.wait() == 0, job.log()
     lines = (exp / "bad_batches.jsonl").read_text().splitlines()
     assert len(lines) == 1, lines
     record = json.loads(lines[0])
     cuts = load_cuts(yesno_data / "fbank", "train").to_eager()
-    plan = plan_epoch(
-        cuts, 0, seed=SEED, max_duration_s=BASE["max_duration_s"], num_buckets=tiny_train_config().num_buckets
-    )
-    group = DDP["accum_grad"] * 2  # batches per optimizer step: accum_grad micro-batches on 2 ranks
+    plan = plan_epoch(cuts, 0, seed=SEED, max_duration_s=BASE["train.data.max_duration_s"], num_buckets=NUM_BUCKETS)
+    group = DDP["train.optim.accum_grad"] * 2  # batches per optimizer step: accum_grad micro-batches on 2 ranks
     assert record["step"] == 2
     assert record["cut_ids"] == [cut_id for batch in plan[group : 2 * group] for cut_id in batch]
     assert _summary(exp)["nonfinite_skipped"] == 1
@@ -334,15 +333,15 @@ def test_intervals_that_do_not_divide_and_a_dev_loss_that_stops_improving(yesno_
     """Validation every 3 steps, checkpoints every 5: a validation that does not improve must not send
     one rank to a checkpoint barrier the other never reaches. (lr 1e-30 leaves the weights as they
     are, so every dev loss after the first ties the best: not an improvement.)"""
-    overrides = dict(
-        DDP,
-        num_workers=0,
-        validate_every_steps=3,
-        checkpoint_every_steps=5,
-        lr=1e-30,
-        weight_decay=0.0,
-        dist_timeout_s=FAULT_TIMEOUT_S,
-    )
+    overrides = {
+        **DDP,
+        "run.num_workers": 0,
+        "train.checkpoint.validate_every_steps": 3,
+        "train.checkpoint.checkpoint_every_steps": 5,
+        "train.optim.lr": 1e-30,
+        "train.optim.weight_decay": 0.0,
+        "run.dist_timeout_s": FAULT_TIMEOUT_S,
+    }
     code, log = _ends_cleanly(jobs(yesno_data, tmp_path / "exp", overrides), {0: (0,), 1: (0,)})
     for rank in (0, 1):
         losses = re.findall(rf"\[rank {rank}\] \S+ step (\d+): dev loss (\S+)", log)
@@ -356,7 +355,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
 ):
     """A preempted node: rank 1 alone gets SIGTERM while step 5 is in flight."""
     exp = tmp_path / "exp"
-    overrides = dict(DDP, num_workers=0, dist_timeout_s=FAULT_TIMEOUT_S)
+    overrides = {**DDP, "run.num_workers": 0, "run.dist_timeout_s": FAULT_TIMEOUT_S}
     job = jobs(yesno_data, exp, overrides, env={"ASRFLOW_TEST_PAUSE_RANK_IN_STEP": "1:5"})
     job.wait_for("asrflow.test.paused 1 5")
     signalled = time.time()
@@ -367,7 +366,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
     newest = load_checkpoint(list_checkpoints(exp / "checkpoints")[0])
     assert newest["step"] == 5 and not newest["complete"]
 
-    resumed = jobs(yesno_data, exp, dict(DDP, num_workers=0))
+    resumed = jobs(yesno_data, exp, {**DDP, "run.num_workers": 0})
     assert resumed.wait() == 0, resumed.log()
     assert "resuming from" in resumed.log() and "step 5, epoch 0" in resumed.log()
     _equal_to_reference(exp, ddp_reference)
@@ -376,7 +375,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
 def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_data, ddp_reference, tmp_path, jobs):
     """Rank 1 dies (SIGKILL) inside step 6; rank 0, inside the step's all-reduce, must end too."""
     exp = tmp_path / "exp"
-    overrides = dict(DDP, num_workers=2, dist_timeout_s=FAULT_TIMEOUT_S)
+    overrides = {**DDP, "run.num_workers": 2, "run.dist_timeout_s": FAULT_TIMEOUT_S}
     job = jobs(yesno_data, exp, overrides, env={"ASRFLOW_TEST_PAUSE_RANK_IN_STEP": "1:6"})
     job.wait_for("asrflow.test.paused 1 6")
     killed = time.time()
@@ -394,7 +393,11 @@ def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_d
 
 def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, jobs):
     exp = tmp_path / "exp"
-    job = jobs(yesno_data, exp, dict(DDP, epochs=1, num_workers=0, nonfinite_steps=[2], nonfinite_ranks=[1]))
+    job = jobs(
+        yesno_data,
+        exp,
+        {**DDP, "train.optim.epochs": 1, "run.num_workers": 0, "nonfinite_steps": [2], "nonfinite_ranks": [1]},
+    )
     code, log = _ends_cleanly(job, {0: (0,), 1: (0,)})
     for rank in (0, 1):
         assert re.search(rf"\[rank {rank}\] .*step 2: non-finite loss .* step skipped \(1 in a row\)", log), log
@@ -404,12 +407,12 @@ def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, j
 
 def test_a_stalled_data_worker_ends_the_job_with_every_ranks_stacks(yesno_data, tmp_path, jobs):
     """Rank 1's data worker sleeps building step 2's batch: both watchdogs fire and print their stacks."""
-    group = DDP["accum_grad"] * 2
-    overrides = dict(DDP, num_workers=1, stall_timeout_s=10.0, dist_timeout_s=60.0)
+    group = DDP["train.optim.accum_grad"] * 2
+    overrides = {**DDP, "run.num_workers": 1, "run.stall_timeout_s": 10.0, "run.dist_timeout_s": 60.0}
     job = jobs(
         yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_STALL_WORKER_AT_BATCH": f"1:{2 * group + 1}"}
     )
-    code, log = _ends_cleanly(job, {0: (STALLED,), 1: (STALLED,)}, timeout_s=overrides["stall_timeout_s"])
+    code, log = _ends_cleanly(job, {0: (STALLED,), 1: (STALLED,)}, timeout_s=overrides["run.stall_timeout_s"])
     assert "injected worker fault" in log
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: no training step finished for \d+ s", log), log
@@ -417,8 +420,8 @@ def test_a_stalled_data_worker_ends_the_job_with_every_ranks_stacks(yesno_data, 
 
 
 def test_a_killed_data_worker_ends_the_job_with_a_clear_message(yesno_data, tmp_path, jobs):
-    group = DDP["accum_grad"] * 2
-    overrides = dict(DDP, num_workers=1, dist_timeout_s=FAULT_TIMEOUT_S)
+    group = DDP["train.optim.accum_grad"] * 2
+    overrides = {**DDP, "run.num_workers": 1, "run.dist_timeout_s": FAULT_TIMEOUT_S}
     job = jobs(yesno_data, tmp_path / "exp", overrides, env={"ASRFLOW_TEST_KILL_WORKER_AT_BATCH": f"1:{2 * group + 1}"})
     job.wait_for("injected worker fault")  # the worker may die before any step ends (it builds batches ahead)
     killed = time.time()

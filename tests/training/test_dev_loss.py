@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asrflow.data.batches import AsrBatchDataset
-from asrflow.data.features import CMVN_FILE, load_cmvn
+from asrflow.data.features.cmvn import CMVN_FILE, load_cmvn
+from asrflow.data.loading.dataset import AsrBatchDataset
 from asrflow.data.manifests import load_cuts
 from asrflow.model.conformer_ctc import build_model
-from asrflow.testing.tiny_config import tiny_train_config
+from asrflow.testing.tiny_config import tiny_settings
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
@@ -26,7 +26,7 @@ def dev_setup(yesno_data):
     cuts = load_cuts(yesno_data / "fbank", "train").to_eager()  # 27 utterances: many small dev batches
     dataset = AsrBatchDataset(cuts, tokenizer, load_cmvn(yesno_data / "fbank" / CMVN_FILE), seed=42)
     torch.manual_seed(0)
-    model = build_model(tiny_train_config().model(80, tokenizer.vocab_size))
+    model = build_model(tiny_settings().train.model, input_dim=80, vocab_size=tokenizer.vocab_size)
     return model, dataset, dev_batches(cuts, max_duration_s=12.0)
 
 

@@ -14,19 +14,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume_exact import OVERRIDES, _final_state, _resumed_from, assert_identical
 
 from asrflow.errors import AsrflowError
 from asrflow.model.conformer_ctc import HEAD_PREFIX
+from asrflow.testing.corpora import tokenizer_config
+from asrflow.testing.exact_resume import OVERRIDES, assert_identical, final_state, resumed_from
 from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_bundle, tiny_train_config
+from asrflow.testing.tiny_config import tiny_bundle, tiny_settings
 from asrflow.testing.train_entry import TrainingProcess, build_trainer, run_training, train_in_process
-from asrflow.tokenizer import MODEL_FILE, Tokenizer, TokenizerConfig, train_tokenizer
+from asrflow.tokenizer import MODEL_FILE, Tokenizer, train_tokenizer
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
 from asrflow.training.init_model import load_init_model
 from asrflow.training.observers import TrainObserver
 
-STEPS = {"epochs": 1, "checkpoint_every_steps": 1, "validate_every_steps": 1000, "keep_last": 50}
+STEPS = {
+    "train.optim.epochs": 1,
+    "train.checkpoint.checkpoint_every_steps": 1,
+    "train.checkpoint.validate_every_steps": 1000,
+    "train.checkpoint.keep_last": 50,
+}
+INIT_FROM = "train.finetune.init_from"
 
 
 def weights_at(exp: Path, step: int) -> dict[str, torch.Tensor]:
@@ -47,7 +54,7 @@ def start(yesno_data, tmp_path_factory) -> tuple[Path, dict]:
 def other_tokenizer(yesno_data: Path, folder: Path) -> Path:
     """``folder`` with yesno's features and a char tokenizer in place of its own (same file names)."""
     (folder / "fbank").symlink_to(yesno_data / "fbank")
-    train_tokenizer(["YES NO MAYBE", "NO YES"], folder / "lang", TokenizerConfig(model_type="char", vocab_size=20))
+    train_tokenizer(["YES NO MAYBE", "NO YES"], folder / "lang", tokenizer_config(model_type="char", vocab_size=20))
     return folder
 
 
@@ -57,7 +64,7 @@ def test_same_tokenizer_loads_encoder_and_head(yesno_data, start, tmp_path, uri)
     lang_copy.mkdir()
     (lang_copy / "fbank").symlink_to(yesno_data / "fbank")
     shutil.copytree(yesno_data / "lang", lang_copy / "lang")
-    train_in_process(lang_copy, tmp_path / "exp", {**STEPS, "init_from": str(path)}, uri)
+    train_in_process(lang_copy, tmp_path / "exp", {**STEPS, INIT_FROM: str(path)}, uri)
     first = weights_at(tmp_path / "exp", 0)
     assert equal(first, weights, head=False) and equal(first, weights, head=True)
 
@@ -66,7 +73,7 @@ def test_other_tokenizer_draws_a_fresh_head(yesno_data, start, tmp_path, uri, ca
     path, weights = start
     data = other_tokenizer(yesno_data, tmp_path)
     with caplog.at_level(logging.INFO, logger="asrflow.training.init_model"):
-        train_in_process(data, tmp_path / "exp", {**STEPS, "init_from": str(path)}, uri)
+        train_in_process(data, tmp_path / "exp", {**STEPS, INIT_FROM: str(path)}, uri)
     first = weights_at(tmp_path / "exp", 0)
     assert equal(first, weights, head=False)
     vocab = Tokenizer(data / "lang" / MODEL_FILE).vocab_size
@@ -77,7 +84,12 @@ def test_other_tokenizer_draws_a_fresh_head(yesno_data, start, tmp_path, uri, ca
 
 def test_frozen_encoder_stays_equal_for_its_steps_and_its_lr_is_scaled(yesno_data, start, tmp_path, uri):
     path, weights = start
-    overrides = {**STEPS, "init_from": str(path), "freeze_encoder_steps": 3, "encoder_lr_scale": 0.1}
+    overrides = {
+        **STEPS,
+        INIT_FROM: str(path),
+        "train.finetune.freeze_encoder_steps": 3,
+        "train.finetune.encoder_lr_scale": 0.1,
+    }
     train_in_process(yesno_data, tmp_path / "exp", overrides, uri)
     for step in (1, 2, 3):
         now = weights_at(tmp_path / "exp", step)
@@ -95,7 +107,7 @@ def test_frozen_encoder_stays_equal_for_its_steps_and_its_lr_is_scaled(yesno_dat
 def test_an_encoder_of_another_shape_is_refused_naming_it(yesno_data, tmp_path, uri, *, model, expected):
     tiny_bundle(tmp_path / "other.pt", yesno_data / "lang", seed=1, **model)
     with pytest.raises(AsrflowError, match="does not match params.yaml") as error:
-        build_trainer(yesno_data, tmp_path / "exp", {"init_from": str(tmp_path / "other.pt")}, uri)
+        build_trainer(yesno_data, tmp_path / "exp", {INIT_FROM: str(tmp_path / "other.pt")}, uri)
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
@@ -123,7 +135,7 @@ def test_mlflow_model_uris_resolve_to_the_logged_bundle(yesno_data, tmp_path, ur
     from mlflow import MlflowClient
 
     exp = tmp_path / "base"
-    train_in_process(yesno_data, exp, {"epochs": 1, "register_model_name": "yesno-base"}, uri)
+    train_in_process(yesno_data, exp, {"train.optim.epochs": 1, "run.register_model_name": "yesno-base"}, uri)
     digest = hashlib.sha256((exp / "model.pt").read_bytes()).hexdigest()[:16]
     client = MlflowClient(tracking_uri=uri)
     [run] = client.search_runs([client.get_experiment_by_name("asrflow").experiment_id])
@@ -132,7 +144,7 @@ def test_mlflow_model_uris_resolve_to_the_logged_bundle(yesno_data, tmp_path, ur
         assert load_init_model(source, tracking_uri=uri).digest == digest, source
 
     tuned = tmp_path / "tuned"
-    train_in_process(yesno_data, tuned, {**STEPS, "init_from": "models:/yesno-base/1"}, uri)
+    train_in_process(yesno_data, tuned, {**STEPS, INIT_FROM: "models:/yesno-base/1"}, uri)
     runs = client.search_runs([run.info.experiment_id], "tags.`asrflow.init_from` = 'models:/yesno-base/1'")
     assert [r.data.tags["asrflow.init_digest"] for r in runs] == [digest]
     assert runs[0].data.tags["asrflow.init_head"] == "loaded"
@@ -150,7 +162,7 @@ class StopAfter(TrainObserver):
 def test_an_unfinished_run_refuses_a_changed_start_model(yesno_data, tmp_path, uri):
     path = tmp_path / "base.pt"
     tiny_bundle(path, yesno_data / "lang", seed=1)
-    overrides = {**STEPS, "init_from": str(path)}
+    overrides = {**STEPS, INIT_FROM: str(path)}
     build_trainer(yesno_data, tmp_path / "exp", overrides, uri, observers=[StopAfter(2)]).run()
     tiny_bundle(path, yesno_data / "lang", seed=2)  # same path, other weights
     with pytest.raises(AsrflowError, match="unfinished run .* init.digest"):
@@ -159,7 +171,13 @@ def test_an_unfinished_run_refuses_a_changed_start_model(yesno_data, tmp_path, u
 
 def test_resume_with_a_start_model_is_bit_identical(yesno_data, start, tmp_path):
     path, _ = start
-    overrides = {**OVERRIDES, "epochs": 2, "init_from": str(path), "freeze_encoder_steps": 3, "encoder_lr_scale": 0.5}
+    overrides = {
+        **OVERRIDES,
+        "train.optim.epochs": 2,
+        INIT_FROM: str(path),
+        "train.finetune.freeze_encoder_steps": 3,
+        "train.finetune.encoder_lr_scale": 0.5,
+    }
     reference = tmp_path / "reference"
     run_training(
         yesno_data,
@@ -175,10 +193,15 @@ def test_resume_with_a_start_model_is_bit_identical(yesno_data, start, tmp_path)
     process.wait_paused()
     process.kill()
     log = run_training(yesno_data, exp, overrides, log_path=tmp_path / "resume.log", tracking_uri=uri)
-    assert _resumed_from(log) == 4 and "initialised from" not in log
-    assert_identical(_final_state(exp), _final_state(reference))
+    assert resumed_from(log) == 4 and "initialised from" not in log
+    assert_identical(final_state(exp), final_state(reference))
 
 
-def test_a_config_without_a_model_refuses_finetune_keys():
+@pytest.mark.parametrize("key, value", [("freeze_encoder_steps", 2), ("encoder_lr_scale", 0.5)])
+def test_a_config_without_a_model_refuses_finetune_keys(key, value):
+    finetune = tiny_settings().train.finetune
+    assert finetune.init_from is None
     with pytest.raises(AsrflowError, match="train.finetune.init_from"):
-        replace(tiny_train_config(), freeze_encoder_steps=2)
+        replace(finetune, **{key: value})
+    with pytest.raises(AsrflowError, match="train.finetune.init_from = None must name a model"):
+        tiny_settings(overrides={f"train.finetune.{key}": value})

@@ -1,31 +1,30 @@
 """Fine-tuning pays: a model pre-trained on a spoken corpus synthesized with espeak-ng, fine-tuned on yesno with
-its encoder frozen for the first steps, reaches yesno's dev WER goal (``trained_model.MAX_DEV_WER``) in fewer
-steps than the same training from drawn weights.
+its encoder frozen for the first steps, reaches yesno's dev WER goal (``MAX_DEV_WER`` of
+:mod:`asrflow.testing.trained_model`) in fewer steps than the same training from drawn weights.
 
-Every run uses yesno's features (params.yaml), the tiny model, seed 42 and the schedule of ``trained_model``;
-the spoken corpus has its own (char) tokenizer, so the fine-tuned run draws its CTC head. The step a yesno run
-first reaches the goal is read from its checkpoints (one per epoch). It synthesizes a corpus and trains three
-models (about two minutes on one core), so it is marked ``pipeline`` with the suite's other slow runs.
+Every run uses yesno's features (params.yaml), the tiny model, seed 42 and the schedule of
+:mod:`asrflow.testing.trained_model`; the spoken corpus has its own (char) tokenizer, so the fine-tuned run
+draws its CTC head. The step a yesno run first reaches the goal is read from its checkpoints (one per epoch).
+It synthesizes a corpus and trains three models (about two minutes on one core), so it is marked ``pipeline``
+with the suite's other slow runs.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from trained_model import MAX_DEV_WER, TRAIN_OVERRIDES, dev_wer
 
-from asrflow.data.features import CMVN_FILE, cmvn_stats, load_cmvn
-from asrflow.model.conformer_ctc import build_model
+from asrflow.data.features.cmvn import CMVN_FILE, cmvn_stats, load_cmvn
+from asrflow.model.conformer_ctc import build_from_record
 from asrflow.serving.bundle import load_bundle, save_bundle
 from asrflow.testing import spoken_corpus
-from asrflow.testing.corpora import data_features, folder_corpus, prepare_from_params, torch_threads, yesno_data
+from asrflow.testing.corpora import folder_corpus, prepare_from_params, torch_threads, yesno_data
 from asrflow.testing.repo import repo_params
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.tiny_config import tiny_trainer
+from asrflow.testing.trained_model import MAX_DEV_WER, TRAIN_OVERRIDES, dev_wer
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
-from asrflow.training.trainer import Trainer
 
 MISSING = spoken_corpus.espeak_missing()
 pytestmark = [
@@ -38,14 +37,15 @@ EVERY = 3
 #: The pre-training corpus: about an hour of 2-8 word sentences from 60 voices (seconds to synthesize).
 SPOKEN = {"utterances": 1200, "voices": 60, "word_range": (2, 8), "seed": 0}
 #: The fine-tuning run trains only the drawn head on the loaded encoder's output at first.
-FINETUNE = {"freeze_encoder_steps": 30}
+FINETUNE = {"train.finetune.freeze_encoder_steps": 30}
 
 
-def train(data: Path, exp: Path, **overrides) -> Path:
-    config = tiny_train_config(**{**TRAIN_OVERRIDES, "checkpoint_every_steps": EVERY, "keep_last": 1000, **overrides})
-    features = replace(data_features(data), num_jobs=1)
-    paths = train_paths(data, exp)
-    Trainer(config, features, seed=42, paths=paths, tracking_uri=f"sqlite:///{exp / 'mlflow.db'}").run()
+def train(data: Path, exp: Path, overrides: dict | None = None) -> Path:
+    """The tiny run of :mod:`asrflow.testing.trained_model` on ``data`` (its own features) with ``overrides``
+    (dotted keys), checkpointed every :data:`EVERY` steps."""
+    schedule = {"train.checkpoint.checkpoint_every_steps": EVERY, "train.checkpoint.keep_last": 1000}
+    overrides = {**TRAIN_OVERRIDES, **schedule, **(overrides or {})}
+    tiny_trainer(data, exp, overrides, seed=42, tracking_uri=f"sqlite:///{exp / 'mlflow.db'}").run()
     return exp
 
 
@@ -54,13 +54,13 @@ def steps_to_goal(data: Path, exp: Path) -> int | None:
     final = load_bundle(exp / "model.pt")
     cmvn = cmvn_stats(load_cmvn(data / "fbank" / CMVN_FILE))
     for path in sorted(list_checkpoints(exp / "checkpoints"), key=step_of):
-        model = build_model(final.model.config)
+        model = build_from_record(final.model.shape)
         model.load_state_dict(load_checkpoint(path)["model"])
         weights = exp / "at_step.pt"
         save_bundle(
             weights,
             model_state=model.state_dict(),
-            model_config=final.model.config,
+            model_shape=final.model.shape,
             tokenizer=final.tokenizer,
             features=final.features,
             cmvn=cmvn,
@@ -82,10 +82,11 @@ def spoken_data(work: Path) -> Path:
 
 def test_a_finetuned_model_reaches_the_goal_in_fewer_steps(tmp_path_factory):
     work = tmp_path_factory.mktemp("finetune_gain")
-    base = train(spoken_data(work), work / "base", epochs=15, max_duration_s=120.0)
+    base = train(spoken_data(work), work / "base", {"train.optim.epochs": 15, "train.data.max_duration_s": 120.0})
     yesno = yesno_data(work)
     scratch = steps_to_goal(yesno, train(yesno, work / "scratch"))
-    tuned = steps_to_goal(yesno, train(yesno, work / "tuned", init_from=str(base / "model.pt"), **FINETUNE))
+    tuned_overrides = {"train.finetune.init_from": str(base / "model.pt"), **FINETUNE}
+    tuned = steps_to_goal(yesno, train(yesno, work / "tuned", tuned_overrides))
     print(json.dumps({"steps_to_goal": {"from_scratch": scratch, "fine_tuned": tuned}}))
     assert tuned is not None, "the fine-tuned run never reached the goal"
     assert scratch is None or tuned < scratch, (tuned, scratch)

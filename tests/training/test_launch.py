@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
 
 from asrflow.errors import AsrflowError
 from asrflow.launch.torchrun import check_launch
 from asrflow.testing.processes import free_port
-from asrflow.training.config import TrainConfig
+from asrflow.testing.repo import write_shipped_params
+from asrflow.testing.tiny_config import tiny_settings
 from asrflow.training.distributed import DistInfo, check_same_everywhere
 from stages import train as train_stage
 
 
 def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch, capsys):
     cores = len(os.sched_getaffinity(0))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"seed": 1, "run": {"nproc_per_node": cores + 1}}))
+    write_shipped_params(tmp_path, {"seed": 1, "run.nproc_per_node": cores + 1})
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         train_stage.main(["--params", "params.yaml"])
@@ -33,7 +33,8 @@ def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch
 
 
 def test_a_rendezvous_endpoint_nobody_listens_on_ends_within_the_timeout():
-    config = TrainConfig(nnodes=2, node_rank=1, rdzv_endpoint=f"127.0.0.1:{free_port()}", dist_timeout_s=2.0)
+    run = {"run.nnodes": 2, "run.node_rank": 1, "run.rdzv_endpoint": f"127.0.0.1:{free_port()}"}
+    config = tiny_settings(overrides={**run, "run.dist_timeout_s": 2.0}).run
     began = time.monotonic()
     with pytest.raises(AsrflowError, match=r"nobody listens at 127\.0\.0\.1:\d+ \(run\.rdzv_endpoint\) after 2 s"):
         check_launch(config)

@@ -13,11 +13,12 @@ import re
 import pytest  # noqa: F401
 import torch
 
-from asrflow.data.features import FeatureConfig, compute_features
+from asrflow.data.features.extract import compute_features
+from asrflow.testing.corpora import feature_config
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.train_entry import TrainingProcess, run_training
 
-OVERRIDES = {"epochs": 1, "num_workers": 0, "checkpoint_every_steps": 2}
+OVERRIDES = {"train.optim.epochs": 1, "run.num_workers": 0, "train.checkpoint.checkpoint_every_steps": 2}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def two_job_data(yesno_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("two_jobs")
     (root / "manifests").symlink_to(yesno_data / "manifests")
     (root / "lang").symlink_to(yesno_data / "lang")
-    compute_features(yesno_data / "manifests", root / "fbank", FeatureConfig(num_jobs=2))
+    compute_features(yesno_data / "manifests", root / "fbank", feature_config(num_jobs=2))
     assert (root / "fbank" / "train_feats").is_dir()  # two jobs really wrote two storage files
     return root
 
@@ -54,7 +55,7 @@ def test_an_unfinished_run_resumes_after_num_jobs_changed(yesno_data, two_job_da
     process = TrainingProcess(
         yesno_data,
         exp,
-        {**OVERRIDES, "epochs": 2},
+        {**OVERRIDES, "train.optim.epochs": 2},
         log_path=tmp_path / "first.log",
         pause_after_step=5,
         tracking_uri=uri,
@@ -62,6 +63,6 @@ def test_an_unfinished_run_resumes_after_num_jobs_changed(yesno_data, two_job_da
     process.wait_paused()
     process.kill()
     log = run_training(
-        two_job_data, exp, {**OVERRIDES, "epochs": 2}, log_path=tmp_path / "resume.log", tracking_uri=uri
+        two_job_data, exp, {**OVERRIDES, "train.optim.epochs": 2}, log_path=tmp_path / "resume.log", tracking_uri=uri
     )
     assert re.search(r"resuming from \S+: step 4", log), log

@@ -14,7 +14,6 @@ from pathlib import Path
 import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
-from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.train_entry import TrainingProcess, run_training
@@ -22,16 +21,16 @@ from asrflow.tracking.run import LOGGED_THROUGH_TAG
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 
 OVERRIDES = {
-    "epochs": 2,
-    "checkpoint_every_steps": 4,
-    "validate_every_steps": 4,
-    "num_workers": 0,
-    "experiment": "resume-test",
+    "train.optim.epochs": 2,
+    "train.checkpoint.checkpoint_every_steps": 4,
+    "train.checkpoint.validate_every_steps": 4,
+    "run.num_workers": 0,
+    "run.experiment": "resume-test",
 }
 KILL_AFTER = 11  # last checkpoint: step 8, so steps 9-11 are logged only in memory when the kill comes
 
 
-def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_data, tmp_path):
+def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_data, tmp_path, monkeypatch):
     uri = fresh_mlflow_store(tmp_path / "store")
     exp = tmp_path / "exp"
     process = TrainingProcess(
@@ -80,7 +79,7 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_dat
     assert params["train.model.d_model"] == "32"
     assert params["train.optim.epochs"] == "2"
     assert params["features.num_mel_bins"] == "80"
-    assert params["train.data.noise_snr_db"] == "[10.0, 20.0]"
+    assert params["train.data.noise_snr_db"] == "[10, 20]"  # as params.yaml writes it
 
     # artifacts: the model bundle, the tokenizer, the params the run was given, the loss plot data
     assert {a.path for a in client.list_artifacts(run.info.run_id, "params")} == {"params/params.yaml"}
@@ -93,8 +92,8 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_dat
     [output] = run.outputs.model_outputs
     model = client.get_logged_model(output.model_id)
     assert model.source_run_id == run.info.run_id and model.experiment_id == run.info.experiment_id
-    with _use_tracking_uri(uri):
-        local = Path(mlflow.artifacts.download_artifacts(f"models:/{output.model_id}", dst_path=str(tmp_path / "m")))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{output.model_id}", dst_path=str(tmp_path / "m")))
     assert list(local.rglob("model.pt")), sorted(p.name for p in local.rglob("*"))
     assert {a.path for a in client.list_artifacts(run.info.run_id, "tokenizer")} == {"tokenizer/tokenizer.model"}
     assert {a.path for a in client.list_artifacts(run.info.run_id, "plots")} == {"plots/train_loss.csv"}

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_accumulation import NUM_UTTERANCES, TOKENS, _model, _split, _utterances
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from asrflow.testing.step_batches import NUM_UTTERANCES, TOKENS, small_model, split_batch, utterances
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
 from asrflow.training.step import StepContext, train_step
@@ -32,7 +32,7 @@ def _count_allreduces(rank: int, folder: str) -> None:
     """One rank: bucket all-reduces per optimizer step with 1 and with 2 micro-batches, to ``rank<r>.json``."""
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD_SIZE)
     torch.set_num_threads(1)
-    model = DistributedDataParallel(_model())
+    model = DistributedDataParallel(small_model())
     calls = []
 
     def counting_hook(state, bucket):
@@ -43,7 +43,7 @@ def _count_allreduces(rank: int, folder: str) -> None:
     precision = resolve_precision("fp32", "cpu", None)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     info = DistInfo(world_size=WORLD_SIZE, rank=rank)
-    batch = _utterances()
+    batch = utterances()
 
     def per_step(accum_grad: int) -> list[int]:
         counts = []
@@ -51,7 +51,7 @@ def _count_allreduces(rank: int, folder: str) -> None:
             before = len(calls)
             train_step(
                 model,
-                _split(batch, accum_grad),
+                split_batch(batch, accum_grad),
                 StepContext(
                     optimizer=optimizer,
                     scaler=precision.grad_scaler(),

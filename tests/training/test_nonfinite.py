@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -24,30 +23,26 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from asrflow.data.batches import plan_epoch
-from asrflow.data.features import FeatureConfig
+from asrflow.data.loading.planner import plan_epoch
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.testing.faults import NonFiniteSteps
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.repo import REPO
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.tiny_config import tiny_params, tiny_settings, tiny_trainer
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
-from asrflow.training.config import set_train_keys
 from asrflow.training.step import warmup_factor
-from asrflow.training.trainer import Trainer
 
 SEED = 42
 
 
-def _train(data: Path, exp: Path, nonfinite_steps=(), **overrides) -> dict:
-    """Train ``tiny_train_config(**overrides)`` with ``nonfinite_steps`` made NaN; MLflow goes to ``exp/mlflow.db``."""
-    config = tiny_train_config(**overrides)
+def _train(data: Path, exp: Path, overrides: dict, nonfinite_steps=()) -> dict:
+    """Train the tiny run with ``overrides`` (dotted keys) and ``nonfinite_steps`` made NaN; MLflow goes to
+    ``exp/mlflow.db``."""
     uri = fresh_mlflow_store(exp)
     observers = [NonFiniteSteps(nonfinite_steps)]
-    paths = train_paths(data, exp)
-    return Trainer(config, FeatureConfig(), seed=SEED, paths=paths, tracking_uri=uri, observers=observers).run().summary
+    return tiny_trainer(data, exp, overrides, seed=SEED, tracking_uri=uri, observers=observers).run().summary
 
 
 def _model_at(exp: Path, step: int) -> dict[str, torch.Tensor]:
@@ -62,7 +57,7 @@ def _planned_batch(data: Path, epoch: int, index: int, max_duration_s: float) ->
     """Cut ids of batch ``index`` of the epoch's global plan (one process, accum_grad 1: one step)."""
     cuts = load_cuts(data / "fbank", "train").to_eager()
     return plan_epoch(
-        cuts, epoch, seed=SEED, max_duration_s=max_duration_s, num_buckets=tiny_train_config().num_buckets
+        cuts, epoch, seed=SEED, max_duration_s=max_duration_s, num_buckets=tiny_settings().train.data.num_buckets
     )[index]
 
 
@@ -72,9 +67,12 @@ def _bad_batches(exp: Path) -> list[dict]:
 
 def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
     """Step 3's loss is NaN: no optimizer update, no checkpoint inside the streak; step 4 trains."""
-    summary = _train(
-        yesno_data, tmp_path, epochs=1, nonfinite_steps=[3], checkpoint_every_steps=1, validate_every_steps=0
-    )
+    overrides = {
+        "train.optim.epochs": 1,
+        "train.checkpoint.checkpoint_every_steps": 1,
+        "train.checkpoint.validate_every_steps": 0,
+    }
+    summary = _train(yesno_data, tmp_path, overrides, nonfinite_steps=[3])
 
     assert summary["nonfinite_skipped"] == 1
     assert summary["rollbacks"] == 0
@@ -96,28 +94,26 @@ def test_nan_step_is_skipped_counted_and_logged(yesno_data, tmp_path, caplog):
     assert "step 3: non-finite loss nan" in caplog.text
 
 
-def _fast_wer_run(data: Path, exp: Path, **overrides) -> tuple[dict, float]:
+def _fast_wer_run(data: Path, exp: Path, nonfinite_steps=()) -> tuple[dict, float]:
     """A run that learns yesno in 12 epochs (about 200 steps): the wide [d_model, d_model] front end
     without the norm, lr 0.01 and a drawn blank bias. The shipped recipe needs about 100 steps at
     24 s batches just to leave CTC's plateau (bench/RESULTS.md), and this test is about the NaN step.
     In fp32 whatever ``auto`` picks: the 5-point WER tolerance is fp32's run-to-run spread of this
     unconverged model (7-13 % WER); bf16's rounding makes the two runs drift further apart."""
-    summary = _train(
-        data,
-        exp,
-        precision="fp32",
-        subsampling_channels=None,
-        subsampling_norm=False,
-        blank_bias_init=None,
-        lr=0.01,
-        spec_augment=False,
-        dropout=0.0,
-        epochs=12,
-        max_duration_s=12.0,
-        checkpoint_every_steps=1000,
-        validate_every_steps=0,
-        **overrides,
-    )
+    overrides = {
+        "train.optim.precision": "fp32",
+        "train.model.subsampling_channels": None,
+        "train.model.subsampling_norm": False,
+        "train.model.blank_bias_init": None,
+        "train.optim.lr": 0.01,
+        "train.data.spec_augment": False,
+        "train.model.dropout": 0.0,
+        "train.optim.epochs": 12,
+        "train.data.max_duration_s": 12.0,
+        "train.checkpoint.checkpoint_every_steps": 1000,
+        "train.checkpoint.validate_every_steps": 0,
+    }
+    summary = _train(data, exp, overrides, nonfinite_steps)
     uri = f"sqlite:///{exp / 'mlflow.db'}"  # the training run's store: evaluate logs into that run
     metrics = evaluate(exp / "model.pt", data / "fbank", exp / "eval", EvaluateConfig(), tracking_uri=uri)
     return summary, metrics["wer"]
@@ -142,15 +138,15 @@ def test_run_with_a_nan_step_reaches_the_clean_wer(yesno_data, tmp_path):
 #   5, 6 skipped (no checkpoint 6), 7 -> rollback 1 to step 4, lr x 0.5
 #   5, 6 skipped, 7 -> rollback 2 to step 4, lr x 0.25
 #   5, 6 skipped, 7 -> max_rollbacks (2) reached: stop.
-PERSISTENT = dict(
-    epochs=2,
-    checkpoint_every_steps=2,
-    validate_every_steps=0,
-    max_consecutive_nonfinite=3,
-    max_rollbacks=2,
-    rollback_lr_factor=0.5,
-    experiment="persistent-nan",
-)
+PERSISTENT = {
+    "train.optim.epochs": 2,
+    "train.checkpoint.checkpoint_every_steps": 2,
+    "train.checkpoint.validate_every_steps": 0,
+    "train.nonfinite.max_consecutive_nonfinite": 3,
+    "train.nonfinite.max_rollbacks": 2,
+    "train.nonfinite.rollback_lr_factor": 0.5,
+    "run.experiment": "persistent-nan",
+}
 PERSISTENT_NAN_STEPS = list(range(5, 19))
 
 
@@ -162,7 +158,7 @@ def _mlflow_history(exp: Path, experiment: str) -> tuple[MlflowClient, str]:
 
 def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path, caplog):
     with pytest.raises(AsrflowError) as raised:
-        _train(yesno_data, tmp_path, PERSISTENT_NAN_STEPS, **PERSISTENT)
+        _train(yesno_data, tmp_path, PERSISTENT, PERSISTENT_NAN_STEPS)
 
     log = caplog.text
     assert re.search(
@@ -202,10 +198,10 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert sorted(steps) == list(range(1, last + 1)), (key, sorted(steps))
     lr = {m.step: m.value for m in client.get_metric_history(run_id, "train/lr")}
-    config = tiny_train_config(**PERSISTENT)
-    assert lr[4] == pytest.approx(config.lr * warmup_factor(5, config.warmup_steps), rel=1e-6)
+    optim = tiny_settings(overrides=PERSISTENT).train.optim
+    assert lr[4] == pytest.approx(optim.lr * warmup_factor(5, optim.warmup_steps), rel=1e-6)
     # The learning rate of the last attempt: scaled by rollback_lr_factor twice, on top of the schedule.
-    assert lr[5] == pytest.approx(config.lr * 0.25 * warmup_factor(6, config.warmup_steps), rel=1e-6)
+    assert lr[5] == pytest.approx(optim.lr * 0.25 * warmup_factor(6, optim.warmup_steps), rel=1e-6)
     skipped = {m.step: m.value for m in client.get_metric_history(run_id, "train/nonfinite_skipped")}
     assert skipped[5] == 7.0 and skipped[6] == 8.0  # the run's totals go on across rollbacks
 
@@ -219,16 +215,14 @@ def test_persistent_nan_rolls_back_with_lower_lr_then_stops(yesno_data, tmp_path
 
 def test_a_streak_at_the_end_keeps_the_last_good_checkpoint_through_keep_last(yesno_data, tmp_path):
     """keep_last 1, steps 8 and 9 non-finite: the final checkpoint (9) is mid-streak, so 6 is kept too."""
-    _train(
-        yesno_data,
-        tmp_path,
-        epochs=1,
-        checkpoint_every_steps=2,
-        keep_last=1,
-        validate_every_steps=0,
-        nonfinite_steps=[8, 9],
-        max_consecutive_nonfinite=3,
-    )
+    overrides = {
+        "train.optim.epochs": 1,
+        "train.checkpoint.checkpoint_every_steps": 2,
+        "train.checkpoint.keep_last": 1,
+        "train.checkpoint.validate_every_steps": 0,
+        "train.nonfinite.max_consecutive_nonfinite": 3,
+    }
+    _train(yesno_data, tmp_path, overrides, nonfinite_steps=[8, 9])
     checkpoints = tmp_path / "checkpoints"
     assert sorted(path.name for path in checkpoints.glob("step-*.pt")) == ["step-00000006.pt", "step-00000009.pt"]
     final = load_checkpoint(checkpoint_path(checkpoints, 9))
@@ -243,8 +237,7 @@ def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
     (work / "data").mkdir(parents=True)
     for name in ("fbank", "lang"):
         (work / "data" / name).symlink_to(yesno_data / name)
-    params = {"seed": SEED, "features": {}}
-    set_train_keys(params, asdict(tiny_train_config(**{**PERSISTENT, "max_rollbacks": 1})))
+    params = tiny_params(yesno_data, {**PERSISTENT, "train.nonfinite.max_rollbacks": 1}, seed=SEED)
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     env = {
         **os.environ,

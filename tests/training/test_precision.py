@@ -16,42 +16,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
+from asrflow.model.conformer_ctc import build_model
 from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.tiny_config import tiny_model_config, tiny_trainer, train_paths
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
-from asrflow.training.precision import native_bf16_cpu_flags, resolve_precision
-from asrflow.training.trainer import Trainer
-
-AVX512_BF16 = ("avx512_bf16",)
+from asrflow.training.precision import resolve_precision
 
 
 @pytest.mark.parametrize(
-    ("requested", "device_type", "capability", "cpu_bf16", "name", "scaler"),
+    ("requested", "device_type", "capability", "name", "scaler"),
     [
-        ("auto", "cuda", (9, 0), (), "bf16", False),  # H100
-        ("auto", "cuda", (8, 0), (), "bf16", False),  # A100
-        ("auto", "cuda", (8, 6), (), "bf16", False),  # RTX 30xx
-        ("auto", "cuda", (7, 5), (), "fp32", False),  # T4
-        ("auto", "cuda", (7, 0), (), "fp32", False),  # V100
-        ("auto", "cuda", (6, 1), (), "fp32", False),  # P40
-        ("auto", "cuda", None, (), "fp32", False),
-        ("auto", "cpu", None, (), "fp32", False),  # AVX2: bf16 would be emulated (6x slower)
-        ("auto", "cpu", None, AVX512_BF16, "bf16", False),  # native bf16: 1.1-1.75x fp32
-        ("auto", "cpu", None, ("avx512_bf16", "amx_bf16"), "bf16", False),
-        ("auto", "cuda", (7, 0), AVX512_BF16, "fp32", False),  # the CPU's flags do not decide for a GPU
-        ("fp32", "cuda", (9, 0), (), "fp32", False),
-        ("fp32", "cpu", None, AVX512_BF16, "fp32", False),
-        ("bf16", "cpu", None, (), "bf16", False),
-        ("bf16", "cuda", (7, 0), (), "bf16", False),  # explicit choices are obeyed
-        ("fp16", "cuda", (9, 0), (), "fp16", True),
-        ("fp16", "cuda", (7, 0), (), "fp16", True),
-        ("fp16", "cpu", None, AVX512_BF16, "fp16", True),
+        ("auto", "cuda", (9, 0), "bf16", False),  # H100
+        ("auto", "cuda", (8, 0), "bf16", False),  # A100
+        ("auto", "cuda", (8, 6), "bf16", False),  # RTX 30xx
+        ("auto", "cuda", (7, 5), "fp32", False),  # T4
+        ("auto", "cuda", (7, 0), "fp32", False),  # V100
+        ("auto", "cuda", (6, 1), "fp32", False),  # P40
+        ("auto", "cuda", None, "fp32", False),
+        ("auto", "cpu", None, "fp32", False),  # every CPU: whether bf16 wins is measured by the tuner
+        ("fp32", "cuda", (9, 0), "fp32", False),
+        ("bf16", "cpu", None, "bf16", False),
+        ("bf16", "cuda", (7, 0), "bf16", False),  # explicit choices are obeyed
+        ("fp16", "cuda", (9, 0), "fp16", True),
+        ("fp16", "cuda", (7, 0), "fp16", True),
+        ("fp16", "cpu", None, "fp16", True),
     ],
 )
-def test_resolve_precision_table(requested, device_type, capability, cpu_bf16, name, scaler):
-    policy = resolve_precision(requested, device_type, capability, cpu_bf16)
+def test_resolve_precision_table(requested, device_type, capability, name, scaler):
+    policy = resolve_precision(requested, device_type, capability)
     assert policy.name == name
     assert policy.device_type == device_type
     assert policy.uses_scaler is scaler
@@ -61,38 +54,15 @@ def test_resolve_precision_table(requested, device_type, capability, cpu_bf16, n
     assert policy.reason  # logged and tagged in MLflow: says why
     if requested == "auto":
         assert policy.reason.startswith("auto")
-    if requested == "auto" and device_type == "cpu" and cpu_bf16:
-        assert all(flag in policy.reason for flag in cpu_bf16)
+    if requested == "auto" and device_type == "cpu":
+        assert "asrflow.training.tune" in policy.reason  # says how to find out whether bf16 is faster
 
 
-def test_native_bf16_flags_are_read_from_cpuinfo(tmp_path):
-    zen4 = tmp_path / "zen4"
-    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\n")
-    avx2 = tmp_path / "avx2"
-    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx2 fma avx512_vnni_x\n")
-    sapphire = tmp_path / "sapphire"
-    sapphire.write_text("flags\t\t: avx512f amx_tile amx_bf16 amx_int8 avx512_bf16\n")
-    assert native_bf16_cpu_flags(zen4) == ("avx512_bf16",)
-    assert native_bf16_cpu_flags(avx2) == ()
-    assert native_bf16_cpu_flags(sapphire) == ("avx512_bf16", "amx_bf16")
-    assert native_bf16_cpu_flags(tmp_path / "missing") == ()  # not Linux: fp32, never a crash
-
-
-def test_the_trainer_resolves_auto_from_this_cpu(yesno_data, tmp_path):
-    """``auto`` on this machine trains in what its CPU flags say: bf16 with native bf16, else fp32."""
-    config = tiny_train_config(precision="auto", epochs=1, validate_every_steps=0)
-    summary = (
-        Trainer(
-            config,
-            FeatureConfig(),
-            seed=42,
-            paths=train_paths(yesno_data, tmp_path),
-            tracking_uri=fresh_mlflow_store(tmp_path),
-        )
-        .run()
-        .summary
-    )
-    assert summary["precision"] == ("bf16" if native_bf16_cpu_flags() else "fp32")
+def test_the_trainer_resolves_auto_to_fp32_on_the_cpu(yesno_data, tmp_path):
+    """``auto`` trains in fp32 on every CPU, whatever its bf16 instructions (the tuner measures bf16)."""
+    overrides = {"train.optim.precision": "auto", "train.optim.epochs": 1, "train.checkpoint.validate_every_steps": 0}
+    summary = tiny_trainer(yesno_data, tmp_path, overrides, tracking_uri=fresh_mlflow_store(tmp_path)).run().summary
+    assert summary["precision"] == "fp32"
 
 
 @pytest.mark.parametrize("bad", ["fp64", "AUTO", "", "float16"])
@@ -121,16 +91,17 @@ def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
     scaler needs to calibrate from its initial scale of 2**16 here, so counting those as
     non-finite steps would roll back (and, the scaler state rolling back too, stop).
     """
-    config = tiny_train_config(
-        precision=precision,
-        blank_bias_init=None,  # drawn: the loss starts far above the plateau, so 18 steps show a clear drop
-        epochs=2,
-        checkpoint_every_steps=100,
-        validate_every_steps=0,
-        max_consecutive_nonfinite=2,
-    )
+    overrides = {
+        "train.optim.precision": precision,
+        # drawn: the loss starts far above the plateau, so 18 steps show a clear drop
+        "train.model.blank_bias_init": None,
+        "train.optim.epochs": 2,
+        "train.checkpoint.checkpoint_every_steps": 100,
+        "train.checkpoint.validate_every_steps": 0,
+        "train.nonfinite.max_consecutive_nonfinite": 2,
+    }
     paths = train_paths(yesno_data, tmp_path)
-    trainer = Trainer(config, FeatureConfig(), seed=42, paths=paths, tracking_uri=fresh_mlflow_store(tmp_path))
+    trainer = tiny_trainer(yesno_data, tmp_path, overrides, seed=42, tracking_uri=fresh_mlflow_store(tmp_path))
     summary = trainer.run().summary
 
     assert summary["precision"] == precision
@@ -163,13 +134,10 @@ def test_ctc_head_and_loss_stay_fp32_under_autocast(dtype):
     """
     import torch.nn.functional as F
 
-    from asrflow.model.conformer_ctc import ModelConfig, build_model
     from asrflow.tokenizer import BLANK_ID
 
     torch.manual_seed(0)
-    model = build_model(
-        ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, conv_kernel_size=7)
-    )
+    model = build_model(tiny_model_config(), input_dim=80, vocab_size=13)
     with torch.no_grad():  # a confident head: near-zero losses are the ones rounding makes negative
         model.head.weight.mul_(40.0)
     encoded = torch.randn(3, 50, 32)  # (N, T', D)
@@ -196,12 +164,8 @@ def test_ctc_head_and_loss_stay_fp32_under_autocast(dtype):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_model_forward_returns_fp32_log_probs_under_autocast(precision):
-    from asrflow.model.conformer_ctc import ModelConfig, build_model
-
     torch.manual_seed(0)
-    model = build_model(
-        ModelConfig(input_dim=80, vocab_size=13, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, conv_kernel_size=7)
-    )
+    model = build_model(tiny_model_config(), input_dim=80, vocab_size=13)
     features = torch.randn(2, 120, 80)
     with resolve_precision(precision, "cpu", None).autocast():
         log_probs, _ = model(features, torch.tensor([120, 90]))

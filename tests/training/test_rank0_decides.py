@@ -16,20 +16,22 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.processes import free_port
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.tiny_config import tiny_trainer
 from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.distributed import shutdown_distributed
-from asrflow.training.trainer import Trainer
 
 WORLD_SIZE = 2
 SEED = 42
-OVERRIDES = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 0}
+OVERRIDES = {
+    "train.optim.epochs": 1,
+    "train.checkpoint.checkpoint_every_steps": 4,
+    "train.checkpoint.validate_every_steps": 0,
+}
 
 
 def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
@@ -47,9 +49,7 @@ def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
     exp = Path(folders[f"rank{rank}"])
     result = {}
     try:  # constructing the Trainer joins the process group and builds the run
-        trainer = Trainer(
-            tiny_train_config(**OVERRIDES), FeatureConfig(num_jobs=1), seed=SEED, paths=train_paths(Path(data), exp)
-        )
+        trainer = tiny_trainer(Path(data), exp, OVERRIDES, seed=SEED)
         fingerprint = trainer.checkpoints.facts["fingerprint"]
         decision, state, path = trainer.checkpoints.resume(fingerprint, trainer.train_params)
         result["finished"] = {"decision": decision, "path": str(path), "step": state["step"]}
@@ -73,7 +73,7 @@ def test_other_ranks_follow_rank_0s_decision(yesno_data, tmp_path):
 
     other_shape = tmp_path / "other_shape"
     summary = train_in_process(
-        yesno_data, other_shape, {**OVERRIDES, "d_model": 48}, fresh_mlflow_store(tmp_path / "store2")
+        yesno_data, other_shape, {**OVERRIDES, "train.model.d_model": 48}, fresh_mlflow_store(tmp_path / "store2")
     )
     (other_shape / "checkpoints" / f"step-{summary['steps']:08d}.pt").unlink()  # now an unfinished run
     (tmp_path / "rank1").mkdir()

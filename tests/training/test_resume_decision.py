@@ -8,17 +8,16 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
-from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
-from asrflow.model.conformer_ctc import ModelConfig
+from asrflow.model.conformer_ctc import shape_record
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.repo import copy_repo
-from asrflow.testing.tiny_config import tiny_train_config
+from asrflow.testing.tiny_config import tiny_settings
 from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, training_params
@@ -26,13 +25,22 @@ from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, tr
 CKPT_DIR = Path("exp/checkpoints")
 
 
-def _settings(config=None, d_model: int = 32, *, seed: int = 42, data_digest: str = "abc123", code: str = "c0de"):
-    config = config or tiny_train_config()
-    model = ModelConfig(input_dim=80, vocab_size=5, d_model=d_model, num_heads=2, ffn_dim=64, num_layers=1)
+def _model(settings, d_model: int = 32) -> dict:
+    """The shape record of the tiny model of width ``d_model`` (80 bins in, 5 classes out)."""
+    return shape_record(replace(settings.train.model, d_model=d_model), input_dim=80, vocab_size=5)
+
+
+def _settings(
+    overrides: dict | None = None, d_model: int = 32, *, seed: int = 42, data_digest: str = "abc123", code: str = "c0de"
+):
+    """The fingerprint and training params of the tiny run with ``overrides`` (dotted params.yaml keys)."""
+    settings = tiny_settings(overrides=overrides)
+    features = asdict(settings.features)
+    config = settings.train
     fingerprint = build_fingerprint(
-        asdict(model), asdict(FeatureConfig()), data_digest=data_digest, seed=seed, config=config
+        _model(settings, d_model), features, data_digest=data_digest, seed=seed, config=config
     )
-    return fingerprint, training_params(config, code)
+    return fingerprint, training_params(config, settings.run, code)
 
 
 def _checkpoint(complete: bool, **settings) -> dict:
@@ -51,20 +59,21 @@ def test_same_settings_resume(complete):
 
 def test_finished_run_resumes_when_only_epochs_were_raised():
     # epochs is operational: a finished run continues with the extra epochs
-    fingerprint, params = _settings(tiny_train_config(epochs=10))
+    fingerprint, params = _settings({"train.optim.epochs": 10})
     assert decide(_checkpoint(True), fingerprint, params, CKPT_DIR) == RESUME
 
 
 @pytest.mark.parametrize(
     "changed",
     [
-        {"config": tiny_train_config(lr=0.01)},  # a train param
+        {"overrides": {"train.optim.lr": 0.01}},  # a train param
+        {"overrides": {"run.nproc_per_node": 2}},  # the number of processes
         {"d_model": 64},  # the model shape
         {"data_digest": "other"},  # the training data
         {"seed": 7},
         {"code": "edited"},  # the training code
     ],
-    ids=["lr", "d_model", "data", "seed", "code"],
+    ids=["lr", "ranks", "d_model", "data", "seed", "code"],
 )
 def test_finished_run_with_changed_settings_starts_fresh(changed, caplog):
     with caplog.at_level(logging.INFO, logger="asrflow.training.resume"):
@@ -74,9 +83,9 @@ def test_finished_run_with_changed_settings_starts_fresh(changed, caplog):
 
 def test_unfinished_run_with_a_changed_train_param_resumes_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
-        decision = decide(_checkpoint(False), *_settings(tiny_train_config(lr=0.01)), CKPT_DIR)
+        decision = decide(_checkpoint(False), *_settings({"train.optim.lr": 0.01}), CKPT_DIR)
     assert decision == RESUME
-    assert "train param changed since the checkpoint: lr: 0.003 -> 0.01" in caplog.text
+    assert "train param changed since the checkpoint: train.optim.lr: 0.003 -> 0.01" in caplog.text
 
 
 def test_unfinished_run_under_edited_code_resumes_with_a_warning(caplog):
@@ -86,7 +95,12 @@ def test_unfinished_run_under_edited_code_resumes_with_a_warning(caplog):
 
 
 def test_unfinished_run_with_operational_changes_resumes_silently(caplog):
-    changed = tiny_train_config(num_workers=4, checkpoint_every_steps=100, keep_last=1, epochs=9)
+    changed = {
+        "run.num_workers": 4,
+        "train.checkpoint.checkpoint_every_steps": 100,
+        "train.checkpoint.keep_last": 1,
+        "train.optim.epochs": 9,
+    }
     with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
         assert decide(_checkpoint(False), *_settings(changed), CKPT_DIR) == RESUME
     assert caplog.text == ""
@@ -94,21 +108,21 @@ def test_unfinished_run_with_operational_changes_resumes_silently(caplog):
 
 def test_feature_extraction_parallelism_does_not_block_a_resume(caplog):
     """features.num_jobs only sets how many processes extract features: not part of the fingerprint."""
-    config = tiny_train_config()
-    model = asdict(ModelConfig(input_dim=80, vocab_size=5, d_model=32, num_heads=2, ffn_dim=64, num_layers=1))
+    settings = tiny_settings()
+    config, model = settings.train, _model(settings)
     same = {"data_digest": "abc123", "seed": 42, "config": config}
-    one_job = build_fingerprint(model, asdict(FeatureConfig(num_jobs=1)), **same)
-    many_jobs = build_fingerprint(model, asdict(FeatureConfig(num_jobs=8)), **same)
+    one_job = build_fingerprint(model, asdict(replace(settings.features, num_jobs=1)), **same)
+    many_jobs = build_fingerprint(model, asdict(replace(settings.features, num_jobs=8)), **same)
     assert one_job == many_jobs
     assert "features.num_mel_bins" in one_job and "features.num_jobs" not in one_job
     checkpoint = {
         "fingerprint": one_job,
-        "train_params": training_params(config, "c0de"),
+        "train_params": training_params(config, settings.run, "c0de"),
         "complete": False,
         "step": 120,
     }
     with caplog.at_level(logging.WARNING, logger="asrflow.training.resume"):
-        assert decide(checkpoint, many_jobs, training_params(config, "c0de"), CKPT_DIR) == RESUME
+        assert decide(checkpoint, many_jobs, training_params(config, settings.run, "c0de"), CKPT_DIR) == RESUME
     assert caplog.text == ""
 
 
@@ -116,7 +130,7 @@ def test_feature_extraction_parallelism_does_not_block_a_resume(caplog):
     "changed, key",
     [
         ({"d_model": 64}, "model.d_model: 32 -> 64"),
-        ({"config": tiny_train_config(max_duration_s=60.0)}, "train.max_duration_s: 30.0 -> 60.0"),
+        ({"overrides": {"train.data.max_duration_s": 60.0}}, "train.data.max_duration_s: 30.0 -> 60.0"),
         ({"data_digest": "other"}, "data_digest: 'abc123' -> 'other'"),
     ],
     ids=["model_shape", "batch_plan", "data"],
@@ -138,7 +152,11 @@ def test_trainer_refuses_an_unfinished_run_with_another_model_shape(yesno_data, 
     monkeypatch.chdir(tmp_path)
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
-    overrides = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 0}
+    overrides = {
+        "train.optim.epochs": 1,
+        "train.checkpoint.checkpoint_every_steps": 4,
+        "train.checkpoint.validate_every_steps": 0,
+    }
     summary = train_in_process(yesno_data, exp, overrides, uri)
     directory = exp / "checkpoints"
     # Make it an unfinished run: drop the final checkpoint, as if the process died after step 8.
@@ -147,7 +165,7 @@ def test_trainer_refuses_an_unfinished_run_with_another_model_shape(yesno_data, 
     before = {path.name: path.read_bytes() for path in directory.iterdir()}
 
     with pytest.raises(AsrflowError) as error:
-        train_in_process(yesno_data, exp, {**overrides, "d_model": 48}, uri)
+        train_in_process(yesno_data, exp, {**overrides, "train.model.d_model": 48}, uri)
     message = str(error.value)
     assert f"{directory} holds an unfinished run (step {ckpt.step_of(newest)})" in message
     assert "model.d_model: 32 -> 48" in message
@@ -166,15 +184,19 @@ def test_trainer_starts_fresh_after_a_finished_run_with_changed_params(yesno_dat
     monkeypatch.chdir(tmp_path)
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
-    overrides = {"epochs": 1, "checkpoint_every_steps": 4, "validate_every_steps": 0}
+    overrides = {
+        "train.optim.epochs": 1,
+        "train.checkpoint.checkpoint_every_steps": 4,
+        "train.checkpoint.validate_every_steps": 0,
+    }
     first = train_in_process(yesno_data, exp, overrides, uri)
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        second = train_in_process(yesno_data, exp, {**overrides, "lr": 0.001}, uri)
+        second = train_in_process(yesno_data, exp, {**overrides, "train.optim.lr": 0.001}, uri)
     assert "starting a fresh run" in caplog.text
     assert second["steps"] == first["steps"]  # trained again from step 0
     newest = ckpt.load_checkpoint(ckpt.list_checkpoints(exp / "checkpoints")[0])
-    assert newest["train_params"]["lr"] == 0.001
+    assert newest["train_params"]["train.optim.lr"] == 0.001
     assert newest["history"]["step"] == list(range(1, first["steps"] + 1))
 
 
@@ -187,7 +209,13 @@ def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_dat
     """
     repo = copy_repo(tmp_path / "repo")
     exp = tmp_path / "exp"
-    overrides = json.dumps({"epochs": 1, "checkpoint_every_steps": 100, "validate_every_steps": 0})
+    overrides = json.dumps(
+        {
+            "train.optim.epochs": 1,
+            "train.checkpoint.checkpoint_every_steps": 100,
+            "train.checkpoint.validate_every_steps": 0,
+        }
+    )
 
     def train() -> str:
         done = subprocess.run(

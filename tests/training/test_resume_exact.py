@@ -9,74 +9,15 @@ the same per-step loss series, float for float.
 
 from __future__ import annotations
 
-import re
 import signal
-from pathlib import Path
 
 import pytest
-import torch
 
+from asrflow.testing.exact_resume import OVERRIDES, assert_identical, final_state, resumed_from
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.train_entry import TrainingProcess, run_training
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 from asrflow.training.outcome import Outcome, exit_code
-
-OVERRIDES = {
-    "epochs": 3,
-    "checkpoint_every_steps": 2,
-    "validate_every_steps": 4,
-    "keep_last": 50,
-    "average_last": 1,
-    "num_workers": 2,
-    "mp_start_method": "spawn",
-}
-
-
-def _final_state(exp: Path) -> dict:
-    """The model bundle's weights, the last checkpoint (model, optimizer, progress) and the loss CSV."""
-    bundle = torch.load(exp / "model.pt", map_location="cpu", weights_only=True)
-    last = load_checkpoint(list_checkpoints(exp / "checkpoints")[0])
-    assert last["complete"]
-    return {"bundle": bundle["model"], "checkpoint": last, "loss_csv": (exp / "plots" / "train_loss.csv").read_text()}
-
-
-def _tensors(value, prefix: str = ""):
-    """Every tensor inside nested dicts/lists, with a path naming it."""
-    if isinstance(value, torch.Tensor):
-        yield prefix, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, f"{prefix}.{key}")
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _tensors(item, f"{prefix}[{index}]")
-
-
-def assert_identical(resumed: dict, reference: dict) -> None:
-    ref_ckpt, new_ckpt = reference["checkpoint"], resumed["checkpoint"]
-    assert resumed["bundle"].keys() == reference["bundle"].keys()
-    for name, tensor in reference["bundle"].items():
-        assert torch.equal(resumed["bundle"][name], tensor), f"model weight {name} differs"
-    for part in ("model", "optimizer", "scheduler", "rng"):
-        ref_tensors = dict(_tensors(ref_ckpt[part], part))
-        new_tensors = dict(_tensors(new_ckpt[part], part))
-        assert new_tensors.keys() == ref_tensors.keys()
-        for name, tensor in ref_tensors.items():
-            assert torch.equal(new_tensors[name], tensor), f"{name} differs"
-    assert new_ckpt["scheduler"] == ref_ckpt["scheduler"]
-    assert new_ckpt["optimizer"]["param_groups"] == ref_ckpt["optimizer"]["param_groups"]
-    assert new_ckpt["rng"]["python"] == ref_ckpt["rng"]["python"]
-    ref_history, new_history = ref_ckpt["history"], new_ckpt["history"]
-    assert new_history["step"] == ref_history["step"] == list(range(1, len(ref_history["step"]) + 1))
-    assert new_history["loss"] == ref_history["loss"]  # exact float equality, step by step
-    assert new_history["grad_norm"] == ref_history["grad_norm"]
-    assert resumed["loss_csv"] == reference["loss_csv"]
-
-
-def _resumed_from(log: str) -> int:
-    match = re.search(r"resuming from \S+: step (\d+)", log)
-    assert match, f"the run did not resume:\n{log}"
-    return int(match.group(1))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +26,7 @@ def reference(yesno_data, tmp_path_factory) -> dict:
     exp = tmp_path_factory.mktemp("reference") / "exp"
     uri = fresh_mlflow_store(exp.parent)
     run_training(yesno_data, exp, OVERRIDES, log_path=exp.parent / "train.log", tracking_uri=uri)
-    state = _final_state(exp)
+    state = final_state(exp)
     progress, position = state["checkpoint"]["counters"], state["checkpoint"]["position"]
     assert progress["global_step"] == 27 and position["epoch"] == 2, "expected 3 epochs of 9 steps"
     return state
@@ -115,11 +56,11 @@ def test_sigkill_twice_then_resume_is_bit_identical(yesno_data, tmp_path, refere
         assert done[-1] == kill_after
         assert step_of(list_checkpoints(checkpoints)[0]) == kill_after - 1, "the killed step must be lost"
         if attempt:
-            resumed_at.append(_resumed_from(process.log()))
+            resumed_at.append(resumed_from(process.log()))
     log = run_training(yesno_data, exp, OVERRIDES, log_path=tmp_path / "final.log", tracking_uri=uri)
-    resumed_at.append(_resumed_from(log))
+    resumed_at.append(resumed_from(log))
     assert resumed_at == [4, 18]
-    assert_identical(_final_state(exp), reference)
+    assert_identical(final_state(exp), reference)
     assert not list(checkpoints.glob(".*tmp")), "temporary checkpoint files left behind"
 
 
@@ -147,5 +88,5 @@ def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp
     assert not (exp / "model.pt").exists()
 
     log = run_training(yesno_data, exp, OVERRIDES, log_path=tmp_path / "resume.log", tracking_uri=uri)
-    assert _resumed_from(log) == 13
-    assert_identical(_final_state(exp), reference)
+    assert resumed_from(log) == 13
+    assert_identical(final_state(exp), reference)

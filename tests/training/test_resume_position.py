@@ -11,16 +11,17 @@ import logging
 import pytest
 import torch
 
-from asrflow.data.batches import AsrBatchDataset, BatchItem, TrainingBatches, plan_epoch
-from asrflow.data.features import CMVN_FILE, load_cmvn
+from asrflow.data.features.cmvn import CMVN_FILE, load_cmvn
+from asrflow.data.loading.dataset import AsrBatchDataset
+from asrflow.data.loading.planner import BatchItem, TrainingBatches, plan_epoch
+from asrflow.data.loading.workers import pack_batch
 from asrflow.data.manifests import load_cuts
-from asrflow.data.workers import pack_batch
-from asrflow.testing.tiny_config import tiny_train_config
+from asrflow.testing.tiny_config import tiny_settings
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 
 SEED = 42
-MAX_DURATION_S = tiny_train_config().max_duration_s
-NUM_BUCKETS = tiny_train_config().num_buckets
+MAX_DURATION_S = tiny_settings().train.data.max_duration_s
+NUM_BUCKETS = tiny_settings().train.data.num_buckets
 
 
 class _CountingDataset(AsrBatchDataset):
@@ -83,27 +84,27 @@ def test_resuming_at_step_k_builds_no_item_before_k(yesno_data, train_cuts, star
 
 def test_dropped_trailing_batches_are_logged_once_per_epoch_by_rank_0(train_cuts, caplog):
     """9 planned batches, 2 per step: 4 steps and 1 dropped batch per epoch."""
-    with caplog.at_level(logging.INFO, logger="asrflow.batches"):
+    with caplog.at_level(logging.INFO, logger="asrflow.data.loading.planner"):
         items = list(_batches(train_cuts, 0, start_step=0, accum_grad=2))
     assert len(items) == 2 * 4 * 2
-    messages = [record.getMessage() for record in caplog.records if record.name == "asrflow.batches"]
+    messages = [record.getMessage() for record in caplog.records if record.name == "asrflow.data.loading.planner"]
     assert messages == [
         f"epoch {epoch}: 1 of 9 planned batches dropped (they cannot fill a whole step of accum_grad 2 x 1 processes)"
         for epoch in (0, 1)
     ]
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="asrflow.batches"):
+    with caplog.at_level(logging.INFO, logger="asrflow.data.loading.planner"):
         list(_batches(train_cuts, 0, start_step=0, world_size=2, rank=1))
-        assert not [record for record in caplog.records if record.name == "asrflow.batches"]
+        assert not [record for record in caplog.records if record.name == "asrflow.data.loading.planner"]
         list(_batches(train_cuts, 1, start_step=0, world_size=2, rank=0))
-    messages = [record.getMessage() for record in caplog.records if record.name == "asrflow.batches"]
+    messages = [record.getMessage() for record in caplog.records if record.name == "asrflow.data.loading.planner"]
     assert messages == [
         "epoch 1: 1 of 9 planned batches dropped (they cannot fill a whole step of accum_grad 1 x 2 processes)"
     ]
 
 
 def test_no_message_when_nothing_is_dropped(train_cuts, caplog):
-    with caplog.at_level(logging.INFO, logger="asrflow.batches"):
+    with caplog.at_level(logging.INFO, logger="asrflow.data.loading.planner"):
         assert len(list(_batches(train_cuts, 0, start_step=0))) == 18
-    assert not [record for record in caplog.records if record.name == "asrflow.batches"]
+    assert not [record for record in caplog.records if record.name == "asrflow.data.loading.planner"]

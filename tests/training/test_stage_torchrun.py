@@ -7,32 +7,27 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import asdict
 
 import yaml
 
 from asrflow.testing.processes import free_port
 from asrflow.testing.repo import REPO
-from asrflow.testing.tiny_config import tiny_train_config
-from asrflow.training.config import KEY_SECTION, set_train_keys
+from asrflow.testing.tiny_config import tiny_params
 
 
 def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fbank").symlink_to(yesno_data / "fbank")
     (tmp_path / "data" / "lang").symlink_to(yesno_data / "lang")
-    train = asdict(
-        tiny_train_config(
-            epochs=1,
-            nproc_per_node=2,
-            num_workers=0,
-            checkpoint_every_steps=2,
-            dist_timeout_s=60.0,
-            stall_timeout_s=120.0,
-        )
-    )
-    params = {"seed": 42, "features": {"num_jobs": 1}}
-    set_train_keys(params, {key: value for key, value in train.items() if key in KEY_SECTION})
+    overrides = {
+        "train.optim.epochs": 1,
+        "run.nproc_per_node": 2,
+        "run.num_workers": 0,
+        "train.checkpoint.checkpoint_every_steps": 2,
+        "run.dist_timeout_s": 60.0,
+        "run.stall_timeout_s": 120.0,
+    }
+    params = tiny_params(yesno_data, overrides, seed=42)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     env = {
         **os.environ,
@@ -71,19 +66,16 @@ def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fbank").symlink_to(yesno_data / "fbank")
     (tmp_path / "data" / "lang").symlink_to(yesno_data / "lang")
-    train = asdict(
-        tiny_train_config(
-            epochs=1,
-            nnodes=2,
-            rdzv_endpoint=f"127.0.0.1:{free_port()}",
-            num_workers=0,
-            checkpoint_every_steps=2,
-            dist_timeout_s=60.0,
-            stall_timeout_s=120.0,
-        )
-    )
-    params = {"seed": 42, "features": {"num_jobs": 1}}
-    set_train_keys(params, {key: value for key, value in train.items() if key in KEY_SECTION})
+    overrides = {
+        "train.optim.epochs": 1,
+        "run.nnodes": 2,
+        "run.rdzv_endpoint": f"127.0.0.1:{free_port()}",
+        "run.num_workers": 0,
+        "train.checkpoint.checkpoint_every_steps": 2,
+        "run.dist_timeout_s": 60.0,
+        "run.stall_timeout_s": 120.0,
+    }
+    params = tiny_params(yesno_data, overrides, seed=42)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     env = {
         **os.environ,

@@ -18,33 +18,25 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from asrflow.data.features import FeatureConfig
 from asrflow.errors import AsrflowError
 from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_train_config, train_paths
+from asrflow.testing.tiny_config import tiny_params, tiny_trainer
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.monitoring import LOSS_SCALE_FLOOR
 from asrflow.training.observers import TrainObserver
-from asrflow.training.trainer import Trainer
 
 SEED = 42
 EXPERIMENT = "outputs-test"
 
 
-def _trainer(data: Path, exp: Path, observers=(), features: FeatureConfig | None = None, **overrides):
-    """A Trainer for ``tiny_train_config(**overrides)``; MLflow in ``exp/mlflow.db`` (kept if present)."""
-    config = tiny_train_config(experiment=EXPERIMENT, **overrides)
+def _overrides(overrides: dict) -> dict:
+    return {"run.experiment": EXPERIMENT, **overrides}
+
+
+def _trainer(data: Path, exp: Path, overrides: dict, observers=()):
+    """The tiny Trainer with ``overrides`` (dotted keys); MLflow in ``exp/mlflow.db`` (kept if present)."""
     uri = f"sqlite:///{(exp / 'mlflow.db').resolve()}" if (exp / "mlflow.db").exists() else fresh_mlflow_store(exp)
-    all_params = {"seed": SEED, "train": {"lr": config.lr, "precision": config.precision}}
-    return Trainer(
-        config,
-        features or FeatureConfig(),
-        seed=SEED,
-        all_params=all_params,
-        paths=train_paths(data, exp),
-        tracking_uri=uri,
-        observers=observers,
-    )
+    return tiny_trainer(data, exp, _overrides(overrides), seed=SEED, tracking_uri=uri, observers=observers)
 
 
 def _run(exp: Path) -> tuple[MlflowClient, object]:
@@ -60,18 +52,19 @@ def _bundle_info(exp: Path) -> dict:
 # ---------------------------------------------------------------------- best.pt and the final model
 
 
+FIRST_RUN = {
+    "train.optim.epochs": 1,
+    "train.checkpoint.validate_every_steps": 3,
+    "train.checkpoint.checkpoint_every_steps": 4,
+    "train.optim.average_last": 25,
+    "train.checkpoint.keep_last": 20,
+}
+
+
 def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesno_data, tmp_path, caplog):
     """Validation every 3 steps, checkpoints every 4: each improving validation still gives best.pt."""
     with caplog.at_level(logging.INFO):
-        _trainer(
-            yesno_data,
-            tmp_path,
-            epochs=1,
-            validate_every_steps=3,
-            checkpoint_every_steps=4,
-            average_last=25,
-            keep_last=20,
-        ).run()
+        _trainer(yesno_data, tmp_path, FIRST_RUN).run()
     client, run = _run(tmp_path)
     dev = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "dev/loss")}
     assert sorted(dev) == [3, 6, 9]
@@ -105,13 +98,17 @@ def test_an_improving_validation_writes_best_pt_off_the_checkpoint_schedule(yesn
 
     # The params artifact is the params the run was given, wherever the process runs.
     folder = client.download_artifacts(run.info.run_id, "params", str(tmp_path / "downloaded"))
-    assert yaml.safe_load((Path(folder) / "params.yaml").read_text()) == {
-        "seed": SEED,
-        "train": {"lr": tiny_train_config().lr, "precision": "auto"},
-    }
+    logged = yaml.safe_load((Path(folder) / "params.yaml").read_text())
+    assert logged == tiny_params(yesno_data, _overrides(FIRST_RUN), seed=SEED)
+    assert logged["train"]["checkpoint"]["validate_every_steps"] == 3 and logged["seed"] == SEED
 
 
 # ---------------------------------------------------------------------- fp16 loss scale
+
+
+def _one_epoch(precision: str) -> dict:
+    """One epoch (9 steps) in ``precision``, no validation."""
+    return {"train.optim.epochs": 1, "train.optim.precision": precision, "train.checkpoint.validate_every_steps": 0}
 
 
 class _LowScale(TrainObserver):
@@ -123,7 +120,7 @@ class _LowScale(TrainObserver):
 
 
 def test_fp16_loss_scale_is_logged_and_a_collapse_warned(yesno_data, tmp_path, caplog):
-    _trainer(yesno_data, tmp_path, [_LowScale()], epochs=1, precision="fp16", validate_every_steps=0).run()
+    _trainer(yesno_data, tmp_path, _one_epoch("fp16"), [_LowScale()]).run()
     assert f"fp16 loss scale collapsed to {LOSS_SCALE_FLOOR / 4:g}" in caplog.text
     client, run = _run(tmp_path)
     history = client.get_metric_history(run.info.run_id, "train/loss_scale")
@@ -132,7 +129,7 @@ def test_fp16_loss_scale_is_logged_and_a_collapse_warned(yesno_data, tmp_path, c
 
 
 def test_fp32_logs_no_loss_scale(yesno_data, tmp_path, caplog):
-    _trainer(yesno_data, tmp_path, epochs=1, precision="fp32", validate_every_steps=0).run()
+    _trainer(yesno_data, tmp_path, _one_epoch("fp32")).run()
     client, run = _run(tmp_path)
     assert client.get_metric_history(run.info.run_id, "train/loss_scale") == []
     assert "loss scale collapsed" not in caplog.text
@@ -146,7 +143,7 @@ def finished_run(yesno_data, tmp_path_factory) -> Path:
     """One epoch (9 steps) in fp32, checkpoints every 4 steps."""
     exp = tmp_path_factory.mktemp("finished") / "exp"
     exp.mkdir()
-    _trainer(yesno_data, exp, epochs=1, precision="fp32", validate_every_steps=0).run()
+    _trainer(yesno_data, exp, _one_epoch("fp32")).run()
     return exp
 
 
@@ -167,7 +164,7 @@ def test_a_changed_batch_plan_restarts_the_epoch_from_its_first_batch(yesno_data
     other_plan = {**state, "position": {**state["position"], "plan_digest": "0" * 16}}
     ckpt.save_checkpoint(other_plan, path.parent, 4, keep_last=20, is_best=False)
 
-    summary = _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="fp32", validate_every_steps=0).run().summary
+    summary = _trainer(yesno_data, tmp_path / "exp", _one_epoch("fp32")).run().summary
     assert "the batch plan of epoch 0 differs from the checkpoint's" in caplog.text
     assert "epoch 0 restarts from its first batch" in caplog.text
     assert summary["steps"] == 4 + 9  # the whole of epoch 0 again, after the 4 steps already taken
@@ -175,7 +172,7 @@ def test_a_changed_batch_plan_restarts_the_epoch_from_its_first_batch(yesno_data
 
 def test_an_unchanged_plan_resumes_mid_epoch(yesno_data, finished_run, tmp_path, caplog):
     _unfinished_copy(finished_run, tmp_path / "exp")
-    summary = _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="fp32", validate_every_steps=0).run().summary
+    summary = _trainer(yesno_data, tmp_path / "exp", _one_epoch("fp32")).run().summary
     assert "restarts from its first batch" not in caplog.text
     assert summary["steps"] == 9
 
@@ -186,7 +183,7 @@ def test_a_resume_in_another_precision_warns_and_retags_the_run(yesno_data, fini
     _, run = _run(tmp_path / "exp")
     assert run.data.tags["precision"] == "fp32"
 
-    _trainer(yesno_data, tmp_path / "exp", epochs=1, precision="bf16", validate_every_steps=0).run()
+    _trainer(yesno_data, tmp_path / "exp", _one_epoch("bf16")).run()
     assert "the checkpoint was trained in fp32, this run trains in bf16" in caplog.text
     _, run = _run(tmp_path / "exp")
     assert run.data.tags["precision"] == "bf16"
@@ -200,6 +197,6 @@ def test_a_resume_in_another_precision_warns_and_retags_the_run(yesno_data, fini
 
 def test_speed_perturb_without_on_the_fly_features_is_refused(yesno_data, tmp_path):
     with pytest.raises(AsrflowError) as error:
-        _trainer(yesno_data, tmp_path, speed_perturb=True, features=FeatureConfig(on_the_fly=False)).run()
+        _trainer(yesno_data, tmp_path, {"train.data.speed_perturb": True, "features.on_the_fly": False}).run()
     assert "train.data.speed_perturb needs features.on_the_fly: true" in str(error.value)
     assert not os.path.exists(tmp_path / "checkpoints")

@@ -1,4 +1,4 @@
-"""Checks on corpus items, and the rejected-items report of the ``prepare`` stage.
+"""Checks on corpus items for the ``prepare`` stage, and the reasons an item is rejected.
 
 An *item* is one utterance: a TSV line, a Kaldi ``text`` entry, or a supervision from a
 Lhotse recipe. A bad item is rejected with a :class:`Rejection` (split, id, path, reason,
@@ -79,11 +79,11 @@ from lhotse.qa import validate
 from lhotse.supervision import AlignmentItem
 from lhotse.utils import fastcopy, is_equal_or_contains
 
-from asrflow.data.text import TextConfig, normalize_text
+from asrflow.data.prepare.text import TextConfig, normalize_text
 from asrflow.errors import first_line
 from asrflow.logs import progress
 
-logger = logging.getLogger("asrflow")
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -400,6 +400,30 @@ def split_by_alignment(supervision: SupervisionSegment, max_duration_s: float) -
             "to split the transcript; shorten it, add word alignments, or raise prepare.max_duration_s",
         )
 
+    groups = _word_groups(supervision, words, max_duration_s)
+    return [
+        fastcopy(
+            supervision,
+            id=f"{supervision.id}-part{index}",
+            start=round(begin, 6),
+            duration=round(end - begin, 6),
+            text=" ".join(word.symbol for word in group),
+            alignment={"word": group},
+        )
+        for index, (begin, end, group) in enumerate(groups)
+    ]
+
+
+def _word_groups(
+    supervision: SupervisionSegment, words: list[AlignmentItem], max_duration_s: float
+) -> list[tuple[float, float, list[AlignmentItem]]]:
+    """``words`` (sorted, no silences) packed greedily into ``(start, end, words)`` windows of at
+    most ``max_duration_s``, each ending half-way through the pause after its last word.
+
+    Raises:
+        ItemRejected: ``too_long`` when one word (with its surrounding pauses) is longer than ``max_duration_s``.
+    """
+
     def boundary_after(index: int) -> float:
         if index == len(words) - 1:
             return supervision.end
@@ -430,17 +454,7 @@ def split_by_alignment(supervision: SupervisionSegment, max_duration_s: float) -
                 f"alone is longer than max_duration_s = {max_duration_s} s; raise prepare.max_duration_s",
             )
     groups.append((start, supervision.end, current))
-    return [
-        fastcopy(
-            supervision,
-            id=f"{supervision.id}-part{index}",
-            start=round(begin, 6),
-            duration=round(end - begin, 6),
-            text=" ".join(word.symbol for word in group),
-            alignment={"word": group},
-        )
-        for index, (begin, end, group) in enumerate(groups)
-    ]
+    return groups
 
 
 def _choose_channel(

@@ -2,6 +2,8 @@
 
 Every command runs with a timeout, the virtual environment's tools first on PATH, and the
 copy's own MLflow store, so nothing hangs and nothing touches the working repository.
+The end-to-end tests (tests/pipeline/, tests/cluster/) use it; a copy comes from
+:func:`asrflow.testing.repo.copy_repo`.
 """
 
 from __future__ import annotations

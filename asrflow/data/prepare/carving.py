@@ -26,7 +26,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from asrflow.errors import AsrflowError
+
+if TYPE_CHECKING:
+    from lhotse import SupervisionSegment
 
 LEVELS = ("speaker", "recording", "utterance")
 #: At most dev and test are carved.
@@ -140,3 +147,32 @@ def plan_carving(counter: GroupCounter, fractions: dict[str, float], seed: int) 
         for key in keys:
             del groups[key]
     return CarvePlan(level, moved)
+
+
+def carve_ids(supervisions: Iterable[SupervisionSegment], fraction: float, seed: int) -> set[str]:
+    """The ids of the utterances that this module's rule moves out of train for one split.
+
+    Args:
+        supervisions: the kept train utterances.
+        fraction: the share to move, in [0, 1).
+        seed: orders the groups.
+    """
+    supervisions = list(supervisions)
+    counter = GroupCounter()
+    for supervision in supervisions:
+        counter.add(supervision.id, supervision.recording_id, supervision.speaker)
+    plan = plan_carving(counter, {"dev": fraction}, seed)
+    return {s.id for s in supervisions if plan.split_of(s.id, s.recording_id, s.speaker) == "dev"}
+
+
+def check_carvable(counter: GroupCounter, carved: list[str], name: str | None = None) -> None:
+    """Refuse a carve that would leave a split empty (before any manifest is written)."""
+    groups = counter.groups()
+    if carved and groups < len(carved) + 1:
+        which = f"corpus {name}'s " if name else ""
+        raise AsrflowError(
+            f"cannot carve {' and '.join(carved)} from {which}train: train holds {counter.utterances} usable "
+            f"utterance(s) in {groups} group(s), and each carved split needs one group with one left for train "
+            f"(at least {len(carved) + 1}); add data, or name the corpus' {' and '.join(carved)} split(s) "
+            "in prepare.splits"
+        )

@@ -15,9 +15,10 @@ from asrflow.allocator import tune_malloc
 _PR_SET_PDEATHSIG = 1
 
 #: Small per-utterance tensors of a batch, sent from a data worker as Python lists. Each
-#: tensor crosses the process boundary through its own shared-memory handle, which cost about
-#: 1 ms apiece on the development machine (4 ms of a 6 ms hand-over per batch), while a short
-#: list travels inside the batch's pickle. ``features`` stays a tensor: it is large.
+#: tensor crosses the process boundary through its own shared-memory handle (a file descriptor
+#: passed and mapped on each side), a fixed cost that dwarfs a few bytes of data, while a short
+#: list travels inside the batch's pickle (bench/RESULTS.md, "What the figures say", item 3).
+#: ``features`` stays a tensor: it is large, so shared memory saves the copy.
 SMALL_TENSORS = ("feature_lens", "targets", "target_lens", "durations")
 
 

@@ -1,9 +1,9 @@
-"""Fbank feature extraction with Lhotse, and global mean/variance statistics.
+"""The ``features`` stage: fbank feature extraction with Lhotse, into Lhotse storage.
 
 Every cut is resampled to ``sampling_rate`` and gets ``num_mel_bins``-dimensional log-mel
 filterbank features (frames every ``frame_shift_s`` seconds), stored with Lhotse's
 ``LilcomChunkyWriter``. The global statistics (per-bin mean and standard deviation over the
-train split) are written as JSON and applied by :class:`lhotse.dataset.GlobalMVN`.
+train split) are written as JSON (:mod:`asrflow.data.features.cmvn`).
 
 Memory stays bounded on long corpora: cuts are read lazily from the manifests, streamed
 through extraction into per-job manifests, and the statistics are accumulated in one
@@ -12,7 +12,8 @@ streaming pass; nothing holds a whole split.
 A multi-channel cut (prepare's ``channel: mix``) is written as it came, pointing at its
 file and channels; its features are those of the average of its channels, downmixed when
 they are extracted (:func:`asrflow.data.audio.mono_samples`). Before anything is written,
-the features' size is estimated and compared with the free space (:func:`check_disk_space`).
+the features' size is estimated and compared with the free space
+(:mod:`asrflow.data.features.disk_space`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import heapq
-import itertools
 import json
 import logging
 import multiprocessing
@@ -29,39 +29,27 @@ import shutil
 import signal
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from lhotse import CutSet, Fbank, FbankConfig, LilcomChunkyWriter
+from lhotse import CutSet, Fbank, LilcomChunkyWriter
 from lhotse.cut import Cut
 from lhotse.cut.set import null_result_on_audio_loading_error
-from lhotse.dataset import GlobalMVN
-from lhotse.features.base import compute_global_stats
 from lhotse.lazy import Dillable, LazySlicer
 from lhotse.utils import fastcopy
 
 from asrflow.data.audio import mono_samples
-from asrflow.data.manifests import (
-    cuts_path,
-    list_corpora,
-    list_test_sets,
-    load_cuts,
-    split_names,
-    write_test_set_list,
-)
+from asrflow.data.features.cmvn import CMVN_FILE, save_cmvn, train_statistics
+from asrflow.data.features.config import CONFIG_FILE, FeatureConfig
+from asrflow.data.features.disk_space import SplitScan, check_disk_space, disk_margin, estimate_bytes, scan_split
+from asrflow.data.manifests import cuts_path, list_corpora, list_test_sets, load_cuts, split_names, write_test_set_list
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
 from asrflow.logs import progress
-from asrflow.params import check_at_least, check_positive, env_number
 
-logger = logging.getLogger("asrflow.features")
+logger = logging.getLogger(__name__)
 
-CMVN_FILE = "cmvn.json"
-#: The FeatureConfig a features folder was computed with (JSON), written beside its cuts.
-CONFIG_FILE = "config.json"
-#: FeatureConfig fields that shape the features a model sees (the others only say how they were computed).
-SHAPING_FIELDS = ("sampling_rate", "num_mel_bins", "frame_shift_s", "frame_length_s")
 #: Seconds of audio in a split that justify one more feature-extraction process: one
 #: process extracts about 850 audio seconds per second, and starting one (a fresh Python
 #: importing torch and Lhotse) costs about 2.5 s (bench/RESULTS.md, features).
@@ -70,64 +58,6 @@ AUDIO_S_PER_JOB = 3600.0
 MIN_MEL_BINS = 4
 #: Inside the output's temporary folder: per-job cut manifests, removed before it is renamed.
 STAGING_DIR = ".staging"
-#: Bytes per stored feature value with ``LilcomChunkyWriter`` (log-mel fbank; measured in bench/RESULTS.md).
-LILCOM_BYTES_PER_VALUE = 1.0
-#: Bytes per cut of the written cut manifests (gzipped JSON lines), an upper bound.
-MANIFEST_BYTES_PER_CUT = 400
-#: Environment variable: the factor the estimated size is multiplied by before it is compared with the free space.
-DISK_MARGIN_ENV = "ASRFLOW_FEATURES_DISK_MARGIN"
-DEFAULT_DISK_MARGIN = 1.2
-
-
-@dataclass(frozen=True, kw_only=True)
-class FeatureConfig:
-    """The ``features:`` section of params.yaml."""
-
-    sampling_rate: int = 16000
-    num_mel_bins: int = 80
-    frame_shift_s: float = 0.01
-    frame_length_s: float = 0.025
-    num_jobs: int = 0
-    on_the_fly: bool = False
-
-    def __post_init__(self) -> None:
-        check_positive(self, "features", "sampling_rate", "frame_shift_s", "frame_length_s")
-        check_at_least(self, "features", MIN_MEL_BINS, "num_mel_bins")
-        check_at_least(self, "features", 0, "num_jobs")
-
-    def extractor(self) -> Fbank:
-        """The Lhotse fbank extractor these settings describe."""
-        return Fbank(
-            FbankConfig(
-                sampling_rate=self.sampling_rate,
-                num_mel_bins=self.num_mel_bins,
-                frame_shift=self.frame_shift_s,
-                frame_length=self.frame_length_s,
-            )
-        )
-
-
-def cmvn_stats(mvn: GlobalMVN) -> dict[str, list[float]]:
-    """``norm_means`` / ``norm_stds``, each a list of ``num_mel_bins`` floats."""
-    return {name: value.tolist() for name, value in mvn.state_dict().items()}
-
-
-def save_cmvn(mvn: GlobalMVN, path: Path) -> None:
-    """Write :func:`cmvn_stats` as JSON."""
-    path.write_text(json.dumps(cmvn_stats(mvn), indent=1) + "\n")
-
-
-def load_cmvn(path: str | Path) -> GlobalMVN:
-    """Read statistics written by :func:`save_cmvn` into a ``GlobalMVN`` module."""
-    return cmvn_from_dict(json.loads(Path(path).read_text()))
-
-
-def cmvn_from_dict(stats: dict[str, list[float]]) -> GlobalMVN:
-    """Build a ``GlobalMVN`` from the statistics dict kept inside a model bundle."""
-    tensors = {name: torch.tensor(value, dtype=torch.float32) for name, value in stats.items()}
-    mvn = GlobalMVN(tensors["norm_means"].numel())
-    mvn.load_state_dict(tensors)
-    return mvn
 
 
 def compute_features(
@@ -182,83 +112,6 @@ def compute_features(
     return {split: scan.count for split, scan in scans.items()}
 
 
-@dataclass(frozen=True)
-class SplitScan:
-    """What one pass over a split's manifest found: its cuts, seconds of audio, multi-channel cuts."""
-
-    count: int
-    audio_s: float
-    multichannel: int
-
-
-def scan_split(manifests_dir: str | Path, split: str) -> SplitScan:
-    """Count the cuts of a split and their audio, checking that they come in id order (as prepare writes them).
-
-    Raises:
-        AsrflowError: the manifest is missing, or two cuts are out of order (a manifest not written by prepare).
-    """
-    count, audio_s, multichannel, previous = 0, 0.0, 0, None
-    for cut in load_cuts(manifests_dir, split):
-        if previous is not None and cut.id <= previous:
-            raise AsrflowError(
-                f"{cuts_path(manifests_dir, split)}: cut {cut.id!r} comes after {previous!r}; the features "
-                "stage needs the cuts sorted by id, each id once (as the prepare stage writes them): re-run prepare"
-            )
-        previous = cut.id
-        count += 1
-        audio_s += cut.duration
-        multichannel += (cut.num_channels or 1) > 1
-    if count == 0:
-        logger.warning("split %s is empty", split)
-    return SplitScan(count=count, audio_s=audio_s, multichannel=multichannel)
-
-
-def estimate_bytes(scans: Iterable[SplitScan], config: FeatureConfig) -> int:
-    """Bytes the features folder of these splits will take: lilcom-stored frames plus the cut manifests."""
-    total = 0.0
-    for scan in scans:
-        frames = scan.audio_s / config.frame_shift_s + scan.count  # (one more frame per cut at most)
-        total += frames * config.num_mel_bins * LILCOM_BYTES_PER_VALUE + scan.count * MANIFEST_BYTES_PER_CUT
-    return int(total)
-
-
-def disk_margin() -> float:
-    """The factor on the size estimate (environment variable :data:`DISK_MARGIN_ENV`, default 1.2).
-
-    Raises:
-        AsrflowError: the variable is set but is not a number >= 0.
-    """
-    return env_number(DISK_MARGIN_ENV, DEFAULT_DISK_MARGIN)
-
-
-def check_disk_space(
-    output_dir: str | Path, needed_bytes: int, *, free_bytes: int | None = None, margin: float = DEFAULT_DISK_MARGIN
-) -> None:
-    """Refuse to start when ``needed_bytes`` x ``margin`` exceed the free space where ``output_dir`` goes.
-
-    ``free_bytes`` stands for the free space of that disk (default: ``shutil.disk_usage`` of the
-    nearest existing folder on the way to ``output_dir``).
-
-    Raises:
-        AsrflowError: naming the space needed and available, and what to do.
-    """
-    output_dir = Path(output_dir).absolute()
-    if free_bytes is None:
-        existing = next(folder for folder in (output_dir, *output_dir.parents) if folder.exists())
-        free_bytes = shutil.disk_usage(existing).free
-    wanted = needed_bytes * margin
-    if wanted > free_bytes:
-        raise AsrflowError(
-            f"the features need about {_gib(needed_bytes)} (x {margin:g} margin: {_gib(wanted)}) in {output_dir}, "
-            f"but {_gib(free_bytes)} are free there: free some space, point --out at a larger disk, "
-            f"or lower the margin with {DISK_MARGIN_ENV} (nothing was written)"
-        )
-
-
-def _gib(size: float) -> str:
-    return f"{size / 2**30:.2f} GiB"
-
-
 def _refuse_multichannel_on_the_fly(scans: dict[str, SplitScan], manifests_dir: str | Path) -> None:
     """On-the-fly features read each cut's audio as it is: a multi-channel cut would give per-channel features.
 
@@ -271,34 +124,6 @@ def _refuse_multichannel_on_the_fly(scans: dict[str, SplitScan], manifests_dir: 
             f"{manifests_dir} has multi-channel cuts ({', '.join(found)}) and features.on_the_fly is true: "
             "on-the-fly features need one channel; set prepare.channel to a channel index, or "
             "features.on_the_fly: false (precomputed features downmix the channels)"
-        )
-
-
-def check_same_features(config: FeatureConfig, features_dir: str | Path) -> None:
-    """Refuse to train with ``config`` on features computed with other settings.
-
-    The model's input size and frame rate come from ``config`` (params.yaml's ``features``
-    section); features computed at another rate or bin count would fail deep inside the
-    model, or worse, train on the wrong frame rate. A folder without :data:`CONFIG_FILE`
-    (written by older versions) is not checked.
-
-    Raises:
-        AsrflowError: naming each differing key, its two values and what to do.
-    """
-    path = Path(features_dir) / CONFIG_FILE
-    if not path.is_file():
-        return
-    computed = json.loads(path.read_text())
-    differing = [
-        f"features.{key} = {getattr(config, key)!r} but {computed[key]!r} there"
-        for key in SHAPING_FIELDS
-        if key in computed and computed[key] != getattr(config, key)
-    ]
-    if differing:
-        raise AsrflowError(
-            f"the features in {Path(features_dir)} were computed with other settings than params.yaml's: "
-            f"{'; '.join(differing)}. Run the features stage again (dvc repro, or snakemake), or give "
-            "the params those features were computed with"
         )
 
 
@@ -355,7 +180,7 @@ def _split_features(
             workers=workers,
         )
     if split == "train":
-        save_cmvn(_train_statistics(cuts, config), tmp_dir / CMVN_FILE)
+        save_cmvn(train_statistics(cuts, config), tmp_dir / CMVN_FILE)
     if not config.on_the_fly:
         cuts = cuts.map(functools.partial(_relocate_features, tmp_dir=tmp_dir, final_dir=final_dir))
     cuts_path(tmp_dir, split).parent.mkdir(parents=True, exist_ok=True)
@@ -523,15 +348,3 @@ def _relocate_features(cut, tmp_dir: Path, final_dir: Path):
     relative = Path(cut.features.storage_path).relative_to(tmp_dir)
     cut.features.storage_path = str(final_dir / relative)
     return cut
-
-
-def _train_statistics(cuts: CutSet, config: FeatureConfig) -> GlobalMVN:
-    """Per-bin mean and std over the train cuts (stored, or computed for up to 1,000 cuts), in one pass."""
-    if config.on_the_fly:
-        return GlobalMVN.from_cuts(cuts, max_cuts=1000, extractor=config.extractor())
-    features = (cut.features for cut in cuts)
-    first = next(features, None)
-    if first is None:
-        raise AsrflowError("no train cut's audio could be read, so there are no features: check the train audio")
-    stats = compute_global_stats(itertools.chain([first], features))
-    return cmvn_from_dict({name: value.tolist() for name, value in stats.items()})

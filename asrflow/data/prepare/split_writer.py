@@ -5,7 +5,7 @@
 it); :class:`SplitWriter` takes such cuts, as JSON lines sorted by id, and writes
 ``{split}_cuts.jsonl.gz`` and ``{split}_supervisions.jsonl.gz`` at once, and
 ``{split}_recordings.jsonl.gz`` (each recording once, sorted by id) through a
-:class:`~asrflow.data.spool.SortedSpool` at :meth:`SplitWriter.close`. Memory: one spool
+:class:`~asrflow.data.prepare.spool.SortedSpool` at :meth:`SplitWriter.close`. Memory: one spool
 chunk. gzip headers carry no time stamp and no file name (byte-reproducible output).
 """
 
@@ -23,7 +23,7 @@ from lhotse import Recording, SupervisionSegment
 from lhotse.cut import MonoCut, MultiCut
 from lhotse.utils import fastcopy
 
-from asrflow.data.spool import DEFAULT_CHUNK_LINES, SortedSpool
+from asrflow.data.prepare.spool import DEFAULT_CHUNK_LINES, SortedSpool
 
 #: Recording ids :class:`SplitWriter` remembers to skip spooling a recording again.
 RECENT_RECORDINGS = 1024

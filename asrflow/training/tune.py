@@ -1,0 +1,357 @@
+"""Measure the machine this runs on and write what is fastest here as a preset of overrides.
+
+The defaults in params.yaml were chosen on some machines; the best precision, thread count and number of
+data workers differ by CPU model (a CPU's bf16 kernels may be faster or slower than its fp32 ones for this
+model's shapes) and by GPU. In a minute or two this command trains a few real optimizer steps of
+params.yaml's model on synthetic batches, in each candidate setting, and writes the winners::
+
+    python -m asrflow.training.tune [--params params.yaml] [--out presets/machine-<cpu>.yaml] [--seconds 60]
+    python -m asrflow.presets presets/machine-<cpu>.yaml      # apply it; commit both to keep the choice
+
+Measured: the step's audio seconds per second in each precision (fp32 and bf16 on the CPU; fp32, bf16 and
+fp16 on a GPU) and at each torch thread count (CPU); the fbank rate of one data worker (with
+``features.on_the_fly``), giving the workers that keep up with the step; and the memory a batch takes per
+second of audio, giving the largest batch that fits (RAM on the CPU, the GPU's memory on a GPU).
+``train.data.max_duration_s`` is a training hyper-parameter, so it is only lowered, when params.yaml's batch
+would not fit. The preset holds only the keys whose best value differs from params.yaml's, and names the
+machine (CPU model and flags, GPU) and every figure it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from asrflow.errors import exit_on_user_error
+from asrflow.logs import setup_logging
+from asrflow.model.conformer_ctc import build_model, subsampled_lengths
+from asrflow.params import load_params
+from asrflow.training.assemble import TrainingSettings
+from asrflow.training.distributed import DistInfo
+from asrflow.training.precision import precision_for
+from asrflow.training.step import StepContext, build_optimizer, train_step
+
+logger = logging.getLogger(__name__)
+
+#: Seconds of audio per synthetic utterance: a typical sentence.
+UTTERANCE_S = 8.0
+#: Largest batch (seconds of audio) a speed measurement uses: ratios between settings hold at any batch,
+#: and a preset's 600 s batch would take minutes a step on a CPU.
+SPEED_BATCH_S = 32.0
+#: Share of the free memory a batch may take (the rest: the data, the allocator's slack, other processes).
+MEMORY_SHARE = 0.7
+#: A setting must be this much faster than params.yaml's to replace it (timing noise is a few per cent).
+MIN_GAIN = 1.1
+#: CPU flags that decide which kernels oneDNN runs (recorded with every figure): native bf16 (AVX-512 BF16,
+#: AMX), AVX-512 and its int8 dot products, AVX2 and FMA.
+RELEVANT_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512f", "avx512_vnni", "avx2", "fma")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """What the figures were measured on."""
+
+    cpu: str
+    flags: tuple[str, ...]
+    usable_cores: int
+    memory_gib: float
+    gpu: str | None
+
+    @classmethod
+    def here(cls, cpuinfo: Path = Path("/proc/cpuinfo")) -> Machine:
+        """This machine (``cpuinfo``: where Linux lists the CPU; elsewhere the model name is the platform's)."""
+        info = cpuinfo.read_text() if cpuinfo.is_file() else ""
+        names = re.findall(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
+        flags = set(" ".join(re.findall(r"^flags\s*:\s*(.+)$", info, re.MULTILINE)).split())
+        return cls(
+            cpu=names[0].strip() if names else platform.processor() or platform.machine(),
+            flags=tuple(flag for flag in RELEVANT_FLAGS if flag in flags),
+            usable_cores=len(os.sched_getaffinity(0)),
+            memory_gib=psutil.virtual_memory().total / 2**30,
+            gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        )
+
+    @property
+    def slug(self) -> str:
+        """A file-name part naming the machine: its GPU when it has one, else its CPU."""
+        name = (self.gpu or self.cpu).lower()
+        return re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(r\)|\(tm\)|cpu|processor|@.*", "", name)).strip("-")
+
+
+def synthetic_batch(
+    batch_s: float, settings: TrainingSettings, vocab_size: int, *, device: torch.device | None = None
+) -> dict:
+    """A padded batch of ``batch_s`` seconds of random fbank in utterances of :data:`UTTERANCE_S`, with random
+    transcripts short enough for CTC: what :func:`~asrflow.training.step.train_step` takes."""
+    features = settings.features
+    frames = int(min(UTTERANCE_S, batch_s) / features.frame_shift_s)
+    count = max(1, int(batch_s // UTTERANCE_S))
+    generator = torch.Generator().manual_seed(settings.seed)
+    out_frames = int(subsampled_lengths(torch.tensor(frames)))
+    tokens = max(1, out_frames // 4)
+    batch = {
+        "features": torch.randn(count, frames, features.num_mel_bins, generator=generator),
+        "feature_lens": torch.full((count,), frames, dtype=torch.int64),
+        "targets": torch.randint(1, vocab_size, (count, tokens), generator=generator),
+        "target_lens": torch.full((count,), tokens, dtype=torch.int64),
+        "durations": torch.full((count,), frames * features.frame_shift_s),
+        "cut_ids": [f"synthetic-{index}" for index in range(count)],
+    }
+    return {key: value.to(device) if torch.is_tensor(value) and device else value for key, value in batch.items()}
+
+
+class StepRunner:
+    """Real optimizer steps (forward, CTC, backward, clipping, AdamW) of ``settings``' model on ``batch`` in
+    ``precision`` at ``threads`` torch threads (None: as set)."""
+
+    def __init__(self, settings: TrainingSettings, precision: str, batch: dict, *, vocab_size: int, threads=None):
+        device = batch["features"].device
+        torch.manual_seed(settings.seed)
+        model = build_model(settings.train.model, input_dim=batch["features"].shape[-1], vocab_size=vocab_size)
+        self.model, self.batch, self.threads = model.to(device).train(), batch, threads
+        optim, policy = settings.train.optim, precision_for(precision, device)
+        self.context = StepContext(
+            optimizer=build_optimizer(self.model, lr=optim.lr, weight_decay=optim.weight_decay),
+            scaler=policy.grad_scaler(),
+            precision=policy,
+            max_grad_norm=optim.max_grad_norm,
+            dist=DistInfo(),
+            device=device,
+        )
+        self.tokens = int(batch["target_lens"].sum())
+        self.step()  # warm-up: kernels chosen, memory mapped
+
+    def step(self) -> tuple[float, float]:
+        """One step: its audio seconds and wall seconds."""
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        began = time.perf_counter()
+        result = train_step(self.model, [self.batch], self.context, step_tokens=self.tokens)
+        if self.batch["features"].is_cuda:
+            torch.cuda.synchronize()
+        return result.audio_seconds, time.perf_counter() - began
+
+
+def compare(runners: dict[Any, StepRunner], seconds: float, rounds: int = 3) -> dict[Any, float]:
+    """Each runner's audio seconds per second: steps taken in turns over ``rounds`` rounds of about
+    ``seconds / rounds`` each, so that all see the same load; the best round counts (noise only slows)."""
+    best = dict.fromkeys(runners, 0.0)
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            audio = spent = 0.0
+            while spent < seconds / rounds or audio == 0.0:
+                step_audio, step_s = runner.step()
+                audio, spent = audio + step_audio, spent + step_s
+            best[name] = max(best[name], audio / spent)
+    return best
+
+
+def peak_step_memory_mb(settings: TrainingSettings, batch_s: float, *, vocab_size: int) -> float:
+    """Memory (MB) one training step on a ``batch_s``-second batch takes at its peak, in params.yaml's
+    precision: allocated memory on a GPU; on the CPU the growth of the resident set of a fresh process (so
+    that earlier, larger steps do not count)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        batch = synthetic_batch(batch_s, settings, vocab_size, device=torch.device("cuda"))
+        StepRunner(settings, settings.train.optim.precision, batch, vocab_size=vocab_size).step()
+        return torch.cuda.max_memory_allocated() / 2**20
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_fresh_process_step_mb, (settings, batch_s, vocab_size))
+
+
+def _fresh_process_step_mb(settings: TrainingSettings, batch_s: float, vocab_size: int) -> float:
+    import resource
+
+    torch.set_num_threads(settings.train.optim.num_threads)
+    batch = synthetic_batch(batch_s, settings, vocab_size)
+    before = psutil.Process().memory_info().rss
+    StepRunner(settings, settings.train.optim.precision, batch, vocab_size=vocab_size).step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / 2**20
+
+
+def largest_batch_s(settings: TrainingSettings, *, vocab_size: int) -> tuple[float, dict]:
+    """The largest batch (seconds of audio) whose step fits in :data:`MEMORY_SHARE` of the memory free now,
+    from the step's peak at two batch sizes (memory grows linearly with the batch); and those peaks."""
+    small, large = SPEED_BATCH_S / 2, SPEED_BATCH_S
+    peaks = {size: peak_step_memory_mb(settings, size, vocab_size=vocab_size) for size in (small, large)}
+    per_second = max((peaks[large] - peaks[small]) / (large - small), 1e-3)
+    fixed = max(peaks[small] - per_second * small, 0.0)
+    if torch.cuda.is_available():
+        free_mb = torch.cuda.mem_get_info()[0] / 2**20
+    else:
+        free_mb = psutil.virtual_memory().available / 2**20
+    return max(UTTERANCE_S, (MEMORY_SHARE * free_mb - fixed) / per_second), {
+        "peak_step_mb": peaks,
+        "mb_per_batch_second": per_second,
+        "free_mb": free_mb,
+    }
+
+
+def worker_rate(settings: TrainingSettings, *, seconds: float) -> float:
+    """Audio seconds per second one data worker turns into fbank (one thread, as a worker runs), with the
+    speed perturbation ``train.data`` asks for."""
+    from asrflow.data.loading.augment import SPEED_FACTORS
+
+    features = settings.features
+    extractor = features.extractor()
+    generator = torch.Generator().manual_seed(settings.seed)
+    audio = torch.randn(int(UTTERANCE_S * features.sampling_rate), generator=generator).numpy() * 0.1
+    factors = SPEED_FACTORS if settings.train.data.speed_perturb else (1.0,)
+    import torchaudio.functional as audio_functional
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        done, began = 0.0, time.perf_counter()
+        while time.perf_counter() - began < seconds or done == 0.0:
+            for factor in factors:
+                samples = audio
+                if factor != 1.0:
+                    rate = int(features.sampling_rate * factor)
+                    samples = audio_functional.resample(torch.from_numpy(audio), rate, features.sampling_rate).numpy()
+                extractor.extract(samples, features.sampling_rate)
+                done += UTTERANCE_S / factor
+        return done / (time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def thread_candidates(cores: int) -> list[int]:
+    """1, 2, 4, ... up to ``cores``, and ``cores`` itself."""
+    counts = [2**power for power in range(int(math.log2(max(cores, 1))) + 1)]
+    return sorted(set(counts) | {cores})
+
+
+def precision_candidates() -> list[str]:
+    """fp32 and bf16; fp16 (with its gradient scaler) too on a GPU, where it has fast kernels."""
+    return ["fp32", "bf16", "fp16"] if torch.cuda.is_available() else ["fp32", "bf16"]
+
+
+def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> dict[str, Any]:
+    """Every figure :func:`choose` decides from; ``seconds`` is spent on each speed measurement."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batch_s = min(settings.train.data.max_duration_s, SPEED_BATCH_S)
+    batch = synthetic_batch(batch_s, settings, vocab_size, device=device)
+    cores = len(os.sched_getaffinity(0))
+    figures: dict[str, Any] = {"speed_batch_s": batch_s, "precision_audio_s_per_s": {}, "threads_audio_s_per_s": {}}
+    threads = settings.train.optim.num_threads
+    runners = {
+        p: StepRunner(settings, p, batch, vocab_size=vocab_size, threads=threads) for p in precision_candidates()
+    }
+    figures["precision_audio_s_per_s"] = by_precision = compare(runners, seconds * len(runners))
+    logger.info("at %d thread(s): %s", threads, _figures(by_precision))
+    fastest = max(by_precision, key=by_precision.get)
+    if device.type == "cpu":
+        runners = {
+            t: StepRunner(settings, fastest, batch, vocab_size=vocab_size, threads=t) for t in thread_candidates(cores)
+        }
+        figures["threads_audio_s_per_s"] = compare(runners, seconds * len(runners))
+        logger.info("%s by threads: %s", fastest, _figures(figures["threads_audio_s_per_s"]))
+        torch.set_num_threads(threads)
+    if settings.features.on_the_fly:
+        figures["worker_audio_s_per_s"] = worker_rate(settings, seconds=seconds / 2)
+    figures["largest_batch_s"], figures["memory"] = largest_batch_s(settings, vocab_size=vocab_size)
+    return figures
+
+
+def choose(settings: TrainingSettings, figures: dict[str, Any], *, cores: int) -> dict[str, Any]:
+    """The overrides (dotted keys) of params.yaml that :func:`measure` found better on a machine of ``cores``
+    usable cores."""
+    optim, chosen = settings.train.optim, {}
+    by_precision = figures["precision_audio_s_per_s"]
+    current = optim.precision if optim.precision in by_precision else _auto_precision()
+    best = max(by_precision, key=by_precision.get)
+    if best != current and by_precision[best] >= MIN_GAIN * by_precision[current]:
+        chosen["train.optim.precision"] = best
+    by_threads = figures["threads_audio_s_per_s"]
+    if by_threads:
+        threads = max(by_threads, key=by_threads.get)
+        baseline = by_threads.get(optim.num_threads)
+        if threads != optim.num_threads and (baseline is None or by_threads[threads] >= MIN_GAIN * baseline):
+            chosen["train.optim.num_threads"] = threads
+    if "worker_audio_s_per_s" in figures:
+        step = max(by_threads.values()) if by_threads else max(by_precision.values())
+        needed = math.ceil(1.2 * step / figures["worker_audio_s_per_s"])  # 20 % ahead of the step
+        spare = max(1, cores - chosen.get("train.optim.num_threads", optim.num_threads))
+        workers = min(needed, spare)
+        if workers != settings.run.data_workers(True):
+            chosen["run.num_workers"] = workers
+    if figures["largest_batch_s"] < settings.train.data.max_duration_s:
+        chosen["train.data.max_duration_s"] = float(math.floor(figures["largest_batch_s"]))
+    return chosen
+
+
+def _auto_precision() -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return precision_for("auto", device).name
+
+
+def preset_text(chosen: dict[str, Any], machine: Machine, figures: dict[str, Any], params_path: Path) -> str:
+    """The preset file: a header naming the machine and the figures, then the overrides as sections."""
+    import yaml
+
+    from asrflow.params import nested
+
+    when = datetime.now(UTC).strftime("%Y-%m-%d")
+    header = [
+        f"# Measured on this machine by `python -m asrflow.training.tune --params {params_path}` on {when}",
+        f"# (torch {torch.__version__}): {machine.cpu}; flags {' '.join(machine.flags) or 'none of note'};",
+        f"# {machine.usable_cores} usable cores, {machine.memory_gib:.0f} GiB; GPU {machine.gpu or 'none'}.",
+        "# Apply it: python -m asrflow.presets <this file>.",
+        f"# Figures, audio-s/s of training steps on a {figures['speed_batch_s']:g} s batch:",
+        f"#   by precision: {_figures(figures['precision_audio_s_per_s'])}",
+    ]
+    if figures["threads_audio_s_per_s"]:
+        header.append(f"#   by torch threads: {_figures(figures['threads_audio_s_per_s'])}")
+    if "worker_audio_s_per_s" in figures:
+        header.append(f"#   one data worker's fbank: {figures['worker_audio_s_per_s']:.0f}")
+    header.append(f"#   largest batch that fits: {figures['largest_batch_s']:.0f} s of audio")
+    return "\n".join(header) + "\n" + yaml.safe_dump(nested(chosen), sort_keys=False)
+
+
+def _figures(values: dict) -> str:
+    return ", ".join(f"{key} {value:.1f}" for key, value in values.items())
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file (default: %(default)s)")
+    parser.add_argument("--out", type=Path, help="preset to write (default: presets/machine-<cpu or gpu>.yaml)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per speed measurement (default 3)")
+    args = parser.parse_args(argv)
+    setup_logging()
+    settings = TrainingSettings.from_params(load_params(args.params))
+    vocab_size = int(settings.params.get("tokenizer", {}).get("vocab_size", 32))
+    machine = Machine.here()
+    logger.info("measuring %s (%d cores, GPU %s)", machine.cpu, machine.usable_cores, machine.gpu or "none")
+    figures = measure(settings, vocab_size=vocab_size, seconds=args.seconds)
+    chosen = choose(settings, figures, cores=machine.usable_cores)
+    out = args.out or Path("presets") / f"machine-{machine.slug}.yaml"
+    if not chosen:
+        print(f"params.yaml's settings are already the best measured here ({machine.cpu}); nothing written")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(preset_text(chosen, machine, figures, args.params))
+    print(f"wrote {out}: {', '.join(f'{key}: {value}' for key, value in chosen.items())}")
+    print(f"apply it with: python -m asrflow.presets {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
