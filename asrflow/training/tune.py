@@ -159,48 +159,53 @@ def compare(runners: dict[Any, StepRunner], seconds: float, rounds: int = 3) -> 
     return best
 
 
-def peak_step_memory_mb(settings: TrainingSettings, batch_s: float, *, vocab_size: int) -> float:
-    """Memory (MB) one training step on a ``batch_s``-second batch takes at its peak, in params.yaml's
-    precision: allocated memory on a GPU; on the CPU the growth of the resident set of a fresh process (so
-    that earlier, larger steps do not count)."""
+#: Batch sizes (seconds of audio) whose steps' peaks give the memory a batch second takes.
+MEMORY_BATCHES_S = (SPEED_BATCH_S / 4, SPEED_BATCH_S, 2 * SPEED_BATCH_S)
+
+
+def peak_memory_mb(settings: TrainingSettings, *, vocab_size: int) -> dict[float, float]:
+    """The peak memory (MB) of one training step at each of :data:`MEMORY_BATCHES_S`, in params.yaml's
+    precision: allocated memory on a GPU, the resident set's high-water mark of a fresh process on the CPU."""
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        batch = synthetic_batch(batch_s, settings, vocab_size, device=torch.device("cuda"))
-        StepRunner(settings, settings.train.optim.precision, batch, vocab_size=vocab_size).step()
-        return torch.cuda.max_memory_allocated() / 2**20
+        return {batch_s: _peak_mb(settings, vocab_size, batch_s) for batch_s in MEMORY_BATCHES_S}
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_fresh_process_step_mb, (settings, batch_s, vocab_size))
+    # each batch size in a fresh process: its high-water mark is that step's alone
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        sizes = MEMORY_BATCHES_S
+        return dict(zip(sizes, pool.starmap(_peak_mb, [(settings, vocab_size, s) for s in sizes]), strict=True))
 
 
-def _fresh_process_step_mb(settings: TrainingSettings, batch_s: float, vocab_size: int) -> float:
-    import resource
-
+def _peak_mb(settings: TrainingSettings, vocab_size: int, batch_s: float) -> float:
+    cuda = torch.cuda.is_available()
     torch.set_num_threads(settings.train.optim.num_threads)
-    batch = synthetic_batch(batch_s, settings, vocab_size)
-    before = psutil.Process().memory_info().rss
-    StepRunner(settings, settings.train.optim.precision, batch, vocab_size=vocab_size).step()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / 2**20
+    batch = synthetic_batch(batch_s, settings, vocab_size, device=torch.device("cuda" if cuda else "cpu"))
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    StepRunner(settings, settings.train.optim.precision, batch, vocab_size=vocab_size)  # one step
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**20
+    # VmHWM, not ru_maxrss: the latter is kept across the exec that started this process, so it would
+    # include the parent's resident set
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 2**10
 
 
 def largest_batch_s(settings: TrainingSettings, *, vocab_size: int) -> tuple[float, dict]:
-    """The largest batch (seconds of audio) whose step fits in :data:`MEMORY_SHARE` of the memory free now,
-    from the step's peak at two batch sizes (memory grows linearly with the batch); and those peaks."""
-    small, large = SPEED_BATCH_S / 2, SPEED_BATCH_S
-    peaks = {size: peak_step_memory_mb(settings, size, vocab_size=vocab_size) for size in (small, large)}
-    per_second = max((peaks[large] - peaks[small]) / (large - small), 1e-3)
-    fixed = max(peaks[small] - per_second * small, 0.0)
+    """The largest batch (seconds of audio) whose step fits in :data:`MEMORY_SHARE` of the memory free now
+    (memory grows linearly with the batch: the slope between the two largest measured batches), and the
+    figures it came from."""
+    peaks = peak_memory_mb(settings, vocab_size=vocab_size)
+    (middle, middle_mb), (large, large_mb) = sorted(peaks.items())[-2:]
+    per_second = max((large_mb - middle_mb) / (large - middle), 0.01)
+    fixed = large_mb - per_second * large
     if torch.cuda.is_available():
         free_mb = torch.cuda.mem_get_info()[0] / 2**20
     else:
         free_mb = psutil.virtual_memory().available / 2**20
-    return max(UTTERANCE_S, (MEMORY_SHARE * free_mb - fixed) / per_second), {
-        "peak_step_mb": peaks,
-        "mb_per_batch_second": per_second,
-        "free_mb": free_mb,
-    }
+    largest = max(UTTERANCE_S, (MEMORY_SHARE * free_mb - fixed) / per_second)
+    return largest, {"peak_mb": peaks, "mb_per_batch_second": per_second, "free_mb": free_mb}
 
 
 def worker_rate(settings: TrainingSettings, *, seconds: float) -> float:
@@ -238,9 +243,17 @@ def thread_candidates(cores: int) -> list[int]:
     return sorted(set(counts) | {cores})
 
 
-def precision_candidates() -> list[str]:
-    """fp32 and bf16; fp16 (with its gradient scaler) too on a GPU, where it has fast kernels."""
-    return ["fp32", "bf16", "fp16"] if torch.cuda.is_available() else ["fp32", "bf16"]
+def precision_candidates(requested: str) -> list[str]:
+    """fp32 and bf16; fp16 (with its gradient scaler) too on a GPU, where it has fast kernels; and what
+    ``requested`` (``train.optim.precision``) resolves to here, so that it is measured too."""
+    candidates = ["fp32", "bf16", "fp16"] if torch.cuda.is_available() else ["fp32", "bf16"]
+    current = resolved_precision(requested)
+    return candidates if current in candidates else [*candidates, current]
+
+
+def resolved_precision(requested: str) -> str:
+    """The precision ``requested`` trains in on this machine (``auto`` resolved)."""
+    return precision_for(requested, torch.device("cuda" if torch.cuda.is_available() else "cpu")).name
 
 
 def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> dict[str, Any]:
@@ -252,7 +265,8 @@ def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> d
     figures: dict[str, Any] = {"speed_batch_s": batch_s, "precision_audio_s_per_s": {}, "threads_audio_s_per_s": {}}
     threads = settings.train.optim.num_threads
     runners = {
-        p: StepRunner(settings, p, batch, vocab_size=vocab_size, threads=threads) for p in precision_candidates()
+        p: StepRunner(settings, p, batch, vocab_size=vocab_size, threads=threads)
+        for p in precision_candidates(settings.train.optim.precision)
     }
     figures["precision_audio_s_per_s"] = by_precision = compare(runners, seconds * len(runners))
     logger.info("at %d thread(s): %s", threads, _figures(by_precision))
@@ -275,7 +289,7 @@ def choose(settings: TrainingSettings, figures: dict[str, Any], *, cores: int) -
     usable cores."""
     optim, chosen = settings.train.optim, {}
     by_precision = figures["precision_audio_s_per_s"]
-    current = optim.precision if optim.precision in by_precision else _auto_precision()
+    current = resolved_precision(optim.precision)
     best = max(by_precision, key=by_precision.get)
     if best != current and by_precision[best] >= MIN_GAIN * by_precision[current]:
         chosen["train.optim.precision"] = best
@@ -295,11 +309,6 @@ def choose(settings: TrainingSettings, figures: dict[str, Any], *, cores: int) -
     if figures["largest_batch_s"] < settings.train.data.max_duration_s:
         chosen["train.data.max_duration_s"] = float(math.floor(figures["largest_batch_s"]))
     return chosen
-
-
-def _auto_precision() -> str:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return precision_for("auto", device).name
 
 
 def preset_text(chosen: dict[str, Any], machine: Machine, figures: dict[str, Any], params_path: Path) -> str:
