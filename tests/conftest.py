@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,20 @@ def _restore_root_logging():
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _restore_import_path():
+    """Loading an MLflow pyfunc model puts its logged code folder (a copy of asrflow) first on ``sys.path`` and
+    drops the asrflow modules already imported, so that they load from the copy. Put both back: later tests,
+    and the processes they spawn (which inherit ``sys.path``), must run this checkout's asrflow."""
+    path = sys.path[:]
+    ours = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "asrflow"}
+    yield
+    sys.path[:] = path
+    for name in [name for name in sys.modules if name.split(".")[0] == "asrflow" and name not in ours]:
+        del sys.modules[name]
+    sys.modules.update(ours)
 
 
 @pytest.fixture(scope="session")
