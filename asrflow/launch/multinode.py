@@ -9,7 +9,7 @@ job got, which one is first), known only once the job runs. The Slurm recipe
 and the train stage (every node's, and every torchrun worker's, which inherit the environment)
 takes them over ``params.yaml``, which stays as it is: a later local run neither trains again
 nor waits for a second node, and the git tree stays clean. ``rdzv_endpoint`` is not among the training
-params a resume compares (:func:`asrflow.training.resume.training_params`): an unfinished run resumes on
+params a resume compares (:func:`asrflow.training.fingerprint.training_params`): an unfinished run resumes on
 another allocation.
 """
 

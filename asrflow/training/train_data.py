@@ -29,7 +29,7 @@ from asrflow.data.manifests import corpus_of_ids, cuts_path, list_corpora, load_
 from asrflow.errors import AsrflowError
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.distributed import DistInfo
-from asrflow.training.resume import file_digest
+from asrflow.training.fingerprint import file_digest
 from asrflow.training.validation import dev_batches, dev_loss
 
 logger = logging.getLogger(__name__)

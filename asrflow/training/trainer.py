@@ -28,13 +28,13 @@ from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig, TrainPaths
 from asrflow.training.distributed import check_same_everywhere, data_parallel, init_distributed, shutdown_distributed
 from asrflow.training.final_model import write_final_model
+from asrflow.training.fingerprint import build_fingerprint, training_params
 from asrflow.training.init_model import apply_init, check_compatible, encoder_parameters, load_init_model
 from asrflow.training.monitoring import StallWatchdog, report_step
 from asrflow.training.nonfinite import NonFiniteGuard, RollbackNeeded
 from asrflow.training.observers import ObservedRun, StopFlag, TrainObserver
 from asrflow.training.outcome import Outcome, TrainOutcome, as_failure
 from asrflow.training.precision import precision_change_tags
-from asrflow.training.resume import build_fingerprint, training_params
 from asrflow.training.run_config import RunConfig
 from asrflow.training.run_state import LossHistory, PlanPosition, RandomState, RunCounters, seed_everything
 from asrflow.training.step import StepContext, StepResult, apply_lr_scale, build_scheduler, train_step

@@ -188,7 +188,8 @@ def test_a_few_steps_train_on_both_and_evaluate_scores_each_test_set(two_corpora
 
 
 def test_an_interrupted_run_with_other_weights_is_refused(tmp_path):
-    from asrflow.training.resume import build_fingerprint, decide
+    from asrflow.training.fingerprint import build_fingerprint
+    from asrflow.training.resume import decide
 
     def fingerprint(**weights: float) -> dict:
         config = tiny_settings(overrides={"train.data.corpus_weights": weights}).train

@@ -20,7 +20,8 @@ from asrflow.testing.repo import copy_repo
 from asrflow.testing.tiny_config import tiny_settings
 from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
-from asrflow.training.resume import FRESH, RESUME, build_fingerprint, decide, training_params
+from asrflow.training.fingerprint import build_fingerprint, training_params
+from asrflow.training.resume import FRESH, RESUME, decide
 
 CKPT_DIR = Path("exp/checkpoints")
 

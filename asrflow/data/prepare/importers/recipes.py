@@ -91,6 +91,26 @@ class RecipeCall:
     accepted: tuple[str, ...]
     takes_any: bool
 
+    def check_args(self, recipe_args: dict[str, Any]) -> None:
+        """Refuse ``recipe_args`` (``prepare.recipe_args``) that the recipe does not take, that set what asrflow
+        gives it (the corpus folder, the output folder), or that leave a required parameter out: one
+        :class:`AsrflowError` naming the keys and what the recipe takes."""
+        where = f"lhotse.recipes.prepare_{self.name}"
+        own = {self.corpus_parameter, "output_dir"}
+        unknown = sorted(key for key in recipe_args if key not in self.accepted and not self.takes_any)
+        if unknown or own & set(recipe_args):
+            raise AsrflowError(
+                f"params.yaml: prepare.recipe_args {unknown or sorted(own & set(recipe_args))} not accepted by "
+                f"{where} (prepare.corpus_dir is given as its {self.corpus_parameter}, and asrflow picks the "
+                f"output folder); it takes: {', '.join(self.accepted) or 'nothing'}"
+            )
+        missing = [key for key in self.required if key not in recipe_args]
+        if missing:
+            raise AsrflowError(
+                f"{where} needs {', '.join(missing)}: set them in params.yaml under prepare.recipe_args "
+                f"(prepare.corpus_dir is given as its {self.corpus_parameter})"
+            )
+
 
 def recipe_call(name: str, function: Any = None) -> RecipeCall:
     """Classify the recipe's signature (see :class:`RecipeCall`)."""
@@ -113,24 +133,6 @@ def recipe_call(name: str, function: Any = None) -> RecipeCall:
         accepted=accepted,
         takes_any=takes_any,
     )
-
-
-def _check_recipe_args(call: RecipeCall, recipe_args: dict[str, Any]) -> None:
-    where = f"lhotse.recipes.prepare_{call.name}"
-    own = {call.corpus_parameter, "output_dir"}
-    unknown = sorted(key for key in recipe_args if key not in call.accepted and not call.takes_any)
-    if unknown or own & set(recipe_args):
-        raise AsrflowError(
-            f"params.yaml: prepare.recipe_args {unknown or sorted(own & set(recipe_args))} not accepted by "
-            f"{where} (prepare.corpus_dir is given as its {call.corpus_parameter}, and asrflow picks the "
-            f"output folder); it takes: {', '.join(call.accepted) or 'nothing'}"
-        )
-    missing = [key for key in call.required if key not in recipe_args]
-    if missing:
-        raise AsrflowError(
-            f"{where} needs {', '.join(missing)}: set them in params.yaml under prepare.recipe_args "
-            f"(prepare.corpus_dir is given as its {call.corpus_parameter})"
-        )
 
 
 def _is_pair(value: Any) -> bool:
@@ -182,7 +184,7 @@ def run_recipe(name: str, corpus_dir: Path, recipe_args: dict[str, Any]) -> dict
     """
     function = find_recipe(name)
     call = recipe_call(name, function)
-    _check_recipe_args(call, recipe_args)
+    call.check_args(recipe_args)
     kwargs = dict(recipe_args)
     with tempfile.TemporaryDirectory(prefix="asrflow-recipe-") as scratch:
         if call.output_dir == "required":
