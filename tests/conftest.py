@@ -42,6 +42,8 @@ def _restore_import_path():
     path = sys.path[:]
     ours = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "asrflow"}
     yield
+    if sys.path == path:  # nothing put another copy of asrflow in front
+        return
     sys.path[:] = path
     for name in [name for name in sys.modules if name.split(".")[0] == "asrflow" and name not in ours]:
         del sys.modules[name]
