@@ -1,21 +1,26 @@
-"""GPU checks on CUDA: the real-corpus preset's Trainer in bf16, SpeechBrain's same-shape model, fp16 / bf16 runs.
+"""GPU checks (shared/GPU_CHECKS.md) on CUDA, the real-corpus preset in bf16, each in a fresh process.
 
-``python -m bench.gpu_checks [--quick] [--workdir DIR] [--seconds S] [--utterances N]``. Records ``gpu_matmul``
-(bf16 peak measured), ``gpu_train`` per feature mode, precomputed and on the fly (audio-s/s over steps 2..N, MFU
-against the measured peak, peak allocated memory, data-wait share), ``gpu_peer`` (bare steps of both models on the
-same batches in bf16), ``gpu_precision`` (fp16 and bf16 runs of a few hundred steps: finite steps, lowest loss).
+``python -m bench.gpu_checks [--quick] [--workdir DIR] [--utterances N] [--steps N] [--budget S] [--out DIR]``.
+Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measured bf16 peak), ``gpu_bare`` per
+batch-shape variant (as it comes, frames padded to a multiple of 64, cuDNN off: the first pass over new shapes
+against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory by batch size; the old (C, F) LayerNorm at
+2,400 s), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on the
+fly with 2 and with ``auto`` workers), ``gpu_profile`` (host time by operator over the first 20 steps,
+``profile.txt``). Checks that would not finish inside ``--budget`` are recorded as skipped.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from asrflow.testing.corpora import generated_data
-from asrflow.testing.repo import REPO, repo_params
-from bench.common import emit, machine, parse_args, run_trainer, train_settings, workdir
-from bench.train_throughput import PlannedBatches, build, model_flops
+from asrflow.testing.repo import REPO
+from bench.common import emit, machine, parse_args, workdir
 
 
 def bf16_peak(size: int = 8192, repeat: int = 10) -> float:
@@ -33,121 +38,85 @@ def bf16_peak(size: int = 8192, repeat: int = 10) -> float:
     return 2 * size**3 * repeat / (time.perf_counter() - start)
 
 
-def on_device(batch: dict) -> dict:
-    """``batch`` with its tensors on the GPU."""
-    return {key: value.cuda() if hasattr(value, "cuda") else value for key, value in batch.items()}
-
-
-def trainer_run(data: Path, exp: Path, settings, *, seconds: float, max_steps: int) -> list:
-    """The Trainer of ``settings`` (TrainingSettings) as the train stage runs it, stopped after ``seconds`` or
-    ``max_steps``; its StepResults."""
-    results = []
-
-    def stop(result) -> bool:
-        results.append(result)
-        return len(results) >= max_steps - 1 or sum(r.elapsed_s for r in results[1:]) > seconds
-
-    run_trainer(data, exp, settings, after_step=stop)
-    return results
-
-
-def train_record(results: list, *, flops_per_audio_s: float, peak: float) -> dict:
-    """Throughput, MFU, data wait and peak memory of a Trainer's steps (step 1 not timed)."""
-    import torch
-
-    timed = results[1:]
-    audio, elapsed = sum(r.audio_seconds for r in timed), sum(r.elapsed_s for r in timed)
-    rate = audio / elapsed
-    record = {"steps": len(results), "audio_s_per_s": rate, "mfu": flops_per_audio_s * rate / peak}
-    record |= {"data_wait_fraction": sum(r.data_wait_s for r in timed) / elapsed}
-    record |= {"peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}
-    return record | {"all_finite": all(r.finite for r in results), "min_loss": min(r.loss for r in results)}
-
-
-def bare_rate(model, optimizer, steps: list[list[dict]], precision) -> tuple[float, float]:
-    """Audio-s/s and peak allocated GB of forward + CTC + backward + AdamW on ``steps`` (first one untimed)."""
-    import torch
-
-    from bench.train_throughput import bare_step
-
-    bare_step(model, optimizer, steps[0], precision)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    seconds = 0.0
-    for batches in steps[1:]:
-        seconds += bare_step(model, optimizer, batches, precision)
-        torch.cuda.synchronize()
-    audio = sum(float(b["durations"].sum()) for batches in steps[1:] for b in batches)
-    return audio / seconds, torch.cuda.max_memory_allocated() / 1e9
-
-
-def peer_record(planned: PlannedBatches, settings, *, num_steps: int) -> dict:
-    """asrflow's model and SpeechBrain's of the same shape (``settings``' ``train.model``), bf16 autocast, bare
-    steps on ``planned``'s next batches."""
-    import torch
-
-    from asrflow.training.precision import resolve_precision
-    from bench.peer.speechbrain_side import speechbrain_model
-
-    train, features, vocab_size = settings.train, settings.features, planned.tokenizer.vocab_size
-    steps = [[on_device(b) for b in planned.next_step()] for _ in range(num_steps)]
-    precision = resolve_precision("bf16", "cuda", torch.cuda.get_device_capability(), ())
-    model = build(train, features, 0, vocab_size)[0].cuda()
-    lr = train.optim.lr
-    ours = bare_rate(model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True), steps, precision)
-    peer = speechbrain_model(asdict(train.model), features.num_mel_bins, vocab_size).cuda()
-    theirs = bare_rate(peer, torch.optim.AdamW(peer.parameters(), lr=lr, fused=True), steps, precision)
-    record = {"asrflow_audio_s_per_s": ours[0], "speechbrain_audio_s_per_s": theirs[0], "ratio": ours[0] / theirs[0]}
-    record |= {"asrflow_peak_gb": ours[1], "speechbrain_peak_gb": theirs[1], "memory_ratio": ours[1] / theirs[1]}
-    return record | {"params": [sum(p.numel() for p in m.parameters()) for m in (model, peer)]}
+def probe(kind: str, data: Path, *options: str, timeout: float, log: Path | None) -> list[dict]:
+    """``python -m bench.gpu_probe KIND`` in a fresh process; its records, or one saying why there are none."""
+    command = [sys.executable, "-m", "bench.gpu_probe", kind, "--data", str(data), *options]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout, 1), cwd=REPO)
+    except subprocess.TimeoutExpired as expired:
+        out, err, problem = expired.stdout or "", expired.stderr or "", f"timed out after {timeout:.0f} s"
+    else:
+        out, err, problem = done.stdout, done.stderr, None if done.returncode == 0 else f"exit {done.returncode}"
+    if isinstance(out, bytes):
+        out, err = out.decode(), err.decode()
+    if log is not None:
+        with log.open("a") as file:
+            file.write(f"$ {' '.join(command)}\n{err}\n")
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if problem:
+        tail = err.strip().splitlines()[-3:]
+        records.append(
+            {"benchmark": f"gpu_{kind}", "status": "failed", "options": options, "why": problem, "tail": tail}
+        )
+    return [emit(record) for record in records]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
-    from asrflow.presets import preset_params
-
     def configure(parser) -> None:
-        parser.add_argument("--seconds", type=float, default=60.0, help="timed training per feature mode")
-        parser.add_argument("--utterances", type=int, default=3000, help="size of the generated corpus")
-        parser.add_argument("--precision-steps", type=int, default=300, help="steps of each fp16 / bf16 run")
+        parser.add_argument("--utterances", type=int, default=2000, help="size of the generated corpus")
+        parser.add_argument("--steps", type=int, default=80, help="bare steps per pass of each shape variant")
+        parser.add_argument("--budget", type=float, default=540.0, help="seconds for all checks; later ones skip")
+        parser.add_argument("--out", type=Path, help="folder for the records (checks.jsonl) and the logs")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
-    peak = bf16_peak()
-    matmul = {"benchmark": "gpu_matmul", "device": torch.cuda.get_device_name(0), "bf16_flops": peak}
-    out = [emit({**matmul, "machine": machine()})]
+    started = time.monotonic()
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="gpu-checks-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records_path, log = out_dir / "checks.jsonl", out_dir / "probes.log"
+
+    def keep(records: list[dict]) -> list[dict]:
+        with records_path.open("a") as file:
+            file.writelines(json.dumps(record) + "\n" for record in records)
+        return records
+
+    def left() -> float:
+        return args.budget - (time.monotonic() - started)
+
+    peak = bf16_peak() if torch.cuda.is_available() else 1.0
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    out = keep([emit({"benchmark": "gpu_matmul", "device": name, "bf16_flops": peak, "machine": machine()})])
+    quick = ["--quick"] if args.quick else []
+    steps = str(4 if args.quick else args.steps)
     with workdir(args.workdir) as work:
-        data = generated_data(work, 200 if args.quick else args.utterances)
-        preset = preset_params(repo_params(), REPO / "presets" / "real-corpus.yaml")
-        timing = {"train.checkpoint.checkpoint_every_steps": 10**6, "train.checkpoint.validate_every_steps": 10**6}
-        fixed = {"seed": 0, "train.optim.epochs": 1000, **timing}  # steps only; stop saves
+        utterances = 200 if args.quick else args.utterances
+        data = generated_data(work, utterances)
+        ready = {"benchmark": "gpu_data", "utterances": utterances, "ready_after_s": args.budget - left()}
+        out += keep([emit(ready)])
 
-        def settings_of(precision: str, warmup_steps: int, more: dict | None = None):
-            changes = {"train.optim.precision": precision, "train.optim.warmup_steps": warmup_steps, **(more or {})}
-            return train_settings(preset, quick=args.quick, data=data, overrides=fixed | changes)
+        def run(kind: str, *options: str, cap: float) -> list[dict]:
+            if left() < 20:
+                return keep([emit({"benchmark": f"gpu_{kind}", "status": "skipped", "options": options})])
+            common = [*quick, "--workdir", str(work)]
+            return keep(probe(kind, data, *options, *common, timeout=min(cap, left() - 10), log=log))
 
-        settings = settings_of("bf16", 200)
-        planned = PlannedBatches(data, settings, seed=0)
-        model = build(settings.train, settings.features, 0, planned.tokenizer.vocab_size)[0].cuda()
-        batch = on_device(planned.next_step()[0])
-        flops = model_flops(model, batch) / float(batch["durations"].sum())
-        del model
-        for on_the_fly in (False, True):
-            torch.cuda.reset_peak_memory_stats()
-            mode, exp = settings_of("bf16", 200, {"features.on_the_fly": on_the_fly}), work / f"exp-{on_the_fly}-1"
-            results = trainer_run(data, exp, mode, seconds=args.seconds, max_steps=10**6)
-            record = {"benchmark": "gpu_train", "on_the_fly": on_the_fly, "precision": "bf16"}
-            record |= {"flops_per_audio_s": flops, "max_duration_s": settings.train.data.max_duration_s}
-            out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
-        out.append(emit({"benchmark": "gpu_peer", **peer_record(planned, settings, num_steps=30)}))
-        for precision in ("fp16", "bf16"):
-            torch.cuda.reset_peak_memory_stats()
-            steps = 20 if args.quick else args.precision_steps
-            runs = settings_of(precision, 100)
-            results = trainer_run(data, work / f"exp-{precision}", runs, seconds=1e9, max_steps=steps)
-            record = {"benchmark": "gpu_precision", "precision": precision}
-            record["nonfinite_steps"] = sum(not r.finite for r in results)
-            out.append(emit(record | train_record(results, flops_per_audio_s=flops, peak=peak)))
+        variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "no-cudnn": ["--no-cudnn"]}
+        bare = {name: run("bare", "--steps", steps, *options, cap=90) for name, options in variants.items()}
+        sizes = ["--sizes", *(["60", "120"] if args.quick else ["600", "1200", "2400", "4800", "9600"])]
+        out += [*(r for records in bare.values() for r in records)]
+        out += run("sizes", *sizes, "--peak", str(peak), cap=100)
+        out += run("sizes", "--old-norm", "--sizes", "120" if args.quick else "2400", "--peak", str(peak), cap=40)
+        rates = {name: r[0].get("first_pass_audio_s_per_s", 0.0) for name, r in bare.items() if r}
+        best = max(rates, key=rates.get) if rates else "default"
+        trainer_steps = "6" if args.quick else "200"
+        out += run("trainer", "--steps", trainer_steps, "--seconds", "45", *variants[best], cap=150)
+        for workers in ("2", "auto"):
+            options = ["--on-the-fly", "--num-workers", workers, "--once", "--steps", trainer_steps, "--seconds", "25"]
+            out += run("trainer", *options, *variants[best], cap=70)
+        out += run("profile", "--steps", "4" if args.quick else "20", "--out", str(out_dir / "profile.txt"), cap=45)
+        if best != "default":
+            out += run("trainer", "--steps", trainer_steps, "--seconds", "45", "--once", cap=70)
     return out
 
 

@@ -45,8 +45,12 @@ def _restore_import_path():
     if sys.path == path:  # nothing put another copy of asrflow in front
         return
     sys.path[:] = path
-    for name in [name for name in sys.modules if name.split(".")[0] == "asrflow" and name not in ours]:
-        del sys.modules[name]
+    here = Path(__file__).resolve().parents[1] / "asrflow"
+    for name, module in list(sys.modules.items()):
+        source = getattr(module, "__file__", None)
+        copied = source is not None and not Path(source).resolve().is_relative_to(here)
+        if name.split(".")[0] == "asrflow" and name not in ours and copied:
+            del sys.modules[name]  # loaded from the model's copy
     sys.modules.update(ours)
 
 

@@ -251,7 +251,10 @@ def test_num_workers_auto_loads_in_process_with_precomputed_features(yesno_data)
     run = load_run_config(repo_params())
     assert run.num_workers == "auto"  # the shipped value
     assert run.data_workers(on_the_fly=False) == 0
-    assert run.data_workers(on_the_fly=True) == AUTO_WORKERS_ON_THE_FLY == 2
+    assert run.data_workers(on_the_fly=True, usable_cores=2) == AUTO_WORKERS_ON_THE_FLY == 2
+    assert run.data_workers(on_the_fly=True, usable_cores=16) == 15  # the cores, less one for the rank
+    assert replace(run, nproc_per_node=4).data_workers(on_the_fly=True, usable_cores=16) == 3  # per rank
+    assert run.data_workers(on_the_fly=False, gpu=True, usable_cores=16) == 15  # a GPU's steps need batches fast
     assert replace(run, num_workers=3).data_workers(on_the_fly=False) == 3  # an integer is taken as it is
     data = tiny_train_data(
         yesno_data, {"run.num_workers": "auto", "train.data.max_duration_s": 24.0, "train.optim.epochs": 1}

@@ -119,14 +119,26 @@ class Conv2dSubsampling(nn.Module):
 
 
 class ConvFrameNorm(nn.Module):
-    """LayerNorm over (channels, frequency) for each time frame of a (N, C, T, F) tensor."""
+    """LayerNorm over (channels, frequency) for each time frame of a (N, C, T, F) tensor.
+
+    The norm runs over the flattened C * F values, with the (C, F) weight and bias viewed flat: the
+    same normalisation as ``nn.LayerNorm((C, F))``, whose CUDA backward returns a gradient of the
+    wrong shape (and writes out of bounds) for a multi-dimensional ``normalized_shape`` once there
+    are more than 65,536 rows, i.e. batches of more than 65,536 frames after the first convolution
+    (pytorch/pytorch#192016). The parameters keep their (C, F) shape and names, so older
+    checkpoints load unchanged.
+    """
 
     def __init__(self, channels: int, freq: int):
         super().__init__()
         self.norm = nn.LayerNorm((channels, freq))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.norm(x.transpose(1, 2)).transpose(1, 2)  # (N, C, T, F)
+        n, c, t, f = x.shape
+        norm = self.norm
+        rows = x.transpose(1, 2).reshape(n, t, c * f)  # (N, T, C*F)
+        rows = F.layer_norm(rows, (c * f,), norm.weight.reshape(-1), norm.bias.reshape(-1), norm.eps)
+        return rows.reshape(n, t, c, f).transpose(1, 2)  # (N, C, T, F)
 
 
 class FrameLayerNorm(nn.Module):

@@ -48,12 +48,23 @@ class TrainingSettings:
 
 def configure_process(optim: OptimConfig) -> None:
     """Set what this process needs to train as ``optim`` asks, before any model runs: its torch threads, a
-    cap on oneDNN's primitive cache (batches of ever-new shapes would fill it), and glibc's malloc thresholds
-    for the precision this machine resolves (fp32's larger activations take a higher mmap threshold)."""
+    cap on oneDNN's primitive cache (batches of ever-new shapes would fill it), glibc's malloc thresholds
+    for the precision this machine resolves (fp32's larger activations take a higher mmap threshold), and on
+    a GPU the attention kernels (:func:`use_shape_free_attention`)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     limit_onednn_cache()
     tune_malloc(training_mmap_threshold(precision_for(optim.precision, device).name))
     torch.set_num_threads(optim.num_threads)
+    if device.type == "cuda":
+        use_shape_free_attention()
+
+
+def use_shape_free_attention() -> None:
+    """Keep ``scaled_dot_product_attention`` off cuDNN's kernel. cuDNN builds an execution plan for every new
+    (utterances, frames) shape of a batch, host time that every step of a first pass over length-bucketed
+    batches pays (bench/RESULTS.md, "GPU, third run"); the flash and memory-efficient kernels
+    need none. PyTorch picks among those left as before."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def build_trainer(

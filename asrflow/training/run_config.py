@@ -3,6 +3,7 @@ MLflow experiment). No stage's outputs depend on it, so a change re-runs nothing
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from asrflow.params import check_at_least, check_choice, check_positive, param_error
@@ -10,7 +11,7 @@ from asrflow.params import check_at_least, check_choice, check_positive, param_e
 SECTION = "run"
 #: Accepted values of ``run.mp_start_method`` (Python's multiprocessing start methods).
 START_METHODS = ("spawn", "forkserver", "fork")
-#: Data workers ``num_workers: auto`` starts when features are computed on the fly.
+#: The fewest data workers ``num_workers: auto`` starts when features are computed on the fly.
 AUTO_WORKERS_ON_THE_FLY = 2
 #: Keys that must stay the same for a resume to continue the same run: the number of processes changes the
 #: batches each one trains on. The other keys are bookkeeping, parallel loading and time limits.
@@ -51,14 +52,19 @@ class RunConfig:
                 SECTION, "register_model_name", self.register_model_name, "must be null or a registered-model name"
             )
 
-    def data_workers(self, on_the_fly: bool) -> int:
-        """Data-loading processes: ``num_workers``, or for ``auto`` 0 with precomputed features (a batch of
-        stored fbank loads quickly in the training process, and each spawned worker would import torch again)
-        and :data:`AUTO_WORKERS_ON_THE_FLY` when ``features.on_the_fly`` computes features from audio while
-        training."""
-        if self.num_workers == "auto":
-            return AUTO_WORKERS_ON_THE_FLY if on_the_fly else 0
-        return int(self.num_workers)
+    def data_workers(self, on_the_fly: bool, *, gpu: bool = False, usable_cores: int | None = None) -> int:
+        """Data-loading processes of each rank: ``num_workers``, or for ``auto``: 0 when a CPU trains on
+        precomputed features (a batch of stored fbank loads quickly next to a CPU step, and each spawned
+        worker would import torch again); when features are computed on the fly (fbank, speed perturbation,
+        noise) or a ``gpu`` trains (whose steps are short next to building a batch), the rank's share of the
+        ``usable_cores`` (default: this process's CPU affinity) less one for the rank itself, at least
+        :data:`AUTO_WORKERS_ON_THE_FLY`."""
+        if self.num_workers != "auto":
+            return int(self.num_workers)
+        if not on_the_fly and not gpu:
+            return 0
+        cores = usable_cores if usable_cores is not None else len(os.sched_getaffinity(0))
+        return max(AUTO_WORKERS_ON_THE_FLY, cores // self.nproc_per_node - 1)
 
     @property
     def world(self) -> dict:

@@ -80,7 +80,7 @@ class Trainer:
             features,
             epochs=config.optim.epochs,
             accum_grad=config.optim.accum_grad,
-            num_workers=run.data_workers(features.on_the_fly),
+            num_workers=run.data_workers(features.on_the_fly, gpu=self.device.type == "cuda"),
             mp_start_method=run.mp_start_method,
             seed=seed,
             fbank_dir=self.paths.fbank_dir,

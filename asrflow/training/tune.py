@@ -304,7 +304,7 @@ def choose(settings: TrainingSettings, figures: dict[str, Any], *, cores: int) -
         needed = math.ceil(1.2 * step / figures["worker_audio_s_per_s"])  # 20 % ahead of the step
         spare = max(1, cores - chosen.get("train.optim.num_threads", optim.num_threads))
         workers = min(needed, spare)
-        if workers != settings.run.data_workers(True):
+        if workers != settings.run.data_workers(True, usable_cores=cores):
             chosen["run.num_workers"] = workers
     if figures["largest_batch_s"] < settings.train.data.max_duration_s:
         chosen["train.data.max_duration_s"] = float(math.floor(figures["largest_batch_s"]))

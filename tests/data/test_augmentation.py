@@ -239,3 +239,17 @@ def test_noise_mixing_changes_features_not_lengths(raw):
         assert not torch.equal(x[:20], y[:20]) and not torch.equal(x[-20:], y[-20:])
     other = otf_dataset(raw, NO_SPEC, noise=True)[item(cut_ids, 4)]
     assert not torch.equal(noisy["features"], other["features"])  # another batch, other noise/SNR
+
+
+def test_pad_frames_to_pads_the_frame_axis_with_zeros_and_keeps_the_lengths(stored):
+    cuts, tokenizer, mvn = stored
+    cut_ids = ids(cuts, 3)
+    plain = AsrBatchDataset(cuts, tokenizer, mvn, seed=0)[item(cut_ids, 0)]
+    padded = AsrBatchDataset(cuts, tokenizer, mvn, seed=0, pad_frames_to=64)[item(cut_ids, 0)]
+    frames = plain["features"].shape[1]
+    assert frames % 64 != 0  # the test pads something
+    assert padded["features"].shape == (3, frames + (-frames % 64), plain["features"].shape[2])
+    assert torch.equal(padded["features"][:, :frames], plain["features"])
+    assert not padded["features"][:, frames:].any()
+    assert torch.equal(padded["feature_lens"], plain["feature_lens"])
+    assert padded["padding_ratio"] > plain["padding_ratio"]

@@ -170,6 +170,29 @@ def test_subsampling_norm_normalises_each_frame_of_both_convolutions():
     assert torch.allclose(frames.std(-1, unbiased=False), torch.ones(2, 24), atol=1e-3)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv_frame_norm_is_layer_norm_over_channels_and_frequency_at_any_batch_size(device):
+    # 70,000 rows (N x T) is past the 65,536 where CUDA's LayerNorm backward broke for a 2-D normalized_shape.
+    torch.manual_seed(0)
+    norm = ConvFrameNorm(4, 9).to(device)
+    with torch.no_grad():
+        norm.norm.weight.normal_()
+        norm.norm.bias.normal_()
+    x = torch.randn(2, 4, 35_000, 9, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+    ours = torch.autograd.grad(norm(x), [x, norm.norm.weight, norm.norm.bias], grad)
+    # The reference: nn.LayerNorm's own (C, F) norm in float64 on the CPU.
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (x, norm.norm.weight, norm.norm.bias)]
+    reference = torch.nn.functional.layer_norm(leaves[0].transpose(1, 2), (4, 9), leaves[1], leaves[2])
+    expected = torch.autograd.grad(reference.transpose(1, 2), leaves, grad.cpu().double())
+    for got, want in zip(ours, expected, strict=True):
+        assert got.shape == want.shape
+        assert torch.allclose(got.cpu().double(), want, rtol=1e-4, atol=1e-3)
+
+
 def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_data, tmp_path):
     """Bundles written before the fields existed had d_model channels in both convolutions, no norm (and no
     attention dropout, a drawn blank bias)."""

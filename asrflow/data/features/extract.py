@@ -50,9 +50,9 @@ from asrflow.logs import progress
 
 logger = logging.getLogger(__name__)
 
-#: Seconds of audio in a split that justify one more feature-extraction process: one
-#: process extracts about 850 audio seconds per second, and starting one (a fresh Python
-#: importing torch and Lhotse) costs about 2.5 s (bench/RESULTS.md, features).
+#: Seconds of audio in a split that justify one more feature-extraction process: a process's
+#: start (a fresh Python importing torch and Lhotse) must be small next to the time it then
+#: extracts for (bench/RESULTS.md, "What the figures say", 5: one process's rate and start).
 AUDIO_S_PER_JOB = 3600.0
 #: Fewest mel bins the fbank extractor accepts (it asserts more than 3).
 MIN_MEL_BINS = 4
@@ -76,7 +76,7 @@ def compute_features(
 
     Extraction runs at one torch thread here as in the spawned workers: its operations
     (resampling, fbank of one utterance) are too small to share, and on a busy machine
-    two threads spin against each other (measured 5x slower with 2 threads, load 7).
+    two threads spin against each other (bench/RESULTS.md, "Scale and input rates").
 
     ``free_bytes`` stands for the free space of ``output_dir``'s disk (default: asked of the disk).
 

@@ -17,6 +17,7 @@ class DataConfig:
 
     max_duration_s: float
     num_buckets: int
+    pad_frames_to: int
     spec_augment: bool
     num_freq_masks: int
     freq_mask_width: int
@@ -30,7 +31,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, SECTION, "max_duration_s")
-        check_at_least(self, SECTION, 1, "num_buckets")
+        check_at_least(self, SECTION, 1, "num_buckets", "pad_frames_to")
         check_at_least(self, SECTION, 0, "num_freq_masks", "freq_mask_width", "num_time_masks")
         if not 0.0 <= self.time_mask_ratio <= 1.0:
             raise param_error(SECTION, "time_mask_ratio", self.time_mask_ratio, "must be in [0, 1]")

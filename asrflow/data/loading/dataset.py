@@ -33,6 +33,12 @@ def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, batch_index]).generate_state(2, np.uint64)[0] >> 1)
 
 
+def pad_frames(features: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``features`` (N, T, F) with zero frames appended up to the next multiple of ``multiple`` frames."""
+    extra = -features.size(1) % multiple
+    return torch.nn.functional.pad(features, (0, 0, 0, extra)) if extra else features
+
+
 class AsrBatchDataset(torch.utils.data.Dataset):
     """Builds a padded batch for a :class:`BatchItem`; runs inside data workers.
 
@@ -46,6 +52,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
 
     ``cuts``: a ``CutSet`` (held in memory and pickled into each worker) or a
     :class:`CutIndex` (each worker reads a batch's cuts from the index's line store).
+    ``pad_frames_to``: the frame axis T is padded to a multiple of it (``train.data.pad_frames_to``).
     """
 
     def __init__(
@@ -58,6 +65,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         augment: DataConfig | None = None,
         extractor=None,
         noise_cuts: CutSet | None = None,
+        pad_frames_to: int = 1,
     ):
         self.cuts = as_index(cuts)
         self.tokenizer = tokenizer
@@ -65,6 +73,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.augment = augment
         self.extractor = extractor
+        self.pad_frames_to = pad_frames_to
         # Sorted by id: the noise drawn for a batch must not depend on the order a folder was listed in.
         self.noise_cuts = sorted(noise_cuts, key=lambda cut: cut.id) if noise_cuts is not None else []
 
@@ -80,7 +89,7 @@ class AsrBatchDataset(torch.utils.data.Dataset):
             features, feature_lens = OnTheFlyFeatures(self.extractor)(CutSet.from_cuts(cuts))
         else:
             features, feature_lens = collate_features(CutSet.from_cuts(cuts))  # (N, T, F), (N,)
-        features = self.mvn(features)
+        features = pad_frames(self.mvn(features), self.pad_frames_to)
         if self.augment is not None and self.augment.spec_augment:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(cut_seed)
