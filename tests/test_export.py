@@ -10,26 +10,60 @@ Output lengths must be equal.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from lhotse import CutSet
 
+from asrflow.data.features.config import FeatureConfig
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import AsrflowError
-from asrflow.serving.bundle import load_bundle
+from asrflow.model.conformer_ctc import build_from_record
+from asrflow.serving.bundle import load_bundle, read_bundle, save_bundle
 from asrflow.serving.cli import main
 from asrflow.serving.export import export_model
 from asrflow.serving.inference import cut_features, log_probs
+from asrflow.tokenizer import Tokenizer
 
 ONNX_ATOL = 1e-4
 TORCHSCRIPT_ATOL = 1e-5
 
 
+def with_attention(model_path: Path, attention: str, out: Path) -> Path:
+    """The bundle at ``model_path`` with its model rebuilt for ``train.model.attention: attention`` (weights
+    drawn at seed 0: the export must compute what the model computes, trained or not)."""
+    payload = read_bundle(model_path)
+    shape = {**payload["model_config"], "attention": attention}
+    torch.manual_seed(0)
+    model = build_from_record(shape)
+    features = FeatureConfig(**payload["features"])
+    tokenizer = Tokenizer(payload["tokenizer"].numpy().tobytes())
+    state = model.state_dict()
+    save_bundle(
+        out,
+        model_state=state,
+        model_shape=shape,
+        tokenizer=tokenizer,
+        features=features,
+        cmvn=payload["cmvn"],
+        run_id=None,
+    )
+    return out
+
+
+@pytest.fixture(scope="module", params=["none", "rel_pos", "abs_pos"])
+def model_path(request, yesno_model, tmp_path_factory) -> Path:
+    """The trained yesno bundle (``none``, the shipped attention) and the same with each other attention."""
+    if request.param == "none":
+        return yesno_model
+    return with_attention(yesno_model, request.param, tmp_path_factory.mktemp("attention") / "model.pt")
+
+
 @pytest.fixture(scope="module")
-def bundle(yesno_model):
-    return load_bundle(yesno_model)
+def bundle(model_path):
+    return load_bundle(model_path)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +85,12 @@ def _reference(bundle, features, lengths):
     return scores.numpy(), out_lens.numpy()
 
 
-def test_onnx_export_matches_the_bundle(bundle, batches, yesno_model, *, tmp_path, capsys):
+def test_onnx_export_matches_the_bundle(bundle, batches, model_path, *, tmp_path, capsys):
     import onnx
     import onnxruntime
 
     out = tmp_path / "encoder.onnx"
-    assert main(["export", "--model", str(yesno_model), "--format", "onnx", "--out", str(out)]) == 0
+    assert main(["export", "--model", str(model_path), "--format", "onnx", "--out", str(out)]) == 0
     assert str(out) in capsys.readouterr().out
     session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["features", "lengths"]
@@ -76,9 +110,9 @@ def test_onnx_export_matches_the_bundle(bundle, batches, yesno_model, *, tmp_pat
     assert len(metadata["cmvn"]["norm_means"]) == bundle.features.num_mel_bins
 
 
-def test_torchscript_export_matches_the_bundle(bundle, batches, yesno_model, tmp_path):
+def test_torchscript_export_matches_the_bundle(bundle, batches, model_path, tmp_path):
     out = tmp_path / "encoder.pt"
-    assert main(["export", "--model", str(yesno_model), "--format", "torchscript", "--out", str(out)]) == 0
+    assert main(["export", "--model", str(model_path), "--format", "torchscript", "--out", str(out)]) == 0
     extra = {"tokens": ""}
     scripted = torch.jit.load(str(out), _extra_files=extra)
     assert json.loads(extra["tokens"]) == bundle.tokenizer.pieces

@@ -297,7 +297,7 @@ def test_an_old_flat_train_key_is_refused_naming_its_new_place(tmp_path, capsys,
         ("train.optim.lrr", "unknown key train.optim.lrr; did you mean train.optim.lr? valid keys are: accum_grad,"),
         (
             "train.model.no_such_key",
-            "unknown key train.model.no_such_key; valid keys are: attention_dropout, blank_bias_init, "
+            "unknown key train.model.no_such_key; valid keys are: attention, attention_dropout, blank_bias_init, "
             "conv_kernel_size, d_model,",
         ),
         (

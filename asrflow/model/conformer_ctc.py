@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchaudio.models import Conformer
 
-from asrflow.params import check_at_least, param_error
+from asrflow.model.positions import ATTENTION_KINDS, RelPositionAttention, add_absolute_positions
+from asrflow.params import check_at_least, check_choice, param_error
 from asrflow.tokenizer import BLANK_ID
 
 SECTION = "train.model"
@@ -36,9 +37,12 @@ class ModelConfig:
     subsampling_norm: bool
     #: None = drawn like the other biases.
     blank_bias_init: float | None
+    #: Position information in self-attention, one of :data:`~asrflow.model.positions.ATTENTION_KINDS`.
+    attention: str
 
     def __post_init__(self) -> None:
         check_at_least(self, SECTION, 1, "d_model", "num_heads", "ffn_dim", "num_layers", "conv_kernel_size")
+        check_choice(self, SECTION, "attention", ATTENTION_KINDS)
         if self.d_model % self.num_heads:
             raise param_error(SECTION, "num_heads", self.num_heads, f"must divide {SECTION}.d_model ({self.d_model})")
         if self.conv_kernel_size % 2 == 0:
@@ -64,6 +68,7 @@ ADDED_LATER = {
     "subsampling_channels": None,
     "subsampling_norm": False,
     "blank_bias_init": None,
+    "attention": "none",
 }
 
 
@@ -132,13 +137,13 @@ class ConvFrameNorm(nn.Module):
     def __init__(self, channels: int, freq: int):
         super().__init__()
         self.norm = nn.LayerNorm((channels, freq))
+        self.width = channels * freq  # a constant, so exports keep N and T dynamic
 
     def forward(self, x: Tensor) -> Tensor:
-        n, c, t, f = x.shape
+        frames = x.transpose(1, 2)  # (N, T, C, F)
         norm = self.norm
-        rows = x.transpose(1, 2).reshape(n, t, c * f)  # (N, T, C*F)
-        rows = F.layer_norm(rows, (c * f,), norm.weight.reshape(-1), norm.bias.reshape(-1), norm.eps)
-        return rows.reshape(n, t, c, f).transpose(1, 2)  # (N, C, T, F)
+        rows = F.layer_norm(frames.flatten(2), (self.width,), norm.weight.reshape(-1), norm.bias.reshape(-1), norm.eps)
+        return rows.view_as(frames).transpose(1, 2)  # (N, C, T, F)
 
 
 class FrameLayerNorm(nn.Module):
@@ -226,6 +231,25 @@ class ConformerBlock(nn.Module):
         return self.final_layer_norm(x)
 
 
+class RelPosConformerBlock(ConformerBlock):
+    """A :class:`ConformerBlock` whose self-attention is :class:`~asrflow.model.positions.RelPositionAttention`
+    (``train.model.attention: rel_pos``) in place of torchaudio's."""
+
+    def __init__(self, layer: nn.Module, channels: int, num_heads: int, attention_dropout: float):
+        super().__init__(layer, channels)
+        self.self_attn = RelPositionAttention(channels, num_heads, attention_dropout)
+
+    def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
+        """``x`` (T, N, D), ``padding_mask`` (N, T) True at padded frames -> (T, N, D)."""
+        x = self.ffn1(x) * 0.5 + x
+        residual = x
+        attended = self.self_attn(self.self_attn_layer_norm(x).transpose(0, 1), padding_mask)  # (N, T, D)
+        x = self.self_attn_dropout(attended.transpose(0, 1)) + residual
+        x = self.conv_module(x.transpose(0, 1), padding_mask).transpose(0, 1) + x
+        x = self.ffn2(x) * 0.5 + x
+        return self.final_layer_norm(x)
+
+
 class ConformerCtc(nn.Module):
     """Fbank frames in, per-frame log-probabilities over the vocabulary (blank = 0) out.
 
@@ -252,11 +276,18 @@ class ConformerCtc(nn.Module):
             dropout=config.dropout,
             use_group_norm=True,  # replaced by MaskedConvolution's per-frame norm
         )
-        self.encoder.conformer_layers = nn.ModuleList(
-            ConformerBlock(layer, config.d_model) for layer in self.encoder.conformer_layers
-        )
-        for block in self.encoder.conformer_layers:
-            block.self_attn.dropout = config.attention_dropout  # torchaudio gives it ``dropout``
+        if config.attention == "rel_pos":
+            self.encoder.conformer_layers = nn.ModuleList(
+                RelPosConformerBlock(layer, config.d_model, config.num_heads, config.attention_dropout)
+                for layer in self.encoder.conformer_layers
+            )
+        else:
+            self.encoder.conformer_layers = nn.ModuleList(
+                ConformerBlock(layer, config.d_model) for layer in self.encoder.conformer_layers
+            )
+            for block in self.encoder.conformer_layers:
+                block.self_attn.dropout = config.attention_dropout  # torchaudio gives it ``dropout``
+        self.absolute_positions = config.attention == "abs_pos"
         self.head = nn.Linear(config.d_model, vocab_size)
         if config.blank_bias_init is not None:
             with torch.no_grad():
@@ -278,7 +309,10 @@ class ConformerCtc(nn.Module):
             log_probs: (N, T', V) log-softmax over the vocabulary, T' = ``subsampled_lengths(T)``.
             out_lengths: (N,) valid output frames (40 ms each).
         """
-        x = self.dropout(self.subsampling(features))  # (N, T', D)
+        x = self.subsampling(features)  # (N, T', D)
+        if self.absolute_positions:
+            x = add_absolute_positions(x)
+        x = self.dropout(x)
         # The mask is sized from x's own time axis (not from lengths.max()), so an ONNX
         # trace keeps T' dynamic.
         frames = torch.arange(x.size(1), device=lengths.device, dtype=lengths.dtype)  # (T',)

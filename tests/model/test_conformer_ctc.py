@@ -16,6 +16,7 @@ from asrflow.model.conformer_ctc import (
     shape_record,
     subsampled_lengths,
 )
+from asrflow.model.positions import ATTENTION_KINDS
 from asrflow.tokenizer import BLANK_ID
 
 #: A small ``train.model`` section (d_model 32, 2 heads, 2 layers, kernel 7) with the wide front end of
@@ -31,6 +32,7 @@ SMALL = {
     "subsampling_channels": None,
     "subsampling_norm": False,
     "blank_bias_init": None,
+    "attention": "none",
 }
 
 
@@ -96,17 +98,19 @@ def test_blank_bias_init_sets_only_the_blank_logit_bias():
 
 #: (subsampling_channels, subsampling_norm): the old wide front end, and the narrow normalised default.
 FRONT_ENDS = [(None, False), ((8, 32), True)]
+#: Each attention kind with the plain front end, and the shipped one with the other front end.
+MODELS = [(None, False, kind) for kind in ATTENTION_KINDS] + [((8, 32), True, "none")]
 
 
-@pytest.mark.parametrize(("channels", "norm"), FRONT_ENDS)
-def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
+@pytest.mark.parametrize(("channels", "norm", "attention"), MODELS)
+def test_outputs_do_not_depend_on_padding_or_batch(channels, norm, attention):
     """Padded to twice its length next to a longer utterance, an utterance's every output
     frame is what it is alone, to float rounding: attention masks the padding, and the
     convolution module zeroes it before its depthwise convolution. (Without that zeroing,
     the last kernel_size // 2 frames see the padding and two layers of attention spread the
     difference over all frames: about 4e-3 nats here.)"""
     torch.manual_seed(0)
-    model = small_model(subsampling_channels=channels, subsampling_norm=norm).eval()
+    model = small_model(subsampling_channels=channels, subsampling_norm=norm, attention=attention).eval()
     utterance = torch.randn(1, 400, 80)
     alone, alone_lens = model(utterance, torch.tensor([400]))
     padded_input = torch.cat([torch.cat([utterance, torch.randn(1, 400, 80)], dim=1), torch.randn(1, 800, 80)])
@@ -116,10 +120,10 @@ def test_outputs_do_not_depend_on_padding_or_batch(channels, norm):
     assert torch.allclose(alone[0], padded[0, :valid], atol=1e-5)
 
 
-@pytest.mark.parametrize(("channels", "norm"), FRONT_ENDS)
-def test_training_gradients_do_not_depend_on_padding(channels, norm):
+@pytest.mark.parametrize(("channels", "norm", "attention"), MODELS)
+def test_training_gradients_do_not_depend_on_padding(channels, norm, attention):
     torch.manual_seed(0)
-    model = small_model(subsampling_channels=channels, subsampling_norm=norm, dropout=0.0)
+    model = small_model(subsampling_channels=channels, subsampling_norm=norm, dropout=0.0, attention=attention)
     utterance = torch.randn(1, 300, 80)
     grads = []
     for features, lengths in (
@@ -195,7 +199,7 @@ def test_conv_frame_norm_is_layer_norm_over_channels_and_frequency_at_any_batch_
 
 def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_data, tmp_path):
     """Bundles written before the fields existed had d_model channels in both convolutions, no norm (and no
-    attention dropout, a drawn blank bias)."""
+    attention dropout, a drawn blank bias, no position information)."""
     from asrflow.serving.bundle import load_bundle, save_bundle
     from asrflow.testing.corpora import feature_config
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
@@ -215,13 +219,14 @@ def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_
         run_id=None,
     )
     payload = torch.load(path, weights_only=True)
-    for key in ("subsampling_channels", "subsampling_norm", "attention_dropout", "blank_bias_init"):
+    for key in ("subsampling_channels", "subsampling_norm", "attention_dropout", "blank_bias_init", "attention"):
         del payload["model_config"][key]  # as an older asrflow wrote it
     torch.save(payload, path)
     loaded = load_bundle(path)
     assert loaded.model.config.subsampling_channels == (32, 32)
     assert loaded.model.config.subsampling_norm is False
     assert loaded.model.config.attention_dropout == 0.0 and loaded.model.config.blank_bias_init is None
+    assert loaded.model.config.attention == "none"
     assert (loaded.model.input_dim, loaded.model.vocab_size) == (80, tokenizer.vocab_size)
     features = torch.randn(1, 80, 80)
     with torch.no_grad():
@@ -250,6 +255,10 @@ def test_the_shape_record_rebuilds_the_same_model():
         ({"dropout": 1.0}, "train.model.dropout = 1.0 must be in [0, 1)"),
         ({"attention_dropout": -0.1}, "train.model.attention_dropout = -0.1 must be in [0, 1)"),
         ({"subsampling_channels": [8]}, "train.model.subsampling_channels = [8] must be null"),
+        (
+            {"attention": "relative"},
+            "train.model.attention = 'relative' is not valid; use one of none, abs_pos, rel_pos",
+        ),
     ],
 )
 def test_a_bad_model_section_names_its_dotted_key(fields, message):

@@ -90,3 +90,20 @@ def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp
     log = run_training(yesno_data, exp, OVERRIDES, log_path=tmp_path / "resume.log", tracking_uri=uri)
     assert resumed_from(log) == 13
     assert_identical(final_state(exp), reference)
+
+
+def test_a_relative_position_model_resumes_bit_identical(yesno_data, tmp_path):
+    """``train.model.attention: rel_pos`` (its own attention parameters, biases and position projection):
+    killed mid-epoch and resumed, it ends as the uninterrupted run does."""
+    overrides = {**OVERRIDES, "train.model.attention": "rel_pos", "train.optim.epochs": 1}
+    uri = fresh_mlflow_store(tmp_path)
+    run_training(yesno_data, tmp_path / "reference", overrides, log_path=tmp_path / "ref.log", tracking_uri=uri)
+    exp = tmp_path / "exp"
+    process = TrainingProcess(
+        yesno_data, exp, overrides, log_path=tmp_path / "killed.log", pause_after_step=5, tracking_uri=uri
+    )
+    process.wait_paused()
+    process.kill()
+    log = run_training(yesno_data, exp, overrides, log_path=tmp_path / "final.log", tracking_uri=uri)
+    assert resumed_from(log) == 4
+    assert_identical(final_state(exp), final_state(tmp_path / "reference"))
