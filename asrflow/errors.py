@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -18,6 +19,17 @@ EXIT_USER_ERROR = 2
 
 class AsrflowError(Exception):
     """A problem the user can fix. The message names the item and says what to do."""
+
+
+def require_extra(module: str, extra: str, purpose: str):
+    """Import ``module``, a package of asrflow's optional ``extra`` that ``purpose`` needs; an
+    :class:`AsrflowError` that says how to install it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise AsrflowError(
+            f"{purpose} needs {module.split('.')[0]!r}, which is not installed: pip install 'asrflow[{extra}]'"
+        ) from None
 
 
 def first_line(error: BaseException) -> str:

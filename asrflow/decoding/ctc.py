@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from asrflow.errors import AsrflowError
+from asrflow.errors import AsrflowError, require_extra
 
 #: SentencePiece's word-boundary mark: a piece starting with it begins a word.
 WORD_BOUNDARY = "\u2581"
@@ -200,6 +200,7 @@ class LMBeamSearchDecoder:
         word_score: float = 0.0,
         beam_threshold: float = 50.0,
     ):
+        require_extra("flashlight.lib.text.decoder", "lm", "beam search with a language model (evaluate.lm_path)")
         from torchaudio.models.decoder import ctc_decoder
 
         lm_path = Path(lm_path)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from asrflow.data.features.cmvn import cmvn_stats
-from asrflow.errors import AsrflowError
+from asrflow.errors import AsrflowError, require_extra
 from asrflow.files import atomic_path
 from asrflow.model.conformer_ctc import ConformerCtc
 from asrflow.serving.bundle import Bundle, load_bundle
@@ -87,7 +87,7 @@ def example_inputs(bundle: Bundle, batch: int = 2, frames: int = 200) -> tuple[T
 
 def export_onnx(bundle: Bundle, out: Path) -> None:
     """Write the encoder as ONNX (opset :data:`ONNX_OPSET`, dynamic ``N`` and ``T``)."""
-    import onnx
+    onnx = require_extra("onnx", "onnx", "ONNX export")
 
     encoder = exportable_model(bundle.model)
     dims = {"features": {0: "N", 1: "T"}, "lengths": {0: "N"}, "log_probs": {0: "N", 1: "T_out"}, "out_lens": {0: "N"}}
