@@ -5,7 +5,8 @@ Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measure
 batch-shape variant (as it comes, frames padded to a multiple of 64, cuDNN off: the first pass over new shapes
 against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory by batch size; the old (C, F) LayerNorm at
 2,400 s), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on the
-fly with 2 and with ``auto`` workers), ``gpu_profile`` (host time by operator over the first 20 steps,
+fly with 2 and with ``auto`` workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU: real-
+time factors, the same transcripts), ``gpu_profile`` (host time by operator over the first 20 steps,
 ``profile.txt``). Checks that would not finish inside ``--budget`` are recorded as skipped.
 """
 
@@ -47,8 +48,7 @@ def probe(kind: str, data: Path, *options: str, timeout: float, log: Path | None
         out, err, problem = expired.stdout or "", expired.stderr or "", f"timed out after {timeout:.0f} s"
     else:
         out, err, problem = done.stdout, done.stderr, None if done.returncode == 0 else f"exit {done.returncode}"
-    if isinstance(out, bytes):
-        out, err = out.decode(), err.decode()
+    out, err = (text.decode() if isinstance(text, bytes) else text for text in (out, err))
     if log is not None:
         with log.open("a") as file:
             file.write(f"$ {' '.join(command)}\n{err}\n")
@@ -101,19 +101,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
             common = [*quick, "--workdir", str(work)]
             return keep(probe(kind, data, *options, *common, timeout=min(cap, left() - 10), log=log))
 
-        variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "no-cudnn": ["--no-cudnn"]}
+        # As the Trainer runs now (attention off cuDNN), frames padded to 64 too, and attention on cuDNN as before.
+        variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "cudnn-attention": ["--cudnn-attention"]}
         bare = {name: run("bare", "--steps", steps, *options, cap=90) for name, options in variants.items()}
         sizes = ["--sizes", *(["60", "120"] if args.quick else ["600", "1200", "2400", "4800", "9600"])]
         out += [*(r for records in bare.values() for r in records)]
         out += run("sizes", *sizes, "--peak", str(peak), cap=100)
         out += run("sizes", "--old-norm", "--sizes", "120" if args.quick else "2400", "--peak", str(peak), cap=40)
-        rates = {name: r[0].get("first_pass_audio_s_per_s", 0.0) for name, r in bare.items() if r}
+        trainable = ("default", "pad64")  # the Trainer's process keeps attention off cuDNN
+        rates = {name: bare[name][0].get("first_pass_audio_s_per_s", 0.0) for name in trainable if bare[name]}
         best = max(rates, key=rates.get) if rates else "default"
         trainer_steps = "6" if args.quick else "200"
         out += run("trainer", "--steps", trainer_steps, "--seconds", "45", *variants[best], cap=150)
         for workers in ("2", "auto"):
             options = ["--on-the-fly", "--num-workers", workers, "--once", "--steps", trainer_steps, "--seconds", "25"]
-            out += run("trainer", *options, *variants[best], cap=70)
+            out += run("trainer", *options, *variants[best], cap=100)
+        decoded = ["--steps", "8" if args.quick else "300", "--batch-seconds", "60" if args.quick else "600"]
+        out += run("decode", *decoded, cap=90)
         out += run("profile", "--steps", "4" if args.quick else "20", "--out", str(out_dir / "profile.txt"), cap=45)
         if best != "default":
             out += run("trainer", "--steps", trainer_steps, "--seconds", "45", "--once", cap=70)

@@ -12,6 +12,8 @@ costs, the batch sizes that train, data wait.
 - ``sizes``: bare steps at each ``--sizes`` batch size (seconds of audio): audio-s/s, MFU against ``--peak``,
   peak memory, or the error that stopped it.
 - ``profile``: ``torch.profiler`` over the first ``--steps`` bare steps; the operators with the most host time.
+- ``decode``: the evaluate stage's greedy decoding of ``--steps`` utterances on the CPU and on the GPU (the
+  preset's model, drawn weights): real-time factors, transcripts that agree.
 
 ``--pad-frames-to`` sets ``train.data.pad_frames_to``; ``--no-cudnn`` turns cuDNN off for the whole process;
 ``--cudnn-attention`` lets attention use cuDNN's kernel (the Trainer's process does not);
@@ -232,6 +234,36 @@ def profile(data: Path, args, device) -> dict:
     return {"steps": len(steps), "seconds": seconds, "top_host_ops": top}
 
 
+def decode(data: Path, args, device) -> dict:
+    """The evaluate stage's decoding (greedy) of ``--steps`` train utterances with the preset's model (drawn
+    weights) on the CPU and on ``device``: real-time factors and whether the transcripts agree."""
+    import copy
+
+    from asrflow.data.manifests import load_cuts
+    from asrflow.evaluation.evaluate import EvaluateConfig, decode_split
+    from asrflow.serving.bundle import Bundle
+    from bench.common import train_data
+    from bench.train_throughput import build
+
+    settings = settings_for(data, args)
+    built = train_data(data, settings, seed=0)
+    model = build(settings.train, settings.features, 0, built.tokenizer.vocab_size)[0].eval()
+    cuts = load_cuts(data / "fbank", "train").to_eager().subset(first=args.steps)
+    config = EvaluateConfig(max_batch_duration_s=args.batch_seconds)
+    record: dict = {"utterances": len(cuts), "audio_s": sum(cut.duration for cut in cuts)}
+    hyps = {}
+    for where in ("cpu", device.type):
+        on = copy.deepcopy(model).to(where)
+        bundle = Bundle(
+            model=on, tokenizer=built.tokenizer, features=settings.features, mvn=built.mvn, run_id=None, info={}
+        )
+        decode_split(bundle, cuts.subset(first=4), config)  # kernels and plans set up, untimed
+        hyps[where], rtf = decode_split(bundle, cuts, config)
+        record[f"rtf_total_{where}"], record[f"rtf_encoder_{where}"] = rtf["total"], rtf["encoder"]
+    same = sum(hyps["cpu"][key] == hyps[device.type][key] for key in hyps["cpu"])
+    return record | {"same_transcripts": same, "batch_seconds": args.batch_seconds}
+
+
 def restore_old_norm() -> None:
     """ConvFrameNorm as it was: ``nn.LayerNorm((C, F))`` itself (to show the CUDA failure it avoids)."""
     from asrflow.model import conformer_ctc
@@ -243,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=["bare", "trainer", "sizes", "profile"])
+    parser.add_argument("kind", choices=["bare", "trainer", "sizes", "profile", "decode"])
     parser.add_argument("--data", type=Path, required=True, help="a prepared corpus (generated_data's folder)")
     parser.add_argument("--workdir", default="/tmp", help="where the Trainer's runs are written")
     parser.add_argument("--steps", type=int, default=100)
@@ -258,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[600.0, 1200.0, 2400.0, 4800.0])
     parser.add_argument("--peak", type=float, default=1.0, help="sizes: the measured bf16 FLOP/s")
     parser.add_argument("--out", help="profile: write the full table here")
+    parser.add_argument("--batch-seconds", type=float, default=200.0, help="decode: evaluate.max_batch_duration_s")
     parser.add_argument("--quick", action="store_true", help="the tiny model (a CPU check of the probe)")
     args = parser.parse_args(argv)
     if args.no_cudnn:
@@ -267,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variant = {"pad_frames_to": args.pad_frames_to, "cudnn": not args.no_cudnn, "old_norm": args.old_norm}
     variant["cudnn_attention"] = args.cudnn_attention
-    found = {"bare": bare, "trainer": trainer, "sizes": sizes, "profile": profile}[args.kind](args.data, args, device)
+    kinds = {"bare": bare, "trainer": trainer, "sizes": sizes, "profile": profile, "decode": decode}
+    found = kinds[args.kind](args.data, args, device)
     for record in found if isinstance(found, list) else [found]:
         print(json.dumps({"benchmark": f"gpu_{args.kind}", **variant, **record}), flush=True)
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
@@ -90,6 +91,7 @@ CASES = [
     ("evaluate", "evaluate.lm_weight", -1, "evaluate.lm_weight = -1 must be at least 0"),
     ("evaluate", "evaluate.word_score", float("inf"), "evaluate.word_score = inf must be a finite number"),
     ("evaluate", "evaluate.lm_path", "lm.arpa", "evaluate.lm_path = 'lm.arpa' needs evaluate.decoder: beam"),
+    ("evaluate", "evaluate.device", "gpu", "evaluate.device = 'gpu' is not a device; use one of auto, cpu, cuda"),
     (
         "evaluate",
         "evaluate.beam",
@@ -97,6 +99,8 @@ CASES = [
         r"unknown key evaluate.beam; did you mean evaluate.beam_size\? valid keys are: beam_",
     ),
 ]
+if not torch.cuda.is_available():  # a setting the machine cannot honour is found before any work
+    CASES.append(("evaluate", "evaluate.device", "cuda", "evaluate.device = cuda, but torch .* no CUDA GPU"))
 
 
 @pytest.mark.parametrize(("stage", "key", "value", "message"), CASES, ids=[f"{c[1]}={c[2]!r}" for c in CASES])

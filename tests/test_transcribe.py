@@ -79,6 +79,27 @@ def test_beam_search_transcribes_too(workdir, refs, monkeypatch, capsys):
     assert score_corpus(refs, dict(rows)).wer <= MAX_WER, rows
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_device_gives_the_same_transcripts(workdir, refs, monkeypatch, capsys, device):
+    """``--device`` runs the encoder there (its default, auto, picks a GPU when there is one); the transcripts are
+    the CPU's."""
+    monkeypatch.chdir(workdir)
+    code, on_cpu, err = transcribe(capsys, "--model", "model.pt", "--device", "cpu", *refs)
+    assert code == 0, err
+    code, on_device, err = transcribe(capsys, "--model", "model.pt", "--device", device, *refs)
+    assert code == 0, err
+    assert on_device == on_cpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_a_gpu_asked_for_where_there_is_none_is_one_line(workdir, refs, monkeypatch, capsys):
+    monkeypatch.chdir(workdir)
+    code = main(["transcribe", "--model", "model.pt", "--device", "cuda", *refs])
+    out, err = capsys.readouterr()
+    assert code == 2 and not out
+    assert err.count("\n") == 1 and err.startswith("error: --device = cuda, but torch "), err
+
+
 def test_batching_keeps_input_order_and_transcripts(workdir, train_files, monkeypatch, capsys):
     """One file per batch vs all in one batch: same lines, in the order given (not by duration)."""
     monkeypatch.chdir(workdir)

@@ -24,6 +24,7 @@ from asrflow.evaluation.report import (
 from asrflow.logs import progress
 from asrflow.params import check_at_least, check_choice, check_positive, param_error
 from asrflow.serving.bundle import Bundle, load_bundle
+from asrflow.serving.device import DEVICE_NAMES, is_device_name, resolve_device
 from asrflow.serving.inference import cut_features, log_probs
 from asrflow.tokenizer import BLANK_ID
 
@@ -51,6 +52,8 @@ class EvaluateConfig:
         lm_weight: weight of the LM's log10-probability (0 or more; only with ``lm_path``).
         word_score: score added per word started (only with ``lm_path``; negative penalises words).
         max_batch_duration_s: seconds of audio decoded per batch (above 0).
+        device: where the encoder runs: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``
+            (:mod:`asrflow.serving.device`).
     """
 
     decoder: str = "greedy"
@@ -59,9 +62,12 @@ class EvaluateConfig:
     lm_weight: float = 0.5
     word_score: float = 0.0
     max_batch_duration_s: float = 200.0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice(self, SECTION, "decoder", DECODER_KINDS)
+        if not is_device_name(self.device):
+            raise param_error(SECTION, "device", self.device, f"is not a device; use one of {', '.join(DEVICE_NAMES)}")
         check_at_least(self, SECTION, 1, "beam_size")
         check_positive(self, SECTION, "max_batch_duration_s")
         for key in ("lm_weight", "word_score"):
@@ -129,7 +135,7 @@ def evaluate(
     Returns:
         The metrics written to ``metrics.json``.
     """
-    bundle = load_bundle(model_path)
+    bundle = load_bundle(model_path, device=resolve_device(config.device, f"params.yaml: {SECTION}.device"))
     check_same_features(bundle.features, fbank_dir)
     sets = {name: load_cuts(fbank_dir, name).to_eager() for name in list_test_sets(fbank_dir)}
     cuts = CutSet.from_cuts(cut for one in sets.values() for cut in one)

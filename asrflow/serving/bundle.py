@@ -27,7 +27,7 @@ FEATURES_ADDED_LATER = {"num_jobs": 0, "on_the_fly": False}
 
 @dataclass(kw_only=True)
 class Bundle:
-    """A loaded model file, ready to run (``model`` in eval mode, on the CPU)."""
+    """A loaded model file, ready to run (``model`` in eval mode, on the device it was loaded to)."""
 
     model: ConformerCtc
     tokenizer: Tokenizer
@@ -80,12 +80,15 @@ def read_bundle(path: str | Path) -> dict:
     return payload
 
 
-def load_bundle(path: str | Path) -> Bundle:
-    """Load a bundle written by :func:`save_bundle` (no code runs while loading)."""
+def load_bundle(path: str | Path, device: torch.device | None = None) -> Bundle:
+    """Load a bundle written by :func:`save_bundle` (no code runs while loading), its model on ``device``
+    (default: the CPU)."""
     payload = read_bundle(path)
     model = build_from_record(payload["model_config"])  # older bundles lack later keys: see ADDED_LATER
     model.load_state_dict(payload["model"])
     model.eval()
+    if device is not None:
+        model.to(device)
     return Bundle(
         model=model,
         tokenizer=Tokenizer(payload["tokenizer"].numpy().tobytes()),

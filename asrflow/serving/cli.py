@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds of audio decoded together; a longer file goes alone (default: %(default)s)",
     )
+    transcribe.add_argument(
+        "--device",
+        default="auto",
+        help="where the encoder runs: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N "
+        "(default: %(default)s)",
+    )
     transcribe.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files to transcribe")
     transcribe.set_defaults(handler=run_transcribe)
 
@@ -246,11 +252,12 @@ def run_transcribe(args: argparse.Namespace) -> int:
     """``asrflow transcribe``: print transcripts, report bad files; return the exit code."""
     from asrflow.decoding.ctc import build_decoder
     from asrflow.serving.bundle import load_bundle
+    from asrflow.serving.device import resolve_device
     from asrflow.tokenizer import BLANK_ID
 
     if args.lm is not None and args.decoder != "beam":
         raise AsrflowError("--lm needs --decoder beam")
-    bundle = load_bundle(args.model)
+    bundle = load_bundle(args.model, device=resolve_device(args.device, "--device"))
     decode = build_decoder(
         args.decoder,
         tokens=bundle.tokenizer.pieces,

@@ -27,8 +27,11 @@ def cut_features(bundle: Bundle, cuts: CutSet) -> tuple[torch.Tensor, torch.Tens
 
 @torch.no_grad()
 def log_probs(bundle: Bundle, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encoder output: log-probabilities (N, T', V) and valid lengths (N,) in 40 ms frames."""
-    return bundle.model(features, lengths)
+    """Encoder output on the CPU: log-probabilities (N, T', V) and valid lengths (N,) in 40 ms frames. The
+    encoder runs on the device its bundle was loaded to (fp32 there too); the decoders read CPU tensors."""
+    device = bundle.model.head.weight.device
+    scores, out_lens = bundle.model(features.to(device), lengths.to(device))
+    return scores.cpu(), out_lens.cpu()
 
 
 def audio_cut(path: str):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -98,8 +99,11 @@ class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         from asrflow.serving.bundle import load_bundle
+        from asrflow.serving.device import resolve_device
 
-        self.bundle = load_bundle(context.artifacts[BUNDLE_ARTIFACT])
+        # A CUDA GPU when the serving machine has one ($ASRFLOW_DEVICE: cpu, cuda or cuda:N to choose).
+        device = resolve_device(os.environ.get("ASRFLOW_DEVICE", "auto"), "$ASRFLOW_DEVICE")
+        self.bundle = load_bundle(context.artifacts[BUNDLE_ARTIFACT], device=device)
         self._decoders: dict[str, Any] = {}
 
     def _decoder(self, kind: str):

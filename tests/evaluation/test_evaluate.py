@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from asrflow.data.features.extract import compute_features
@@ -25,6 +26,7 @@ from asrflow.evaluation.evaluate import (
     evaluate,
 )
 from asrflow.serving.bundle import load_bundle
+from asrflow.serving.device import resolve_device
 from asrflow.serving.inference import cut_features, log_probs
 from asrflow.testing.corpora import feature_config, write_folder_corpus
 from asrflow.testing.trained_model import split_files
@@ -130,6 +132,18 @@ def test_only_the_chosen_decoder_runs(yesno_model, yesno_data):  # noqa: F811
         hyps, rtf = decode_split(bundle, cuts, EvaluateConfig(decoder=decoder, beam_size=3))
         assert hyps == {cut.id: bundle.tokenizer.decode(ids) for cut, ids in zip(batch, token_ids, strict=True)}
         assert sorted(rtf) == ["encoder", "total"]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_evaluation_on_a_device_gives_the_cpu_s_transcripts(yesno_model, yesno_data, device):  # noqa: F811
+    """evaluate.device: the bundle's model on that device, the decoders on its log-probabilities back on the
+    CPU; every transcript is the one a CPU-only run gives."""
+    cuts = load_cuts(yesno_data / "fbank", "test").to_eager()
+    on_cpu, _ = decode_split(load_bundle(yesno_model), cuts, EvaluateConfig())
+    bundle = load_bundle(yesno_model, device=resolve_device(device, "evaluate.device"))
+    assert bundle.model.head.weight.device.type == device
+    on_device, _ = decode_split(bundle, cuts, EvaluateConfig(device=device))
+    assert on_device == on_cpu
 
 
 def test_a_missing_language_model_stops_evaluation_before_writing(yesno_model, yesno_data, tmp_path):  # noqa: F811
