@@ -2,17 +2,19 @@
 
 ``python -m bench.gpu_checks [--quick] [--workdir DIR] [--utterances N] [--steps N] [--budget S] [--out DIR]``.
 Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measured bf16 peak), ``gpu_bare`` per
-batch-shape variant (as it comes, frames padded to a multiple of 64, cuDNN off: the first pass over new shapes
+batch-shape variant (as the Trainer runs, frames padded to 64, attention on cuDNN: the first pass over new shapes
 against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory by batch size; the old (C, F) LayerNorm at
 2,400 s), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on the
 fly with 2 and with ``auto`` workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU: real-
 time factors, the same transcripts), ``gpu_profile`` (host time by operator over the first 20 steps,
-``profile.txt``). Checks that would not finish inside ``--budget`` are recorded as skipped.
+``profile.txt``), ``host_cpu_tune`` (the machine tuner on the host CPU, ``host-cpu-preset.yaml``). Checks that
+would not finish inside ``--budget`` are recorded as skipped.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -121,7 +123,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out += run("profile", "--steps", "4" if args.quick else "20", "--out", str(out_dir / "profile.txt"), cap=45)
         if best != "default":
             out += run("trainer", "--steps", trainer_steps, "--seconds", "45", "--once", cap=70)
+        out += keep(host_cpu_tune(out_dir / "host-cpu-preset.yaml", timeout=left() - 10))
     return out
+
+
+def host_cpu_tune(preset: Path, *, timeout: float) -> list[dict]:
+    """``python -m asrflow.training.tune`` on the GPU machine's host CPU (the GPU hidden): another CPU model
+    measured, its figures in the preset's header."""
+    if timeout < 60:
+        return [emit({"benchmark": "host_cpu_tune", "status": "skipped"})]
+    command = [sys.executable, "-m", "asrflow.training.tune", "--seconds", "3", "--out", str(preset)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [emit({"benchmark": "host_cpu_tune", "status": "failed", "why": f"timed out after {timeout:.0f} s"})]
+    status = "ok" if done.returncode == 0 else "failed"
+    return [emit({"benchmark": "host_cpu_tune", "status": status, "tail": done.stderr.strip().splitlines()[-4:]})]
 
 
 if __name__ == "__main__":
