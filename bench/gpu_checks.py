@@ -3,12 +3,12 @@
 ``python -m bench.gpu_checks [--quick] [--workdir DIR] [--utterances N] [--steps N] [--budget S] [--out DIR]``.
 Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measured bf16 peak), ``gpu_bare`` per
 batch-shape variant (as the Trainer runs, frames padded to 64, attention on cuDNN: the first pass over new shapes
-against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory by batch size; the old (C, F) LayerNorm at
-2,400 s), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on the
-fly with 2 and with ``auto`` workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU: real-
-time factors, the same transcripts), ``gpu_profile`` (host time by operator over the first 20 steps,
-``profile.txt``), ``host_cpu_tune`` (the machine tuner on the host CPU, ``host-cpu-preset.yaml``). Checks that
-would not finish inside ``--budget`` are recorded as skipped.
+against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory by batch size), ``gpu_trainer`` (the
+Trainer's first 200 steps against a warm pass, precomputed features; then on the fly with 2 and with ``auto``
+workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU: real-time factors, the same
+transcripts), ``gpu_profile`` (host time by operator over the first 20 steps, ``profile.txt``),
+``host_cpu_tune`` (the machine tuner on the host CPU, ``host-cpu-preset.yaml``). Checks that would not finish
+inside ``--budget`` are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sizes = ["--sizes", *(["60", "120"] if args.quick else ["600", "1200", "2400", "4800", "9600"])]
         out += [*(r for records in bare.values() for r in records)]
         out += run("sizes", *sizes, "--peak", str(peak), cap=100)
-        out += run("sizes", "--old-norm", "--sizes", "120" if args.quick else "2400", "--peak", str(peak), cap=40)
         trainable = ("default", "pad64")  # the Trainer's process keeps attention off cuDNN
         rates = {name: bare[name][0].get("first_pass_audio_s_per_s", 0.0) for name in trainable if bare[name]}
         best = max(rates, key=rates.get) if rates else "default"

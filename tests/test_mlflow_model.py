@@ -107,6 +107,8 @@ def test_pyfunc_load_model_transcribes_yesno_test_files(logged, yesno_data, monk
     assert by_path["transcript"][0] == reference
     assert by_wave["transcript"][0] == reference
 
+    assert model.predict([{"path": str(path)}])["transcript"][0] == reference  # a list of rows
+
     registered = mlflow.pyfunc.load_model("models:/yesno-asr/1")
     assert registered.predict(pd.DataFrame({"path": [str(path)]}))["transcript"][0] == reference
 
@@ -119,6 +121,8 @@ def test_pyfunc_bad_input_names_the_item(logged, tmp_path, monkeypatch):
         model.predict(pd.DataFrame({"path": [str(tmp_path / "nothere.wav")]}))
     with pytest.raises(AsrflowError, match="input row 0"):
         model.predict(pd.DataFrame({"sample_rate": [16000]}))
+    with pytest.raises(AsrflowError, match="none of the columns path, waveform, sample_rate"):
+        model.predict([str(tmp_path / "a.wav"), str(tmp_path / "b.wav")])  # a plain list: MLflow keeps no column
 
 
 def test_missing_bundle_is_clear_error(tmp_path):

@@ -14,8 +14,10 @@ Models tab and the run's Model column), with its signature, its pip requirements
 
 Input rows hold either ``path`` (an audio file any format Lhotse reads) or ``waveform``
 (mono samples, floats in [-1, 1]) with ``sample_rate`` (default: the model's). Audio is
-resampled to the model's rate. Output: one ``transcript`` per row, in order. The
-``decoder`` param picks ``greedy`` (default) or ``beam``.
+resampled to the model's rate. Rows come as a DataFrame or a list of dicts; a plain list of paths
+reaches the model with no column (MLflow keeps only the signature's) and is refused with the forms
+that work. Output: one ``transcript`` per row, in order. The ``decoder`` param picks ``greedy``
+(default) or ``beam``; ``$ASRFLOW_DEVICE`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) where the encoder runs.
 """
 
 from __future__ import annotations
@@ -94,6 +96,15 @@ def _missing(value: Any) -> bool:
         return False
 
 
+#: What predict says of an input that reaches it with no column at all. MLflow keeps only the columns the
+#: signature names, so a plain list of paths (one unnamed column) arrives as a frame with no rows.
+NO_KNOWN_COLUMN = (
+    "the input has none of the columns path, waveform, sample_rate (MLflow drops what the signature does not "
+    "name, so a plain list of paths arrives empty): pass pd.DataFrame({'path': [...]}), a list of "
+    "{'path': ...} dicts, or rows of 'waveform' samples with their 'sample_rate'"
+)
+
+
 class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
     """The pyfunc: audio files or waveforms in, transcripts out (see the module docstring)."""
 
@@ -125,6 +136,8 @@ class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params: dict[str, Any] | None = None):
         import pandas as pd
 
+        if isinstance(model_input, pd.DataFrame) and len(model_input.columns) == 0:
+            raise AsrflowError(NO_KNOWN_COLUMN)
         rows = _rows(model_input)
         decode = self._decoder((params or {}).get("decoder") or "greedy")
         with tempfile.TemporaryDirectory(prefix="asrflow-pyfunc-") as folder:

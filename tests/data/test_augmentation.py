@@ -7,6 +7,9 @@ worker it is built; and each augmentation really changes what the model sees.
 
 from __future__ import annotations
 
+import logging
+import random
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -16,6 +19,7 @@ from lhotse.dataset.collation import collate_features
 from lhotse.utils import compute_num_frames
 
 from asrflow.data.features.cmvn import load_cmvn
+from asrflow.data.loading.augment import waveform_augment
 from asrflow.data.loading.config import DataConfig
 from asrflow.data.loading.dataset import AsrBatchDataset
 from asrflow.data.loading.noise import load_noise_cuts
@@ -253,3 +257,17 @@ def test_pad_frames_to_pads_the_frame_axis_with_zeros_and_keeps_the_lengths(stor
     assert not padded["features"][:, frames:].any()
     assert torch.equal(padded["feature_lens"], plain["feature_lens"])
     assert padded["padding_ratio"] > plain["padding_ratio"]
+
+
+def test_waveform_augment_drops_stored_features_without_a_warning_per_cut(stored, caplog):
+    """On-the-fly features over cuts that also reference stored fbank: speed perturbation of the audio,
+    the stored features dropped first (Lhotse would otherwise warn once for every cut)."""
+    cuts, _, _ = stored
+    with caplog.at_level(logging.WARNING):
+        perturbed = [
+            waveform_augment(cut, random.Random(seed), augment_config(speed_perturb=True), [])
+            for seed, cut in enumerate(cuts.subset(first=8))
+        ]
+    assert not caplog.records
+    assert not any(cut.has_features for cut in perturbed)
+    assert {round(cut.duration / original.duration, 2) for cut, original in zip(perturbed, cuts, strict=False)} != {1.0}

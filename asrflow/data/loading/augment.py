@@ -45,6 +45,9 @@ def spec_augment(features: torch.Tensor, lengths: torch.Tensor, config: DataConf
 def waveform_augment(cut: Cut, rng: random.Random, config: DataConfig | None, noise_cuts: Sequence[Cut]) -> Cut:
     """Speed perturbation (``config.speed_perturb``) and noise mixing (when there is noise) of one
     cut, drawn from ``rng``, for on-the-fly features."""
+    if cut.has_features:
+        # Features are computed from the audio here; Lhotse would detach stored ones, warning for every cut.
+        cut = cut.drop_features()
     if config is not None and config.speed_perturb:
         factor = rng.choice(SPEED_FACTORS)
         if factor != 1.0:
