@@ -13,6 +13,9 @@ SECTION = "run"
 START_METHODS = ("spawn", "forkserver", "fork")
 #: The fewest data workers ``num_workers: auto`` starts when features are computed on the fly.
 AUTO_WORKERS_ON_THE_FLY = 2
+#: ``auto``'s most workers for a GPU reading stored fbank: loading a batch is light, and each spawned worker
+#: imports torch again; the figures behind it are in bench/RESULTS.md ("GPU, fourth run").
+AUTO_WORKERS_GPU_STORED = 4
 #: Keys that must stay the same for a resume to continue the same run: the number of processes changes the
 #: batches each one trains on. The other keys are bookkeeping, parallel loading and time limits.
 WORLD_KEYS = ("nproc_per_node", "nnodes")
@@ -56,15 +59,17 @@ class RunConfig:
         """Data-loading processes of each rank: ``num_workers``, or for ``auto``: 0 when a CPU trains on
         precomputed features (a batch of stored fbank loads quickly next to a CPU step, and each spawned
         worker would import torch again); when features are computed on the fly (fbank, speed perturbation,
-        noise) or a ``gpu`` trains (whose steps are short next to building a batch), the rank's share of the
-        ``usable_cores`` (default: this process's CPU affinity) less one for the rank itself, at least
-        :data:`AUTO_WORKERS_ON_THE_FLY`."""
+        noise), the rank's share of the ``usable_cores`` (default: this process's CPU affinity) less one for
+        the rank itself, at least :data:`AUTO_WORKERS_ON_THE_FLY`; when a ``gpu`` trains on precomputed
+        features (its steps are short next to loading a batch), that share but at most
+        :data:`AUTO_WORKERS_GPU_STORED`."""
         if self.num_workers != "auto":
             return int(self.num_workers)
         if not on_the_fly and not gpu:
             return 0
         cores = usable_cores if usable_cores is not None else len(os.sched_getaffinity(0))
-        return max(AUTO_WORKERS_ON_THE_FLY, cores // self.nproc_per_node - 1)
+        share = max(AUTO_WORKERS_ON_THE_FLY, cores // self.nproc_per_node - 1)
+        return share if on_the_fly else min(share, AUTO_WORKERS_GPU_STORED)
 
     @property
     def world(self) -> dict:
