@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -62,13 +63,26 @@ def test_automatic_job_count_follows_the_amount_of_audio(yesno_data):
 def test_num_jobs_zero_uses_every_available_core_on_a_large_split():
     import os
 
-    from asrflow.data.features.extract import AUDIO_S_PER_JOB, available_cores, resolve_jobs
+    from asrflow.cores import available_cores
+    from asrflow.data.features.extract import AUDIO_S_PER_JOB, resolve_jobs
 
     cores = available_cores()
     assert cores == len(os.sched_getaffinity(0))
     assert resolve_jobs(feature_config(num_jobs=0), cores * AUDIO_S_PER_JOB + 1) == cores
     assert resolve_jobs(feature_config(num_jobs=0), 180.0) == 1  # 3 minutes: one process
     assert resolve_jobs(feature_config(num_jobs=3), 180.0) == 3  # an explicit count is taken as it is
+
+
+def test_num_jobs_zero_stays_inside_the_threads_snakemake_granted(monkeypatch):
+    from asrflow.cores import GRANTED_THREADS_ENV, available_cores
+    from asrflow.data.features.extract import AUDIO_S_PER_JOB, resolve_jobs
+
+    monkeypatch.setenv(GRANTED_THREADS_ENV, "1")
+    assert available_cores() == 1
+    assert resolve_jobs(feature_config(num_jobs=0), 64 * AUDIO_S_PER_JOB) == 1
+    for ignored in ("", "0", "all"):  # not a grant: the affinity mask decides
+        monkeypatch.setenv(GRANTED_THREADS_ENV, ignored)
+        assert available_cores() == len(os.sched_getaffinity(0))
 
 
 def write_split_manifests(folder, audio_dir, names_by_split) -> None:

@@ -15,9 +15,11 @@ import urllib.request
 from pathlib import Path
 
 import mlflow
+import numpy as np
 import pandas as pd
 import pytest
 import soundfile
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from asrflow.data.loading.index_store import manifest_facts
@@ -26,7 +28,7 @@ from asrflow.errors import AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.serving.bundle import load_bundle
-from asrflow.serving.pyfunc import log_bundle
+from asrflow.serving.pyfunc import NO_KNOWN_COLUMN, log_bundle
 from asrflow.testing.processes import free_port
 from asrflow.testing.servers import stop
 from asrflow.testing.trained_model import split_files
@@ -117,8 +119,12 @@ def test_pyfunc_bad_input_names_the_item(logged, tmp_path, monkeypatch):
     uri, _, info = logged
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     model = mlflow.pyfunc.load_model(f"models:/{info.model_id}")
-    with pytest.raises(AsrflowError, match=r"nothere\.wav"):
-        model.predict(pd.DataFrame({"path": [str(tmp_path / "nothere.wav")]}))
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    with pytest.raises(AsrflowError, match=r"nothere\.wav: no such file.*; .*empty\.wav: the file is empty") as error:
+        model.predict(pd.DataFrame({"path": [str(tmp_path / "nothere.wav"), str(empty)]}))  # every bad file named
+    # An MlflowException too, that ``mlflow models serve`` answers with a 400 and this message.
+    assert isinstance(error.value, MlflowException) and error.value.error_code == "INVALID_PARAMETER_VALUE"
     with pytest.raises(AsrflowError, match="input row 0"):
         model.predict(pd.DataFrame({"sample_rate": [16000]}))
     with pytest.raises(AsrflowError, match="none of the columns path, waveform, sample_rate"):
@@ -130,30 +136,18 @@ def test_missing_bundle_is_clear_error(tmp_path):
         log_bundle(tmp_path / "model.pt", run_id="x", tracking_uri=f"sqlite:///{tmp_path}/m.db")
 
 
-@pytest.mark.serve
-def test_mlflow_models_serve_answers(logged, yesno_data, tmp_path):
+@pytest.fixture(scope="module")
+def served(logged, tmp_path_factory):
+    """The base URL of ``mlflow models serve`` running the logged model (one worker), up until the module ends."""
     uri, _, info = logged
     port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    log = tmp_path / "serve.log"
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    command = ["mlflow", "models", "serve", "-m", f"models:/{info.model_id}", "--env-manager", "local"]
     with open(log, "w") as handle:
         server = subprocess.Popen(
-            [
-                "mlflow",
-                "models",
-                "serve",
-                "-m",
-                f"models:/{info.model_id}",
-                "--env-manager",
-                "local",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "-w",
-                "1",
-            ],
+            [*command, "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,
@@ -174,15 +168,52 @@ def test_mlflow_models_serve_answers(logged, yesno_data, tmp_path):
             if time.monotonic() > deadline:
                 pytest.fail(f"mlflow models serve not up after {SERVE_TIMEOUT_S} s:\n{log.read_text()}")
             time.sleep(0.5)
-        files = split_files(yesno_data, "test")[:3]
-        body = json.dumps({"dataframe_records": [{"path": str(path)} for path, _ in files]}).encode()
-        request = urllib.request.Request(f"{base}/invocations", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            answer = json.loads(response.read())
-        transcripts = [row["transcript"] for row in answer["predictions"]]
-        assert wer(files, transcripts) <= MAX_WER, answer
+        yield base
     finally:
         stop(server)
+
+
+def invoke(base: str, body: bytes) -> tuple[int, dict]:
+    """POST ``body`` (JSON) to ``base/invocations``: the HTTP status and the answer read as JSON, errors too."""
+    request = urllib.request.Request(f"{base}/invocations", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.serve
+def test_mlflow_models_serve_answers(served, yesno_data):
+    files = split_files(yesno_data, "test")[:3]
+    status, answer = invoke(
+        served, json.dumps({"dataframe_records": [{"path": str(path)} for path, _ in files]}).encode()
+    )
+    assert status == 200, answer
+    transcripts = [row["transcript"] for row in answer["predictions"]]
+    assert wer(files, transcripts) <= MAX_WER, answer
+
+
+@pytest.mark.serve
+def test_mlflow_models_serve_answers_a_bad_request_with_400_and_why(served, yesno_data, tmp_path):
+    """Malformed JSON, rows naming files that are missing or not audio, and a plain list of paths (which MLflow
+    empties): each a 400 whose message says what is wrong, and the server still answers the next request."""
+    missing, corrupt = tmp_path / "nothere.wav", tmp_path / "corrupt.wav"
+    corrupt.write_bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    rows = {"dataframe_records": [{"path": str(missing)}, {"path": str(corrupt)}]}
+    for body, expected in (
+        (b'{"dataframe_records": [{"path": ', ["valid JSON"]),
+        (json.dumps(rows).encode(), [f"{missing}: no such file", f"{corrupt}: cannot read audio"]),
+        (json.dumps({"dataframe_records": [{"sample_rate": 16000}]}).encode(), ["input row 0: give 'path'"]),
+        (json.dumps({"inputs": ["a.wav"]}).encode(), [NO_KNOWN_COLUMN]),
+    ):
+        status, answer = invoke(served, body)
+        assert status == 400, (body, answer)
+        assert answer["error_code"] in ("BAD_REQUEST", "INVALID_PARAMETER_VALUE"), answer
+        for part in expected:
+            assert part in answer["message"], (body, answer)
+    good = {"dataframe_records": [{"path": str(split_files(yesno_data, "test")[0][0])}]}
+    assert invoke(served, json.dumps(good).encode())[0] == 200
 
 
 def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, yesno_data, tmp_path):

@@ -156,20 +156,31 @@ def test_stereo_is_averaged_to_mono(workdir, train_files, monkeypatch, capsys):
 
 
 def test_bad_files_are_named_and_the_good_one_is_still_transcribed(workdir, refs, tmp_path):
-    """The installed command, in a fresh process: one line per bad file, no traceback, exit 1."""
-    good = workdir / next(iter(refs))
-    missing = tmp_path / "missing.wav"
+    """The installed command, in a fresh process: one line per bad file naming it, why and what to do, no
+    traceback; the good files (before, between and after the bad ones) transcribed; then exit 1."""
+    names = list(refs)
+    good = [workdir / names[0], workdir / names[1]]
     corrupt = tmp_path / "corrupt.wav"
     corrupt.write_bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes())
     empty = tmp_path / "empty.wav"
     empty.write_bytes(b"")
     no_samples = tmp_path / "no_samples.wav"
     sf.write(no_samples, np.zeros(0, dtype=np.float32), 16000)
-    bad = [missing, corrupt, empty, no_samples]
+    short = tmp_path / "short.wav"
+    sf.write(short, np.zeros(800, dtype=np.float32), 16000)  # 0.05 s
+    bad = {
+        tmp_path / "missing.wav": "no such file; check the path (a relative one is read from the current folder)",
+        corrupt: "cannot read audio (Format not recognised); check the file or convert it to WAV/FLAC",
+        empty: "the file is empty (0 bytes); write it again or leave it out",
+        no_samples: "cannot read audio (it holds no audio); check the file or convert it to WAV/FLAC",
+        short: "too short to transcribe (0.050 s of audio; at least 0.1 s is needed); leave it out or pad it",
+        tmp_path: "is a folder, not an audio file; name the audio files in it",
+    }
+    missing, *others = bad
+    paths = [missing, good[0], *others[:2], good[1], *others[2:]]
 
     script = Path(sys.executable).with_name("asrflow")
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "asrflow.serving.cli"]
-    paths = [missing, good, corrupt, empty, no_samples]
     result = subprocess.run(
         [*command, "transcribe", "--model", str(workdir / "model.pt"), *map(str, paths)],
         capture_output=True,
@@ -179,14 +190,15 @@ def test_bad_files_are_named_and_the_good_one_is_still_transcribed(workdir, refs
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
-    lines = result.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{good}\t"), result.stdout
-    assert score_corpus({"good": refs[next(iter(refs))]}, {"good": lines[0].split("\t")[1]}).wer <= 0.25
+    rows = [tuple(line.split("\t")) for line in result.stdout.splitlines()]
+    assert [path for path, _ in rows] == [str(path) for path in good], result.stdout
+    transcripts = {f"good{index}": text for index, (_, text) in enumerate(rows)}
+    references = {f"good{index}": refs[name] for index, name in enumerate(names[:2])}
+    assert score_corpus(references, transcripts).wer <= 0.25, rows
     errors = result.stderr.splitlines()
-    for path in bad:
-        named = [line for line in errors if line.startswith("error: ") and str(path) in line]
-        assert len(named) == 1, (path, result.stderr)
-    assert errors[-1] == "error: 4 of 5 files could not be transcribed"
+    assert errors == [f"error: {path}: {why}" for path, why in bad.items()] + [
+        f"error: {len(bad)} of {len(paths)} files could not be transcribed"
+    ], result.stderr
 
 
 def test_missing_model_is_a_usage_error(tmp_path, capsys):

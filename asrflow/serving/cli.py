@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,9 +33,6 @@ EXPORT_FORMATS = ("onnx", "torchscript")
 
 #: Exit code when at least one audio file could not be transcribed.
 EXIT_SOME_FILES_FAILED = 1
-
-#: Shorter audio cannot fill the encoder's two stride-2 convolutions; it is reported as an error.
-MIN_DURATION_S = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -139,58 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- transcribe
-def _unreadable_reason(path: str) -> str | None:
-    """A short reason why ``path`` is certainly not audio, checked before Lhotse opens it."""
-    file = Path(path)
-    if not file.exists():
-        return "no such file"
-    if file.is_dir():
-        return "is a directory, not an audio file"
-    if file.stat().st_size == 0:
-        return "the file is empty (0 bytes)"
-    return None
-
-
-def _one_line(path: str, error: Exception) -> str:
-    """``error`` (possibly Lhotse's multi-line report of every backend tried) as one line naming ``path``."""
-    reason = re.search(r"LibsndfileError'>: Error opening .*?: (.+)", str(error))
-    if reason:
-        return (
-            f"{path}: cannot read audio ({reason.group(1).strip().rstrip('.')}); "
-            "check the file or convert it to WAV/FLAC"
-        )
-    first = first_line(error)
-    return first if path in first else f"{path}: {first}"
-
-
-def _read_audio(paths: Sequence[str]) -> Iterator[tuple[str, object | None, str | None]]:
-    """``(path, cut, None)`` for each readable file, ``(path, None, message)`` for the others."""
-    from asrflow.serving.inference import audio_cut
-
-    for index, path in enumerate(paths):
-        reason = _unreadable_reason(path)
-        if reason:
-            yield path, None, f"{path}: {reason}"
-            continue
-        try:
-            cut = audio_cut(path)
-        except AsrflowError as error:
-            yield path, None, _one_line(path, error)
-            continue
-        if cut.duration < MIN_DURATION_S:
-            yield (
-                path,
-                None,
-                (
-                    f"{path}: too short to transcribe ({cut.duration:.3f} s of audio; "
-                    f"at least {MIN_DURATION_S} s is needed)"
-                ),
-            )
-            continue
-        # Unique ids: files with the same name in different folders stay apart.
-        yield path, cut.with_id(f"input-{index}"), None
-
-
 def transcribe_files(
     bundle, paths: Sequence[str], decode, batch_seconds: float = 60.0
 ) -> Iterator[tuple[str, str | None, str | None]]:
@@ -200,19 +144,12 @@ def transcribe_files(
     input order, each as soon as it and every path before it are done. A batch that fails
     as a whole is retried file by file, so one bad file only costs its own transcript.
     """
-    from lhotse import CutSet
-
     from asrflow.data.manifests import pack_by_duration
-    from asrflow.serving.inference import cut_features, log_probs
-
-    def run(cuts: list) -> list[str]:
-        features, lengths = cut_features(bundle, CutSet.from_cuts(cuts))  # (N, T, F), (N,)
-        scores, out_lens = log_probs(bundle, features, lengths)  # (N, T', V), (N,)
-        return [" ".join(bundle.tokenizer.decode(ids).split()) for ids in decode(scores, out_lens)]
+    from asrflow.serving.inference import read_audio, transcripts
 
     done: dict[int, tuple[str | None, str | None]] = {}
     readable: list[tuple[int, object]] = []
-    for index, (_, cut, message) in enumerate(_read_audio(paths)):
+    for index, (cut, message) in enumerate(read_audio(paths)):
         if cut is None:
             done[index] = (None, message)
         else:
@@ -234,13 +171,13 @@ def transcribe_files(
             sum(cut.duration for _, cut in batch),
         )
         try:
-            texts = run([cut for _, cut in batch])
+            texts = transcripts(bundle, [cut for _, cut in batch], decode)
             done.update((index, (text, None)) for (index, _), text in zip(batch, texts, strict=True))
         except Exception:
             logger.debug("a batch failed; retrying its files one by one", exc_info=True)
             for index, cut in batch:
                 try:
-                    done[index] = (run([cut])[0], None)
+                    done[index] = (transcripts(bundle, [cut], decode)[0], None)
                 except Exception as error:
                     done[index] = (None, f"{paths[index]}: could not be transcribed ({first_line(error)})")
     while next_index in done:

@@ -16,7 +16,9 @@ Input rows hold either ``path`` (an audio file any format Lhotse reads) or ``wav
 (mono samples, floats in [-1, 1]) with ``sample_rate`` (default: the model's). Audio is
 resampled to the model's rate. Rows come as a DataFrame or a list of dicts; a plain list of paths
 reaches the model with no column (MLflow keeps only the signature's) and is refused with the forms
-that work. Output: one ``transcript`` per row, in order. The ``decoder`` param picks ``greedy``
+that work. A bad input (that, a missing or unreadable file, a row with neither column) raises
+:class:`BadInput` naming it, which ``mlflow models serve`` answers with a 400 and the same message. Output: one
+``transcript`` per row, in order. The ``decoder`` param picks ``greedy``
 (default) or ``beam``; ``$ASRFLOW_DEVICE`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) where the encoder runs.
 """
 
@@ -31,7 +33,9 @@ from typing import Any
 
 import mlflow
 import mlflow.pyfunc
+from mlflow.exceptions import MlflowException
 from mlflow.models import Model, ModelSignature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
 from mlflow.types.schema import Array
 
@@ -59,8 +63,6 @@ REQUIREMENTS = (
 )
 #: Seconds of audio per decoding batch.
 BATCH_SECONDS = 60.0
-#: Shorter audio cannot fill the encoder's two stride-2 convolutions.
-MIN_DURATION_S = 0.1
 
 SIGNATURE = ModelSignature(
     inputs=Schema(
@@ -105,6 +107,15 @@ NO_KNOWN_COLUMN = (
 )
 
 
+class BadInput(MlflowException, AsrflowError):
+    """An input the model cannot transcribe (a missing or unreadable file, a row with neither column): still an
+    :class:`AsrflowError`, and an ``INVALID_PARAMETER_VALUE`` that MLflow's scoring server answers with a 400 and
+    this message (any other exception from ``predict`` gets its generic "unexpected error" text)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
+
+
 class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
     """The pyfunc: audio files or waveforms in, transcripts out (see the module docstring)."""
 
@@ -134,44 +145,48 @@ class AsrflowTranscriber(mlflow.pyfunc.PythonModel):
         return self._decoders[kind]
 
     def predict(self, context, model_input, params: dict[str, Any] | None = None):
+        """One ``transcript`` per input row; :class:`BadInput` (an :class:`AsrflowError`) naming what is wrong
+        with the input, every unreadable file at once."""
         import pandas as pd
 
-        if isinstance(model_input, pd.DataFrame) and len(model_input.columns) == 0:
-            raise AsrflowError(NO_KNOWN_COLUMN)
-        rows = _rows(model_input)
-        decode = self._decoder((params or {}).get("decoder") or "greedy")
-        with tempfile.TemporaryDirectory(prefix="asrflow-pyfunc-") as folder:
-            paths = [
-                _audio_path(row, index, Path(folder), self.bundle.features.sampling_rate)
-                for index, row in enumerate(rows)
-            ]
-            transcripts = transcribe(self.bundle, paths, decode)
+        try:
+            if isinstance(model_input, pd.DataFrame) and len(model_input.columns) == 0:
+                raise AsrflowError(NO_KNOWN_COLUMN)
+            rows = _rows(model_input)
+            decode = self._decoder((params or {}).get("decoder") or "greedy")
+            with tempfile.TemporaryDirectory(prefix="asrflow-pyfunc-") as folder:
+                paths = [
+                    _audio_path(row, index, Path(folder), self.bundle.features.sampling_rate)
+                    for index, row in enumerate(rows)
+                ]
+                transcripts = transcribe(self.bundle, paths, decode)
+        except AsrflowError as error:
+            raise BadInput(str(error)) from None
         return pd.DataFrame({"transcript": transcripts})
 
 
 def transcribe(bundle, paths: list[str], decode, batch_seconds: float = BATCH_SECONDS) -> list[str]:
-    """Transcripts of audio files, in order; :class:`AsrflowError` naming the first file that
-    cannot be read or is too short. Batches of at most ``batch_seconds``, sorted by duration."""
-    from lhotse import CutSet
+    """Transcripts of audio files, in order, in batches of at most ``batch_seconds`` sorted by duration.
 
+    Raises:
+        AsrflowError: before any decoding, naming every file that cannot be read or is too short, one
+            ``;``-separated reason each.
+    """
     from asrflow.data.manifests import pack_by_duration
-    from asrflow.serving.inference import audio_cut, cut_features, log_probs
+    from asrflow.serving.inference import read_audio, transcripts
 
-    cuts = []
-    for index, path in enumerate(paths):
-        cut = audio_cut(path)
-        if cut.duration < MIN_DURATION_S:
-            raise AsrflowError(
-                f"{path}: too short to transcribe ({cut.duration:.3f} s of audio; at least {MIN_DURATION_S} s)"
-            )
-        cuts.append(cut.with_id(f"input-{index}"))
+    cuts, problems = [], []
+    for cut, message in read_audio(paths):
+        cuts.append(cut)
+        if message is not None:
+            problems.append(message)
+    if problems:
+        raise AsrflowError("; ".join(problems))
     texts = [""] * len(cuts)
     order = sorted(range(len(cuts)), key=lambda index: cuts[index].duration)
     for batch in pack_by_duration(order, lambda index: cuts[index].duration, batch_seconds):
-        features, lengths = cut_features(bundle, CutSet.from_cuts([cuts[index] for index in batch]))  # (N, T, F)
-        scores, out_lens = log_probs(bundle, features, lengths)  # (N, T', V), (N,)
-        for index, ids in zip(batch, decode(scores, out_lens), strict=True):
-            texts[index] = " ".join(bundle.tokenizer.decode(ids).split())
+        for index, text in zip(batch, transcripts(bundle, [cuts[index] for index in batch], decode), strict=True):
+            texts[index] = text
     return texts
 
 

@@ -246,12 +246,22 @@ _SNAKEMAKE_VIEW = """
 import json, sys
 from pathlib import Path
 from snakemake.api import SnakemakeApi
-from snakemake.settings.types import OutputSettings, ResourceSettings
+from snakemake.settings.types import OutputSettings, ResourceSettings, WorkflowSettings
+from snakemake_interface_executor_plugins.settings import ExecMode
 with SnakemakeApi(OutputSettings()) as api:
     workflow = api.workflow(
-        resource_settings=ResourceSettings(), snakefile=Path("workflow/Snakefile"), workdir=Path.cwd()
+        resource_settings=ResourceSettings(),
+        workflow_settings=WorkflowSettings(exec_mode=ExecMode[sys.argv[2]]),
+        snakefile=Path("workflow/Snakefile"),
+        workdir=Path.cwd(),
     )._workflow
-    view = {rule.name: {"params": dict(rule.params.items())} for rule in workflow.rules}
+    view = {
+        rule.name: {
+            "params": {key: value(None) if callable(value) else value for key, value in rule.params.items()},
+            "threads": rule.resources["_cores"].value,
+        }
+        for rule in workflow.rules
+    }
 Path(sys.argv[1]).write_text(json.dumps(view))
 """
 
@@ -274,15 +284,21 @@ Path(sys.argv[1]).write_text(json.dumps(view))
 """
 
 
-def _python_view(copy: Path, script: str, name: str) -> dict:
+def _python_view(copy: Path, script: str, name: str, *args: str) -> dict:
     target = copy.parent / f"{name}.json"
-    run(copy, "python", "-c", script, str(target), timeout=180)
+    run(copy, "python", "-c", script, str(target), *args, timeout=180)
     return json.loads(target.read_text())
 
 
-def snakemake_rule_params(copy: Path) -> dict[str, dict]:
-    """Each rule's ``params:`` as Snakemake evaluated them (its Python API), by rule name."""
-    return {name: rule["params"] for name, rule in _python_view(copy, _SNAKEMAKE_VIEW, "snakemake_view").items()}
+def snakemake_rules_view(copy: Path, mode: str = "DEFAULT") -> dict[str, dict]:
+    """Each rule's ``params`` and ``threads`` as Snakemake evaluates them (its Python API), by rule name;
+    ``mode`` is Snakemake's execution mode (``DEFAULT``: the main process; ``REMOTE``: a Slurm job's own)."""
+    return _python_view(copy, _SNAKEMAKE_VIEW, "snakemake_view", mode)
+
+
+def snakemake_rule_params(copy: Path, mode: str = "DEFAULT") -> dict[str, dict]:
+    """Each rule's ``params:`` as Snakemake evaluates them (:func:`snakemake_rules_view`), by rule name."""
+    return {name: rule["params"] for name, rule in snakemake_rules_view(copy, mode).items()}
 
 
 def dvc_stages(copy: Path) -> dict[str, dict]:

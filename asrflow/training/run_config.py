@@ -3,9 +3,9 @@ MLflow experiment). No stage's outputs depend on it, so a change re-runs nothing
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from asrflow.cores import available_cores
 from asrflow.params import check_at_least, check_choice, check_positive, param_error
 
 SECTION = "run"
@@ -59,7 +59,7 @@ class RunConfig:
         """Data-loading processes of each rank: ``num_workers``, or for ``auto``: 0 when a CPU trains on
         precomputed features (a batch of stored fbank loads quickly next to a CPU step, and each spawned
         worker would import torch again); when features are computed on the fly (fbank, speed perturbation,
-        noise), the rank's share of the ``usable_cores`` (default: this process's CPU affinity) less one for
+        noise), the rank's share of the ``usable_cores`` (default: :func:`asrflow.cores.available_cores`) less one for
         the rank itself, at least :data:`AUTO_WORKERS_ON_THE_FLY`; when a ``gpu`` trains on precomputed
         features (its steps are short next to loading a batch), that share but at most
         :data:`AUTO_WORKERS_GPU_STORED`."""
@@ -67,7 +67,7 @@ class RunConfig:
             return int(self.num_workers)
         if not on_the_fly and not gpu:
             return 0
-        cores = usable_cores if usable_cores is not None else len(os.sched_getaffinity(0))
+        cores = usable_cores if usable_cores is not None else available_cores()
         share = max(AUTO_WORKERS_ON_THE_FLY, cores // self.nproc_per_node - 1)
         return share if on_the_fly else min(share, AUTO_WORKERS_GPU_STORED)
 

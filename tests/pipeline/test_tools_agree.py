@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from asrflow.testing.pipeline_tools import (
     run,
     snakemake_dry_run_rules,
     snakemake_rule_params,
+    snakemake_rules_view,
 )
 
 pytestmark = pytest.mark.pipeline
@@ -121,7 +123,8 @@ def _without_log_redirect(shell: str, stage: str) -> str:
     stage where its log and the terminal are, and without the redirects to them."""
     log = rf"(\{{log\}}|logs/{stage}\.log)"
     prefix = re.compile(
-        rf"^ASRFLOW_PIPELINE=snakemake ASRFLOW_STAGE={stage} ASRFLOW_LOG_FILE={log} ASRFLOW_PROGRESS_FD=3\s+"
+        rf"^ASRFLOW_PIPELINE=snakemake ASRFLOW_STAGE={stage} ASRFLOW_LOG_FILE={log} ASRFLOW_PROGRESS_FD=3 "
+        r"ASRFLOW_THREADS=\d+\s+"
     )
     suffix = re.compile(rf"\s+3>&2\s*>\s*{log}\s+2>&1\s*$")
     assert suffix.search(shell), f"rule {stage} does not send its output to its log: {shell!r}"
@@ -195,3 +198,41 @@ def test_snakemake_rules_are_the_dvc_stages(snakemake_run):
         if LISTING_FILE in stage["deps"]:
             expected_params |= digest
         assert rule_params[name] == expected_params, f"rule {name}'s params differ from dvc.yaml's {keys}"
+
+
+def test_snakemake_rules_declare_the_cores_their_stage_keeps_busy(snakemake_run):
+    """Features and the tokenizer both follow prepare: with each rule's threads declared, ``--cores N``
+    runs side by side only what fits, and each stage learns its grant (at most N) as $ASRFLOW_THREADS."""
+    copy = snakemake_run.copy
+    num_jobs = yaml.safe_load((copy / "params.yaml").read_text())["features"]["num_jobs"]
+    cores = os.cpu_count()
+    threads = {name: rule["threads"] for name, rule in snakemake_rules_view(copy).items() if name in STAGES}
+    assert threads == {"prepare": 1, "features": num_jobs or cores, "tokenizer": 1, "train": cores, "evaluate": cores}
+    for name, rule in snakemake_dry_run_rules(copy).items():  # --cores 1: every grant is 1
+        if name in STAGES:
+            assert "ASRFLOW_THREADS=1 " in rule["shell"], f"rule {name}: {rule['shell']!r}"
+
+
+def test_the_corpus_listing_runs_once_per_invocation(snakemake_run):
+    """The main process runs the listing when it builds the jobs; --lint builds none, and a job's own
+    reading of the workflow (a Slurm job's, mode REMOTE) takes the listing the main process wrote."""
+    copy = snakemake_run.copy
+    listing = copy / LISTING_FILE
+    written = listing.read_bytes()
+    param = re.sub(r"\W", "_", LISTING_FILE)
+    try:
+        listing.unlink()
+        run(copy, "snakemake", "--lint", timeout=180)
+        assert not listing.exists(), "snakemake --lint ran the corpus listing"
+
+        stale = written + b"# not what the corpus holds now\n"
+        listing.write_bytes(stale)
+        in_a_job = snakemake_rule_params(copy, mode="REMOTE")["prepare"][param]
+        assert listing.read_bytes() == stale, "a job's reading of the workflow ran the corpus listing again"
+        assert in_a_job == hashlib.sha256(stale).hexdigest()
+
+        in_the_main_process = snakemake_rule_params(copy)["prepare"][param]
+        assert listing.read_bytes() == written, "the main process did not run the corpus listing"
+        assert in_the_main_process == hashlib.sha256(written).hexdigest()
+    finally:
+        listing.write_bytes(written)

@@ -1,5 +1,7 @@
 # Helpers that turn a dvc.yaml stage into a Snakemake rule's input, output, params and shell.
+import functools
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,14 +21,18 @@ PRODUCED = {path for stage in DVC_STAGES for path, _ in _outs(stage)}
 
 # DVC runs an ``always_changed`` stage (corpus_listing) every time and re-runs the stages that
 # depend on it only when its output changed. Snakemake has no such rule: it runs the stage's
-# command here, while reading the workflow, and gives each dependent rule the output's SHA-256
-# as a param, so that a changed output (and only that) re-runs it; a file's time would not do,
-# as one rewritten with the same content is newer.
+# command when it first needs a rule's params (building the jobs: a run or a dry run, not
+# --lint) and gives each dependent rule the output's SHA-256 as a param, so that a changed
+# output (and only that) re-runs it; a file's time would not do, as one rewritten with the same
+# content is newer. It runs once per invocation: a job's own reading of the workflow (under
+# Slurm, each job reads it again) takes the digest of the output the main process wrote.
 ALWAYS_RUN = [stage for stage, spec in DVC_STAGES.items() if spec.get("always_changed")]
 ALWAYS_RUN_OUTS = {path for stage in ALWAYS_RUN for path, _ in _outs(stage)}
 
 
-def _run_always_changed():
+@functools.cache
+def always_run_digests():
+    """``{output path: SHA-256}`` of the always-changed stages' outputs, after running them (in the main process)."""
     import hashlib
     import subprocess
 
@@ -34,13 +40,19 @@ def _run_always_changed():
 
     digests = {}
     for stage in ALWAYS_RUN:
-        done = subprocess.run(_resolve(DVC_STAGES[stage]["cmd"]), shell=True, capture_output=True, text=True)
-        if done.returncode != 0:
-            said = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise WorkflowError(f"asrflow: stage {stage} exited {done.returncode}: {said}")
+        if workflow.is_main_process:
+            done = subprocess.run(_resolve(DVC_STAGES[stage]["cmd"]), shell=True, capture_output=True, text=True)
+            if done.returncode != 0:
+                said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                raise WorkflowError(f"asrflow: stage {stage} exited {done.returncode}: {said}")
         for path, _ in _outs(stage):
             digests[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     return digests
+
+
+def _always_run_digest(path):
+    """A rule's param: the digest of ``path``, looked up when Snakemake builds the rule's jobs."""
+    return lambda wildcards: always_run_digests()[path]
 
 
 def _resolve(text):
@@ -127,15 +139,38 @@ def stage_params(stage):
     params = {_name(key): _param(key) for key in DVC_STAGES[stage]["params"]}
     for dep in DVC_STAGES[stage]["deps"]:
         if dep in ALWAYS_RUN_OUTS:
-            params[_name(dep)] = ALWAYS_RUN_DIGESTS[dep]
+            params[_name(dep)] = _always_run_digest(dep)
     return params
+
+
+# The cores each stage keeps busy, so that `snakemake --cores N` runs side by side only what fits
+# (features and the tokenizer both follow prepare). ALL_CORES: the stage spreads over every core
+# it may use; Snakemake gives a rule at most --cores threads, and the stage keeps to its grant
+# ($ASRFLOW_THREADS, asrflow/cores.py). prepare's thread pool waits on the disk, not the CPU.
+ALL_CORES = os.cpu_count() or 1
+STAGE_THREADS = {
+    "prepare": lambda: 1,
+    "features": lambda: _param("features.num_jobs") or ALL_CORES,
+    "tokenizer": lambda: 1,  # SentencePiece's trainer on one thread (asrflow/tokenizer.py)
+    "train": lambda: ALL_CORES,  # ranks, torch threads and data workers (run.num_workers: auto)
+    "evaluate": lambda: ALL_CORES,  # torch's threads
+}
+
+
+def stage_threads(stage):
+    """The rule's ``threads:``: the cores the stage keeps busy (STAGE_THREADS)."""
+    return STAGE_THREADS[stage]()
 
 
 def stage_shell(stage):
     """dvc.yaml's command with its output in the rule's log. Snakemake's stderr (the
     terminal) stays open as descriptor 3, where the stage shows its progress, warnings and
-    the log's path (asrflow/logs.py); the tags of the MLflow run say Snakemake ran it."""
-    env = f"ASRFLOW_PIPELINE=snakemake ASRFLOW_STAGE={stage} ASRFLOW_LOG_FILE={{log}} ASRFLOW_PROGRESS_FD=3"
+    the log's path (asrflow/logs.py); the tags of the MLflow run say Snakemake ran it. The
+    threads Snakemake granted reach the stage as $ASRFLOW_THREADS."""
+    env = (
+        f"ASRFLOW_PIPELINE=snakemake ASRFLOW_STAGE={stage} ASRFLOW_LOG_FILE={{log}} ASRFLOW_PROGRESS_FD=3 "
+        "ASRFLOW_THREADS={threads}"
+    )
     return f"{env} {_resolve(DVC_STAGES[stage]['cmd'])} 3>&2 > {{log}} 2>&1"
 
 
@@ -188,7 +223,6 @@ def clear_stale_locks():
 
 
 clear_stale_locks()
-ALWAYS_RUN_DIGESTS = _run_always_changed()
 
 
 # Under `snakemake --executor slurm`: before anything is submitted, Slurm must answer and every

@@ -5,6 +5,7 @@ rule evaluate:
         **stage_outputs("evaluate"),
     params:
         **stage_params("evaluate"),
+    threads: stage_threads("evaluate")
     conda:
         "../envs/asrflow.yaml"
     log:

@@ -5,6 +5,7 @@ rule features:
         **stage_outputs("features"),
     params:
         **stage_params("features"),
+    threads: stage_threads("features")
     conda:
         "../envs/asrflow.yaml"
     log:

@@ -5,6 +5,7 @@ rule prepare:
         **stage_outputs("prepare"),
     params:
         **stage_params("prepare"),
+    threads: stage_threads("prepare")
     conda:
         "../envs/asrflow.yaml"
     log:

@@ -5,6 +5,7 @@ rule tokenizer:
         **stage_outputs("tokenizer"),
     params:
         **stage_params("tokenizer"),
+    threads: stage_threads("tokenizer")
     conda:
         "../envs/asrflow.yaml"
     log:

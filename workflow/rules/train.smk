@@ -5,6 +5,7 @@ rule train:
         **stage_outputs("train"),
     params:
         **stage_params("train"),
+    threads: stage_threads("train")
     conda:
         "../envs/asrflow.yaml"
     log:

@@ -39,6 +39,7 @@ from lhotse.cut.set import null_result_on_audio_loading_error
 from lhotse.lazy import Dillable, LazySlicer
 from lhotse.utils import fastcopy
 
+from asrflow.cores import available_cores
 from asrflow.data.audio import mono_samples
 from asrflow.data.features.cmvn import CMVN_FILE, save_cmvn, train_statistics
 from asrflow.data.features.config import CONFIG_FILE, FeatureConfig
@@ -191,13 +192,6 @@ def _split_features(
 def _at_rate(cut: Cut, sampling_rate: int) -> Cut:
     """``cut`` resampled lazily to ``sampling_rate`` (Hz) when it has another rate (its manifest stays on file)."""
     return cut if cut.sampling_rate == sampling_rate else cut.resample(sampling_rate)
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, as taskset or a batch scheduler set it)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def resolve_jobs(config: FeatureConfig, audio_s: float) -> int:

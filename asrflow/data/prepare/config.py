@@ -50,6 +50,9 @@ class PrepareConfig:
         long_utterances: ``drop`` or ``split``.
         channel: ``mix`` or a channel index for multi-channel audio.
         max_rejected_fraction: the stage fails above this share of rejected items.
+        allow_commands: run the commands of a Kaldi ``wav.scp`` (entries ending in ``|``) to read
+            their audio; off, they are rejected (``piped_command``), as a data file that runs
+            commands is code.
         text: transcript normalisation settings.
         corpora: several corpora, prepared together (:meth:`corpus_configs`), or ``None`` for the one
             the keys above describe.
@@ -66,6 +69,7 @@ class PrepareConfig:
     long_utterances: str = "drop"
     channel: str | int = "mix"
     max_rejected_fraction: float = 0.05
+    allow_commands: bool = False
     text: TextConfig = field(default_factory=TextConfig)
     corpora: list[Any] | None = None
 

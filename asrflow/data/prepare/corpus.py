@@ -95,7 +95,11 @@ def _streams(
 ) -> dict[str, list[Callable[[], Iterator[Item]]]]:
     """Our split -> the streams of the corpus' splits it merges (opened when called)."""
     if config.corpus in OWN_FORMATS:
-        reader = stream_folder if config.corpus == "folder" else stream_kaldi
+        reader = (
+            stream_folder
+            if config.corpus == "folder"
+            else functools.partial(stream_kaldi, allow_commands=config.allow_commands)
+        )
         return {
             split: [functools.partial(reader, corpus_dir, name, split) for name in names]
             for split, names in sources.items()

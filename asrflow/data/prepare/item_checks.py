@@ -13,8 +13,11 @@ reason                      meaning (and what to do)
                             *valid* copy of an id is kept and later copies are rejected; an
                             invalid copy is rejected for its own reason and does not claim
                             the id, so a valid copy after it survives
-``piped_command``           a Kaldi ``wav.scp`` entry is a shell command (``... |``) or an
-                            archive offset; only plain audio file paths are read
+``piped_command``           a Kaldi ``wav.scp`` entry is a shell command (``... |``) and
+                            ``prepare.allow_commands`` is off, or an archive offset
+                            (``x.ark:12``); set the option, or convert the audio to files
+``command_failed``          a ``wav.scp`` command (``prepare.allow_commands: true``) exits
+                            non-zero or writes nothing to stdout; fix or drop its line
 ``path_outside_corpus``     the audio path leaves ``corpus_dir`` (``..``, an absolute path
                             elsewhere, or a symlink that resolves outside)
 ``missing_audio``           the audio file does not exist
@@ -66,15 +69,18 @@ import functools
 import logging
 import math
 import os
+import subprocess
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from io import BytesIO
 from pathlib import Path
 from typing import TypeVar
 
 import soundfile
 from lhotse import AudioSource, Recording, RecordingSet, SupervisionSegment, SupervisionSet
+from lhotse.audio.backend import read_audio
 from lhotse.qa import validate
 from lhotse.supervision import AlignmentItem
 from lhotse.utils import fastcopy, is_equal_or_contains
@@ -92,6 +98,7 @@ MALFORMED_LINE = "malformed_line"
 NON_UTF8 = "non_utf8_text"
 DUPLICATE_ID = "duplicate_id"
 PIPED_COMMAND = "piped_command"
+COMMAND_FAILED = "command_failed"
 PATH_OUTSIDE = "path_outside_corpus"
 MISSING_AUDIO = "missing_audio"
 MISSING_RECORDING = "missing_recording"
@@ -323,11 +330,76 @@ def open_recording(path: Path, recording_id: str) -> Recording:
         num_samples=frames,
         duration=frames / rate,
     )
+    return _valid_manifest(recording)
+
+
+def _valid_manifest(recording: Recording) -> Recording:
+    """``recording``, once Lhotse's own checks (:func:`lhotse.qa.validate`) accept it.
+
+    Raises:
+        ItemRejected: ``invalid_manifest``.
+    """
     try:
         validate(recording)
     except AssertionError as error:
         raise ItemRejected(INVALID_MANIFEST, f"{first_line(error)}; re-encode the file") from None
     return recording
+
+
+#: Characters of a failed command's stderr quoted in its rejection.
+COMMAND_STDERR_CHARS = 300
+
+
+def open_command_recording(command: str, recording_id: str) -> Recording:
+    """Run a Kaldi ``wav.scp`` command and read the audio it writes to stdout into a Lhotse :class:`Recording`.
+
+    ``command`` is the entry without its trailing ``|`` (``sox x.sph -t wav -``). It runs as
+    Lhotse runs a ``command`` audio source (``sh -c``, in the working directory, stdout read
+    whole), with no stdin, so that its exit status and stderr can be reported; its output is
+    decoded whole by Lhotse's :func:`~lhotse.audio.backend.read_audio`, the reader the later
+    stages use, so the sample count is the one they will load. The recording is a
+    ``command`` source: the later stages run the command again through Lhotse each time they
+    load its audio. Memory: the output and its samples (float32, channels x samples), for the
+    length of the call.
+
+    Raises:
+        ItemRejected: ``command_failed`` (non-zero exit, or nothing on stdout),
+        ``unreadable_audio`` (the output is not audio Lhotse reads), ``zero_length_audio``
+        or ``invalid_manifest``.
+    """
+    try:
+        done = subprocess.run(command, shell=True, stdin=subprocess.DEVNULL, capture_output=True, check=False)
+    except OSError as error:  # no shell to run it (sh -c itself reports a missing program)
+        raise ItemRejected(COMMAND_FAILED, f"command {command!r} cannot be started ({error})") from None
+    stderr = done.stderr.decode("utf-8", errors="replace").strip()[-COMMAND_STDERR_CHARS:]
+    said = f"; it says: {stderr!r}" if stderr else ""
+    if done.returncode != 0 or not done.stdout:
+        status = f"exits with status {done.returncode}" if done.returncode != 0 else "writes nothing to stdout"
+        raise ItemRejected(
+            COMMAND_FAILED,
+            f"command {command!r} {status}{said}; fix the command (run it in a shell from the working directory "
+            "to see why) or drop its wav.scp line",
+        )
+    try:
+        samples, rate = read_audio(BytesIO(done.stdout))
+    except Exception as error:  # any backend failure means the same thing to the user
+        raise ItemRejected(
+            UNREADABLE_AUDIO,
+            f"command {command!r} writes {len(done.stdout)} bytes that are not audio ({first_line(error)}){said}; "
+            "make it write a WAV to stdout (sox: -t wav -)",
+        ) from None
+    channels, frames = (1, len(samples)) if samples.ndim == 1 else samples.shape
+    if frames <= 0:
+        raise ItemRejected(ZERO_LENGTH, f"command {command!r} writes audio with no samples; drop its wav.scp line")
+    return _valid_manifest(
+        Recording(
+            id=recording_id,
+            sources=[AudioSource(type="command", channels=list(range(channels)), source=command)],
+            sampling_rate=rate,
+            num_samples=frames,
+            duration=frames / rate,
+        )
+    )
 
 
 def _lhotse_recording(path: Path, recording_id: str) -> Recording:
@@ -360,10 +432,7 @@ def check_recording(recording: Recording) -> Recording:
             raise ItemRejected(MISSING_AUDIO, f"audio file {source.source} not found; restore it")
     if recording.num_samples <= 0 or recording.duration <= 0:
         raise ItemRejected(ZERO_LENGTH, f"audio {audio_path(recording)} holds no samples; remove it")
-    try:
-        validate(recording)
-    except AssertionError as error:
-        raise ItemRejected(INVALID_MANIFEST, f"{first_line(error)}; re-encode the file") from None
+    _valid_manifest(recording)
     try:
         offset = max(0.0, recording.duration - TAIL_CHECK_S)
         recording.load_audio(offset=offset)

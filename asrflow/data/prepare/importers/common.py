@@ -25,6 +25,7 @@ from asrflow.data.prepare.item_checks import (
     ItemRejected,
     Rejection,
     map_in_threads,
+    open_command_recording,
     open_recording,
     resolve_inside,
 )
@@ -113,11 +114,20 @@ def decode_loose(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def probe_recordings(root: Path, pending: list[tuple[str, str]], split: str) -> list[Recording | ItemRejected]:
-    """Resolve and open ``(recording_id, raw_path)`` pairs in a thread pool."""
+def probe_recordings(
+    root: Path, pending: list[tuple[str, str]], split: str, *, commands: bool = False
+) -> list[Recording | ItemRejected]:
+    """Resolve and open ``(recording_id, raw_path)`` pairs in a thread pool.
+
+    With ``commands`` (a Kaldi ``wav.scp`` under ``prepare.allow_commands``), a raw path
+    ending in ``|`` is a shell command to run (:func:`open_command_recording`); otherwise every
+    raw path is a file inside ``root``.
+    """
 
     def probe(item: tuple[str, str]) -> Recording:
         recording_id, raw = item
+        if commands and raw.endswith("|"):
+            return open_command_recording(raw[:-1].strip(), recording_id)
         return open_recording(resolve_inside(root, raw), recording_id)
 
     return map_in_threads(probe, pending, f"reading audio headers ({split})", show=False)

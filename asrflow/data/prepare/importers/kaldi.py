@@ -4,8 +4,14 @@
 ``<corpus_dir>/S/`` holds:
 
 * ``wav.scp``: ``<recording-id> <audio path>``. Paths are relative to ``corpus_dir`` or
-  absolute inside it. Piped commands (``sox x.sph -t wav - |``) and archive offsets
-  (``feats.ark:123``) are rejected (``piped_command``): convert the audio to files first.
+  absolute inside it. An entry ending in ``|`` is a command that writes the audio to stdout
+  (``sox x.sph -t wav - |``, as WSJ, Switchboard and most Kaldi recipes write): a data file
+  that runs commands is code, so it is rejected (``piped_command``) unless
+  ``prepare.allow_commands: true``; then the command is run once to read its audio (a
+  failure rejects its utterances as ``command_failed``) and its recording is a Lhotse
+  ``command`` source, which the later stages run again to load the audio. Commands run in
+  the working directory and may read any file: ``corpus_dir`` does not bound them. Archive
+  offsets (``wav.ark:123``) are always rejected (``piped_command``): convert the audio to files.
 * ``text``: ``<utterance-id> <transcript>``. A repeated utterance id: every line goes to
   validation, which keeps the first *valid* transcript (as for TSVs). A repeated id in
   ``wav.scp`` or ``segments`` keeps its first line (the later ones are rejected as
@@ -82,15 +88,17 @@ class _RecordingCache:
     follow each other; an interleaved order reads a header again, never wrongly).
     """
 
-    def __init__(self, root: Path, wav: dict[str, str | ItemRejected], split: str) -> None:
-        self.root, self.wav, self.split = root, wav, split
+    def __init__(self, root: Path, wav: dict[str, str | ItemRejected], split: str, *, commands: bool) -> None:
+        self.root, self.wav, self.split, self.commands = root, wav, split, commands
         self.cache: OrderedDict[str, Recording | ItemRejected] = OrderedDict()
 
     def fetch(self, rec_ids: list[str]) -> dict[str, Recording | ItemRejected | None]:
         """Each id's recording, its rejection, or ``None`` when ``wav.scp`` does not name it."""
         wanted = sorted({r for r in rec_ids if r not in self.cache and isinstance(self.wav.get(r), str)})
         for rec_id, result in zip(
-            wanted, probe_recordings(self.root, [(r, self.wav[r]) for r in wanted], self.split), strict=True
+            wanted,
+            probe_recordings(self.root, [(r, self.wav[r]) for r in wanted], self.split, commands=self.commands),
+            strict=True,
         ):
             self.cache[rec_id] = result
         found: dict[str, Recording | ItemRejected | None] = {}
@@ -115,8 +123,11 @@ Segment = tuple[str, float, float]
 TextRow = tuple[str, str, float, float | None, str]
 
 
-def stream_kaldi(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
+def stream_kaldi(corpus_dir: Path, name: str, split: str, *, allow_commands: bool = False) -> Iterator[Item]:
     """Stream the Kaldi data folder ``<corpus_dir>/<name>/`` (format in the module docstring).
+
+    ``allow_commands`` (``prepare.allow_commands``) runs the ``wav.scp`` entries that are
+    commands; without it they are rejected.
 
     ``text`` is streamed in file order. Held in memory: ``wav.scp`` (one path per
     recording), ``segments`` (recording, start, end per segment) and ``utt2spk`` (one
@@ -127,14 +138,14 @@ def stream_kaldi(corpus_dir: Path, name: str, split: str) -> Iterator[Item]:
     """
     root = corpus_dir.resolve()
     folder = _kaldi_folder(root, name, split)
-    wav = yield from _read_wav_scp(folder / "wav.scp", split)
+    wav = yield from _read_wav_scp(folder / "wav.scp", split, allow_commands=allow_commands)
     segments, unreadable_segments = yield from _read_segments(folder / "segments", split)
     speakers = _read_utt2spk(folder / "utt2spk")
     unreadable_text: set[str] = set()
     rows = _text_rows(
         folder / "text", split, segments, unreadable_segments=unreadable_segments, unreadable_text=unreadable_text
     )
-    recordings = _RecordingCache(root, wav, split)
+    recordings = _RecordingCache(root, wav, split, commands=allow_commands)
     for chunk in chunked(rows, PROBE_CHUNK):
         yield from _candidates(chunk, recordings, wav, speakers=speakers, split=split)
     for utt_id in segments or ():  # what text did not consume
@@ -164,10 +175,12 @@ def _kaldi_folder(root: Path, name: str, split: str) -> Path:
     return folder
 
 
-def _read_wav_scp(file: Path, split: str) -> Generator[Rejection, None, dict[str, str | ItemRejected]]:
-    """Yields the rejections of repeated recording ids; returns recording id -> raw path, or the
-    reason it cannot be used. An unreadable line rejects the utterances of its recording
-    (utterances are the items)."""
+def _read_wav_scp(
+    file: Path, split: str, *, allow_commands: bool
+) -> Generator[Rejection, None, dict[str, str | ItemRejected]]:
+    """Yields the rejections of repeated recording ids; returns recording id -> raw path (a
+    command keeps its ``|``), or the reason it cannot be used. An unreadable line rejects the
+    utterances of its recording (utterances are the items)."""
     wav: dict[str, str | ItemRejected] = {}
     for row in _kaldi_table(file, split, min_fields=2, kind="id path"):
         if isinstance(row, Rejection):
@@ -184,15 +197,33 @@ def _read_wav_scp(file: Path, split: str) -> Generator[Rejection, None, dict[str
                 detail=f"wav.scp line {line.number} repeats recording id {rec_id!r}; the first is kept",
             )
             continue
-        if "|" in rest or _ARCHIVE_OFFSET.search(rest):
-            wav[rec_id] = ItemRejected(
-                PIPED_COMMAND,
-                f"wav.scp entry {rest!r} is a command or archive offset, not a file; only plain "
-                "audio paths are read: convert the audio to files (e.g. run the command into a .wav)",
-            )
-        else:
-            wav[rec_id] = rest
+        refused = _refusal(rest, allow_commands=allow_commands)
+        wav[rec_id] = rest if refused is None else ItemRejected(PIPED_COMMAND, refused)
     return wav
+
+
+def _refusal(entry: str, *, allow_commands: bool) -> str | None:
+    """Why a ``wav.scp`` entry (stripped) is not read, or ``None`` when it is (a path, or an allowed command)."""
+    if _ARCHIVE_OFFSET.search(entry):
+        return (
+            f"wav.scp entry {entry!r} is an archive offset, not an audio file; convert the audio to files "
+            "(e.g. wav-copy the archive into .wav files)"
+        )
+    if entry.endswith("|"):
+        if allow_commands:
+            return None
+        return (
+            f"wav.scp entry {entry!r} is a command; running it means running code from the data file, so "
+            "commands are refused unless you set prepare.allow_commands: true in params.yaml (prepare and "
+            "the later stages then run each wav.scp command to read the audio it writes to stdout); or "
+            "convert the audio to files (run the command into a .wav)"
+        )
+    if "|" in entry:
+        return (
+            f"wav.scp entry {entry!r} holds a '|' but does not end with one, as a Kaldi command does; "
+            "fix the line, or convert the audio to files"
+        )
+    return None
 
 
 def _read_segments(file: Path, split: str) -> Generator[Rejection, None, tuple[dict[str, Segment] | None, set[str]]]:
@@ -333,6 +364,6 @@ def _candidates(
         yield Candidate(supervision=supervision, recording=status, path=raw, checked=True)
 
 
-def import_kaldi(corpus_dir: Path, name: str, split: str) -> ImportedSplit:
+def import_kaldi(corpus_dir: Path, name: str, split: str, *, allow_commands: bool = False) -> ImportedSplit:
     """:func:`stream_kaldi`, gathered in memory."""
-    return collect(stream_kaldi(corpus_dir, name, split))
+    return collect(stream_kaldi(corpus_dir, name, split, allow_commands=allow_commands))
