@@ -6,7 +6,9 @@ of a second model copy on the same batches. Records ``matmul_fp32``, ``train_thr
 ``bare_audio_s_per_s``, ``ratio``, FLOPs per audio second, MFU) and ``data_wait``. ``--precisions``: instead,
 bare steps in fp32, bf16 and fp16 autocast side by side, params.yaml's and the real-corpus preset's model (what
 ``precision: auto`` picks on this CPU): ``cpu_precision`` per case and precision (``audio_s_per_s``,
-``ratio_to_fp32``).
+``ratio_to_fp32``). ``--compile``: instead, bare fp32 steps of the eager model against ``torch.compile``'s
+(dynamic shapes, then static ones) on the same batches of params.yaml's model, frames padded to 64 for both:
+``cpu_compile`` per step (seconds each side, the batch shape) and per mode (the error that stopped it, if any).
 """
 
 from __future__ import annotations
@@ -231,16 +233,53 @@ def measure_precisions(name: str, data: Path, settings, *, timed: int, threads: 
     ]
 
 
+def measure_compile(data: Path, settings, *, steps: int, threads: int) -> list[dict]:
+    """Bare fp32 steps of the eager model and of ``torch.compile(model, dynamic=...)`` on the same ``steps``
+    batches, for dynamic shapes and static ones; per step the seconds of each (a compiled step includes
+    compiling it for a new shape), or the error that stopped the compiled side."""
+    import torch
+
+    torch.set_num_threads(threads)
+    records = []
+    for dynamic in (True, False):
+        planned = PlannedBatches(data, settings, seed=0)
+        vocab = planned.tokenizer.vocab_size
+        eager, eager_optimizer = build(settings.train, settings.features, 0, vocab)
+        model, optimizer = build(settings.train, settings.features, 0, vocab)
+        compiled = torch.compile(model, dynamic=dynamic)
+        common = {"benchmark": "cpu_compile", "dynamic": dynamic, "threads": threads, "torch": torch.__version__}
+        for step in range(steps):
+            batches = planned.next_step()
+            shape = list(batches[0]["features"].shape)
+            eager_s = bare_step(eager, eager_optimizer, batches)
+            try:
+                compiled_s = bare_step(compiled, optimizer, batches)
+            except Exception as error:  # noqa: BLE001 - the compiler's failure is the finding
+                records.append(emit({**common, "step": step, "shape": shape, "error": str(error).splitlines()[0]}))
+                break
+            records.append(emit({**common, "step": step, "shape": shape, "eager_s": eager_s, "compiled_s": compiled_s}))
+    return records
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     def configure(parser) -> None:
         parser.add_argument("--num-threads", type=int, help="torch threads (default: train.optim.num_threads)")
         parser.add_argument("--precisions", action="store_true", help="fp32 / bf16 / fp16 bare steps instead")
-        parser.add_argument("--steps", type=int, default=6, help="--precisions: timed batches per case (default 6)")
+        parser.add_argument("--steps", type=int, default=6, help="--precisions, --compile: batches (default 6)")
+        parser.add_argument("--compile", action="store_true", help="eager against torch.compile bare steps instead")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     mode = "quick" if args.quick else "full"
     threads = args.num_threads or train_settings(repo_params(), quick=args.quick).train.optim.num_threads
     with workdir(args.workdir) as work:
+        if args.compile:
+            data = generated_data(work, GENERATED[mode])
+            overrides = {"train.optim.epochs": 1000, "train.data.pad_frames_to": 64}
+            settings = train_settings(repo_params(), quick=args.quick, data=data, overrides=overrides)
+            return [
+                emit({"benchmark": "machine", **machine()}),
+                *measure_compile(data, settings, steps=args.steps, threads=threads),
+            ]
         if args.precisions:
             from asrflow.training.precision import resolve_precision
 

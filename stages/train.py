@@ -61,21 +61,29 @@ def input_folder(path: str, option: str, stage: str) -> Path:
 def run_trainer(trainer: Trainer) -> tuple[int, TrainOutcome | None]:
     """Run ``trainer`` with SIGTERM/SIGINT making the step in flight the last; the exit code for how it ended
     (from :data:`~asrflow.training.outcome.EXIT_CODES`) and its outcome (None after a failure).
-    A user's mistake (:class:`AsrflowError`) propagates: the stage's wrapper prints it and exits 2."""
+    A user's mistake (:class:`AsrflowError`) propagates: the stage's wrapper prints it and exits 2.
+
+    For a process's entry point: once the run has ended, SIGTERM/SIGINT are logged and ignored until the
+    process exits, so that the signal torchrun sends the other ranks when one has exited cannot turn the
+    exit code already decided (75 after a stop, with its checkpoint saved) into death by that signal."""
 
     def on_signal(signum, _frame) -> None:
         logger.warning("received %s: finishing the current step, then saving a checkpoint", signal.Signals(signum).name)
         trainer.request_stop()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def after_the_run(signum, _frame) -> None:
+        logger.info("received %s after the run ended: exiting as decided", signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         outcome = trainer.run()
     except TrainingFailure as failure:
         logger.error("stopping: %s; run the same command again to resume from the last checkpoint", failure)
         return exit_code(failure), None
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, after_the_run)
     if outcome.outcome is Outcome.STOPPED:
         logger.warning(
             "stopped at step %d with a checkpoint saved; run the same command again to resume",

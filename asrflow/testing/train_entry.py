@@ -26,8 +26,8 @@ Faults, from environment variables each ``rank:step`` or ``rank:batch``: ``ASRFL
 ``ASRFLOW_TEST_PAUSE_RANK_IN_STEP`` (hold it in flight, printing ``asrflow.test.paused R S``),
 ``ASRFLOW_TEST_STALL_WORKER_AT_BATCH`` / ``ASRFLOW_TEST_KILL_WORKER_AT_BATCH`` (the data worker that
 builds that planned batch sleeps forever / SIGKILLs itself). Each rank prints ``asrflow.test.rank R
-pid P`` when its first step is next, and
-``asrflow.test.exit R CODE`` as it exits.
+pid P`` when its first step is next (for a reader of the log). :class:`TrainingProcess` runs each rank
+under torchrun through :mod:`~asrflow.testing.exit_observer`, which records how it ended.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from asrflow.testing.exit_observer import RankExit, observed, rank_exits
 from asrflow.testing.faults import NonFiniteSteps
 from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.testing.processes import ChildProcess
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
 
 class TrainingProcess(ChildProcess):
     """This module run on ``data`` into ``exp`` (cwd), in a session of its own; ``ranks`` > 1 runs it
-    under torchrun with gloo (and sets ``run.nproc_per_node`` to ``ranks`` unless ``overrides`` do). Steps
+    under torchrun with gloo (and sets ``run.nproc_per_node`` to ``ranks`` unless ``overrides`` do), each
+    rank under :mod:`~asrflow.testing.exit_observer` recording into :attr:`exits` (:meth:`rank_exits`). Steps
     are always logged (:meth:`steps`). MLflow goes to ``tracking_uri``, else to ``EXP/mlflow.db`` (a fresh
     store when there is none yet)."""
 
@@ -202,13 +204,16 @@ class TrainingProcess(ChildProcess):
         if pause_in_step is not None:
             args += ["--pause-in-step", str(pause_in_step)]
         module = ["-m", "asrflow.testing.train_entry", *args]
+        started = time.monotonic_ns()
+        #: This job's rank records (one folder per job: a rerun in ``exp`` starts with none).
+        self.exits = self.exp / "exits" / str(started)
         if ranks > 1:
             from dataclasses import replace
 
             from asrflow.launch.torchrun import torchrun_command
 
             run = replace(tiny_settings().run, nproc_per_node=ranks)
-            command = torchrun_command(run, module)
+            command = torchrun_command(run, observed(self.exits, module))
         else:
             command = [sys.executable, *module]
         full_env = {
@@ -220,13 +225,17 @@ class TrainingProcess(ChildProcess):
             "MLFLOW_TRACKING_URI": tracking_uri,
             **(env or {}),
         }
-        log_path = log_path or self.exp / f"train-{time.monotonic_ns()}.log"
+        log_path = log_path or self.exp / f"train-{started}.log"
         super().__init__(command, log_path=log_path, env=full_env, cwd=self.exp)
 
     def steps(self) -> list[tuple[int, float, float]]:
         """``(global step, unix time, process CPU seconds)`` of every step finished so far."""
         pattern = re.compile(rf"^{re.escape(STEP_MARK)} 0 (\d+) ([\d.]+) ([\d.]+)$", re.MULTILINE)
         return [(int(step), float(at), float(cpu)) for step, at, cpu in pattern.findall(self.log())]
+
+    def rank_exits(self) -> dict[int, RankExit]:
+        """Each torchrun rank's pid, session and, once it ended, exit status, as its observer saw them."""
+        return rank_exits(self.exits)
 
     def wait(self, timeout: float | None = 300.0) -> int:
         return super().wait(timeout)
@@ -244,17 +253,5 @@ def run_training(data: Path, exp: Path, overrides: dict, *, log_path: Path, expe
     return process.log()
 
 
-def _report_exit(code: int) -> None:
-    os.write(2, f"asrflow.test.exit {os.environ.get('RANK', '0')} {code}\n".encode())
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except SystemExit as done:
-        _report_exit(done.code if isinstance(done.code, int) else 1)
-        raise
-    except BaseException:
-        _report_exit(1)
-        raise
-    _report_exit(0)
+    main()
