@@ -5,21 +5,26 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+from typing import TypeVar
 
 from lhotse import CutSet
+from lhotse.cut import Cut
 
 from asrflow.data.features.config import check_same_features
 from asrflow.data.manifests import cut_text, cuts_path, list_test_sets, load_cuts, pack_by_duration
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
-from asrflow.evaluation.metrics import pool_scores, score_corpus
+from asrflow.errors import AsrflowError
+from asrflow.evaluation.metrics import score_utterance
 from asrflow.evaluation.report import (
     TEST_SETS_KEY,
     WER_BY_DURATION_COLUMNS,
-    wer_by_duration,
+    finish_report,
     wer_by_duration_figure,
-    write_report,
+    write_per_utterance,
 )
 from asrflow.logs import progress
 from asrflow.params import check_at_least, check_choice, check_positive, param_error
@@ -37,6 +42,14 @@ SECTION = "evaluate"
 #: (``mlflow.load_table``, the UI's table view) and as a bar chart.
 WER_TABLE_ARTIFACT = "eval/wer_by_duration.json"
 WER_FIGURE_ARTIFACT = "eval/wer_by_duration.png"
+
+#: Test cuts read ahead, sorted by duration and packed into batches at a time: evaluation holds
+#: at most this many cut manifests (not features) whatever the test sets' size; test sets that fit
+#: in one window are batched exactly as a whole-set sort would.
+SORT_WINDOW = 20_000
+
+T = TypeVar("T")
+K = TypeVar("K")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,18 +97,60 @@ class EvaluateConfig:
             )
 
 
-def decoding_batches(cuts: CutSet, max_batch_duration_s: float) -> list[CutSet]:
-    """``cuts`` sorted by duration and packed into batches of at most ``max_batch_duration_s`` seconds of audio."""
-    ordered = sorted(cuts, key=lambda c: c.duration)
-    return [CutSet.from_cuts(batch) for batch in pack_by_duration(ordered, lambda c: c.duration, max_batch_duration_s)]
+def windowed_batches(
+    items: Iterable[T], duration_s: Callable[[T], float], max_batch_duration_s: float, window: int = SORT_WINDOW
+) -> Iterator[list[T]]:
+    """Batches of at most ``max_batch_duration_s`` seconds of audio from a stream of ``items``.
+
+    ``window`` items at a time are read, sorted by duration (seconds, stable: equal durations
+    keep their order) and packed (:func:`asrflow.data.manifests.pack_by_duration`); their
+    batches are yielded before the next window is read. So at most ``window`` items are held
+    whatever the stream's length, and a stream that fits in one window is batched as if it
+    were sorted whole.
+    """
+    if window < 1:
+        raise ValueError(f"window must be 1 or more, not {window}")
+    stream = iter(items)
+    while chunk := list(islice(stream, window)):
+        chunk.sort(key=duration_s)
+        yield from pack_by_duration(chunk, duration_s, max_batch_duration_s)
 
 
-def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[dict[str, str], dict[str, float]]:
-    """Hypotheses of the decoder ``config`` names (only that one runs), and its real-time factors.
+def decoding_batches(cuts: Iterable[Cut], max_batch_duration_s: float, window: int = SORT_WINDOW) -> Iterator[CutSet]:
+    """``cuts`` packed into batches of at most ``max_batch_duration_s`` seconds of audio,
+    sorted by duration ``window`` cuts at a time (:func:`windowed_batches`)."""
+    for batch in windowed_batches(cuts, lambda c: c.duration, max_batch_duration_s, window):
+        yield CutSet.from_cuts(batch)
 
-    Returns:
-        ``(hyps, rtf)``: the transcript per cut id, and ``rtf["encoder"]`` (features + CMVN +
-        encoder seconds per audio second) and ``rtf["total"]`` (that plus the decoder's seconds).
+
+@dataclass
+class DecodeTimes:
+    """Seconds spent decoding so far, and the seconds of audio decoded."""
+
+    encoder_s: float = 0.0
+    decoder_s: float = 0.0
+    audio_s: float = 0.0
+
+    def rtf(self) -> dict[str, float]:
+        """``rtf["encoder"]`` (features + CMVN + encoder seconds per audio second) and
+        ``rtf["total"]`` (that plus the decoder's seconds)."""
+        audio = max(self.audio_s, 1e-9)
+        return {"encoder": self.encoder_s / audio, "total": (self.encoder_s + self.decoder_s) / audio}
+
+
+def decode_stream(
+    bundle: Bundle,
+    tagged_cuts: Iterable[tuple[K, Cut]],
+    config: EvaluateConfig,
+    times: DecodeTimes,
+    *,
+    window: int = SORT_WINDOW,
+) -> Iterator[tuple[K, Cut, str]]:
+    """Decode ``(tag, cut)`` pairs with the decoder ``config`` names (only that one runs), as they stream.
+
+    Batches are formed ``window`` cuts at a time (:func:`windowed_batches`), so memory does not grow
+    with the stream's length. Yields ``(tag, cut, transcript)`` in decoding order (each cut once) and
+    adds the time taken to ``times``.
     """
     decode = build_decoder(
         config.decoder,
@@ -106,44 +161,75 @@ def decode_split(bundle: Bundle, cuts: CutSet, config: EvaluateConfig) -> tuple[
         lm_weight=config.lm_weight,
         word_score=config.word_score,
     )
-    encoder_s = decoder_s = 0.0
-    hyps: dict[str, str] = {}
-    batches = decoding_batches(cuts, config.max_batch_duration_s)
-    for batch in progress(batches, desc="decoding", total=len(batches)):
+    batches = windowed_batches(tagged_cuts, lambda item: item[1].duration, config.max_batch_duration_s, window)
+    return _decode_batches(bundle, decode, batches, times)  # the decoder is built (and checked) before any batch
+
+
+def _decode_batches(bundle: Bundle, decode, batches: Iterable[list[tuple[K, Cut]]], times: DecodeTimes):
+    for batch in progress(batches, desc="decoding"):
+        cuts = CutSet.from_cuts(cut for _, cut in batch)
         start = time.perf_counter()
-        features, lengths = cut_features(bundle, batch)
+        features, lengths = cut_features(bundle, cuts)
         scores, out_lens = log_probs(bundle, features, lengths)  # (N, T, V), (N,)
-        encoder_s += time.perf_counter() - start
+        times.encoder_s += time.perf_counter() - start
         start = time.perf_counter()
         token_ids = decode(scores, out_lens)
-        decoder_s += time.perf_counter() - start
-        for cut, ids in zip(batch, token_ids, strict=True):
-            hyps[cut.id] = bundle.tokenizer.decode(ids)
-    audio = max(sum(cut.duration for cut in cuts), 1e-9)
-    return hyps, {"encoder": encoder_s / audio, "total": (encoder_s + decoder_s) / audio}
+        times.decoder_s += time.perf_counter() - start
+        for (tag, cut), ids in zip(batch, token_ids, strict=True):
+            times.audio_s += cut.duration
+            yield tag, cut, bundle.tokenizer.decode(ids)
+
+
+def decode_split(
+    bundle: Bundle, cuts: Iterable[Cut], config: EvaluateConfig
+) -> tuple[dict[str, str], dict[str, float]]:
+    """Hypotheses of the decoder ``config`` names (only that one runs), and its real-time factors,
+    held in memory (:func:`decode_stream` streams them).
+
+    Returns:
+        ``(hyps, rtf)``: the transcript per cut id, and :meth:`DecodeTimes.rtf`.
+    """
+    times = DecodeTimes()
+    hyps = {cut.id: hyp for _, cut, hyp in decode_stream(bundle, ((None, cut) for cut in cuts), config, times)}
+    return hyps, times.rtf()
 
 
 def evaluate(
-    model_path: Path, fbank_dir: Path, out_dir: Path, config: EvaluateConfig, *, tracking_uri: str | None = None
+    model_path: Path,
+    fbank_dir: Path,
+    out_dir: Path,
+    config: EvaluateConfig,
+    *,
+    tracking_uri: str | None = None,
+    window: int = SORT_WINDOW,
 ) -> dict:
     """Decode every test set of ``fbank_dir`` with ``config.decoder``, write the report into ``out_dir``,
     log it to the training's MLflow run (``tracking_uri``, else MLflow's default store).
 
     The test sets are decoded together (one real-time factor) and scored each on its own;
-    the top-level numbers pool them (:func:`asrflow.evaluation.report.write_report`).
+    the top-level numbers pool them (:func:`asrflow.evaluation.report.write_report`). They are
+    streamed from their lazy manifests ``window`` cuts at a time (:func:`decode_stream`) and each
+    utterance's row is written to ``per_utterance.jsonl`` as it is decoded, so memory stays flat
+    in the test sets' size (:class:`asrflow.evaluation.report.ReportTotals` is all that is kept).
 
     Returns:
         The metrics written to ``metrics.json``.
     """
     bundle = load_bundle(model_path, device=resolve_device(config.device, f"params.yaml: {SECTION}.device"))
     check_same_features(bundle.features, fbank_dir)
-    sets = {name: load_cuts(fbank_dir, name).to_eager() for name in list_test_sets(fbank_dir)}
-    cuts = CutSet.from_cuts(cut for one in sets.values() for cut in one)
-    hyps, rtf = decode_split(bundle, cuts, config)
-    scores = {name: score_corpus({cut.id: cut_text(cut) for cut in one}, hyps) for name, one in sets.items()}
-    durations = {cut.id: cut.duration for cut in cuts}
+    names = list_test_sets(fbank_dir)
+    sets = {name: load_cuts(fbank_dir, name) for name in names}  # lazy: read as decoded
+    tagged = ((name, cut) for name, one in sets.items() for cut in one)
+    times = DecodeTimes()
+    decoded = decode_stream(bundle, tagged, config, times, window=window)
+    scored = ((name, score_utterance(cut.id, cut_text(cut), hyp), cut.duration) for name, cut, hyp in decoded)
+    report = write_per_utterance(out_dir, names, scored)
+    if report.pooled.words.ref_len == 0:
+        raise AsrflowError(
+            "there are no reference words to score against: are the test sets empty, or their transcripts?"
+        )
     loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
-    metrics = write_report(out_dir, scores, durations, rtf=rtf, loss_csv=loss_csv)
+    metrics = finish_report(out_dir, report, rtf=times.rtf(), loss_csv=loss_csv)
     if len(sets) > 1:
         for name, one in metrics[TEST_SETS_KEY].items():
             logger.info(
@@ -157,7 +243,7 @@ def evaluate(
         "test WER %.2f%%, CER %.2f%% over %d utterances of %d test set(s) (decoder %s)",
         100 * metrics["wer"],
         100 * metrics["cer"],
-        len(cuts),
+        metrics["num_utterances"],
         len(sets),
         config.decoder,
     )
@@ -165,7 +251,7 @@ def evaluate(
         _log_to_training_run(
             bundle.run_id,
             metrics,
-            wer_rows=wer_by_duration(pool_scores(scores.values()), durations),
+            wer_rows=report.buckets.rows(),
             out_dir=out_dir,
             tracking_uri=tracking_uri,
             test_manifests={name: cuts_path(fbank_dir, name) for name in sets},

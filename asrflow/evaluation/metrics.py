@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import kaldialign
@@ -104,16 +104,26 @@ class CorpusScore:
         """
         counts: Counter[str] = Counter()
         for row in self.utterances:
-            for ref, hyp in row.alignment:
-                if ref == hyp:
-                    continue
-                if hyp == EPS:
-                    counts[f"del: {ref}"] += 1
-                elif ref == EPS:
-                    counts[f"ins: {hyp}"] += 1
-                else:
-                    counts[f"sub: {ref} -> {hyp}"] += 1
-        return sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top_n]
+            counts.update(error_labels(row.alignment))
+        return top_errors(counts, top_n)
+
+
+def error_labels(alignment: Iterable[tuple[str, str]]) -> Iterator[str]:
+    """The word errors of an alignment as ``"sub: A -> B"``, ``"del: A"`` or ``"ins: B"``, in order."""
+    for ref, hyp in alignment:
+        if ref == hyp:
+            continue
+        if hyp == EPS:
+            yield f"del: {ref}"
+        elif ref == EPS:
+            yield f"ins: {hyp}"
+        else:
+            yield f"sub: {ref} -> {hyp}"
+
+
+def top_errors(counts: Counter[str], top_n: int) -> list[tuple[str, int]]:
+    """The ``top_n`` commonest of ``counts`` (:func:`error_labels` -> count): by count, highest first, then by text."""
+    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top_n]
 
 
 def align(ref: Sequence[str], hyp: Sequence[str]) -> tuple[list[tuple[str, str]], ErrorCounts]:

@@ -5,7 +5,9 @@ none, never half a file), ``metrics.json`` last so that its presence means the r
 is complete:
 
 - ``per_utterance.jsonl``: one JSON object per utterance (test set, id, duration in
-  seconds, ref, hyp, word errors, alignment as ``[ref, hyp]`` pairs with ``"*"`` for a gap).
+  seconds, ref, hyp, word errors, alignment as ``[ref, hyp]`` pairs with ``"*"`` for a gap),
+  written as the utterances are scored (the evaluate stage's decoding order) and never held:
+  the other files need only :class:`ReportTotals`, whose size does not grow with the utterances.
 - ``errors.txt``: totals (over all test sets, then per set) and the most frequent word
   errors, for people.
 - ``wer_by_duration.csv``: ``duration_bucket,wer,num_utterances`` for ``dvc plots``.
@@ -30,10 +32,13 @@ import csv
 import html
 import logging
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
-from asrflow.evaluation.metrics import CorpusScore, ErrorCounts, pool_scores
+from asrflow.evaluation.metrics import CorpusScore, ErrorCounts, UtteranceScore, error_labels, top_errors
 from asrflow.files import atomic_path, write_json, write_jsonl
 
 METRICS_FILE = "metrics.json"
@@ -76,24 +81,139 @@ def _bucket(duration: float, width: float) -> tuple[int, str]:
     return index, f"{index * width:g}-{(index + 1) * width:g}s"
 
 
+class DurationBuckets:
+    """Word error counts by utterance duration, summed as utterances come, for :func:`wer_by_duration`.
+
+    The bucket width depends on the longest utterance, known only at the end, so the counts are
+    kept for every width of :data:`BUCKET_WIDTHS_S` (and per whole second for the fallback width):
+    memory grows with the longest duration (in seconds), not with the number of utterances.
+    """
+
+    def __init__(self) -> None:
+        self.longest_s = 0.0
+        self._by_width: dict[float, dict[tuple[int, str], tuple[ErrorCounts, int]]] = {
+            width: {} for width in (*BUCKET_WIDTHS_S, 1.0)
+        }
+
+    def add(self, words: ErrorCounts, duration_s: float) -> None:
+        """Count one utterance's word errors under its duration (seconds)."""
+        self.longest_s = max(self.longest_s, duration_s)
+        for width, buckets in self._by_width.items():
+            key = _bucket(duration_s, width)
+            counts, num = buckets.get(key, (ErrorCounts(), 0))
+            buckets[key] = (counts + words, num + 1)
+
+    def rows(self) -> list[dict[str, object]]:
+        """:func:`wer_by_duration`'s rows for the utterances added."""
+        width = bucket_width([self.longest_s] if self._by_width[1.0] else [])
+        if width in self._by_width:
+            buckets = self._by_width[width]
+        else:  # wider than any candidate: whole-second buckets regrouped (an integer width)
+            buckets = {}
+            for (second, _), (counts, num) in self._by_width[1.0].items():
+                key = _bucket(float(second), width)
+                pooled, total = buckets.get(key, (ErrorCounts(), 0))
+                buckets[key] = (pooled + counts, total + num)
+        return [
+            {"duration_bucket": label, "wer": round(counts.rate, 6), "num_utterances": num}
+            for (_, label), (counts, num) in sorted(buckets.items())
+        ]
+
+
 def wer_by_duration(score: CorpusScore, durations: dict[str, float]) -> list[dict[str, object]]:
     """Rows ``{"duration_bucket": "0-2s", "wer": fraction, "num_utterances": n}``, shortest first.
 
     Utterances without a duration are left out.
     """
-    known = [(row, durations[row.id]) for row in score.utterances if durations.get(row.id) is not None]
-    width = bucket_width([duration for _, duration in known])
-    buckets: dict[tuple[int, str], list[ErrorCounts]] = {}
-    for row, duration in known:
-        buckets.setdefault(_bucket(float(duration), width), []).append(row.words)
-    return [
-        {
-            "duration_bucket": label,
-            "wer": round(sum(counts, ErrorCounts()).rate, 6),
-            "num_utterances": len(counts),
+    buckets = DurationBuckets()
+    for row in score.utterances:
+        if durations.get(row.id) is not None:
+            buckets.add(row.words, float(durations[row.id]))
+    return buckets.rows()
+
+
+@dataclass
+class Totals:
+    """Running sums over the scored utterances of a test set (or several): O(1) memory.
+
+    ``duration`` (seconds) is summed exactly, so the total does not depend on the order of the utterances.
+    """
+
+    words: ErrorCounts = field(default_factory=ErrorCounts)
+    chars: ErrorCounts = field(default_factory=ErrorCounts)
+    num_utterances: int = 0
+    num_missing_hyps: int = 0
+    duration: Fraction = field(default_factory=Fraction)
+
+    def add(self, row: UtteranceScore, duration_s: float | None) -> None:
+        """Add one utterance; an unknown duration (``None``) adds nothing to :attr:`duration_s`."""
+        self.words += row.words
+        self.chars += row.chars
+        self.num_utterances += 1
+        self.num_missing_hyps += not row.has_hyp
+        if duration_s is not None:
+            self.duration += Fraction(float(duration_s))
+
+    def __add__(self, other: Totals) -> Totals:
+        return Totals(
+            self.words + other.words,
+            self.chars + other.chars,
+            self.num_utterances + other.num_utterances,
+            self.num_missing_hyps + other.num_missing_hyps,
+            self.duration + other.duration,
+        )
+
+    @property
+    def duration_s(self) -> float:
+        """The audio of the utterances with a known duration, in seconds."""
+        return float(self.duration)
+
+
+class ReportTotals:
+    """What the report needs of every utterance, gathered as they are scored (in any order).
+
+    Held: a :class:`Totals` per test set, :class:`DurationBuckets` and a count per distinct word
+    error (for ``errors.txt``'s top list), none of which grows with the number of utterances
+    (the error counts grow with the distinct errors only). :meth:`add` returns the utterance's row
+    of ``per_utterance.jsonl`` for the caller to write at once.
+    """
+
+    def __init__(self, test_sets: Iterable[str]) -> None:
+        self.by_set: dict[str, Totals] = {name: Totals() for name in test_sets}
+        self.buckets = DurationBuckets()
+        self.errors: Counter[str] = Counter()
+        self.first_without_duration: str | None = None
+        self.num_without_duration = 0
+
+    def add(self, test_set: str, row: UtteranceScore, duration_s: float | None) -> dict:
+        """Count ``row`` (of ``test_set``, ``duration_s`` seconds long or ``None``); its per-utterance row."""
+        self.by_set[test_set].add(row, duration_s)
+        self.errors.update(error_labels(row.alignment))
+        if duration_s is None:
+            self.num_without_duration += 1
+            self.first_without_duration = self.first_without_duration or row.id
+        else:
+            self.buckets.add(row.words, float(duration_s))
+        return {
+            "test_set": test_set,
+            "id": row.id,
+            "duration": duration_s,
+            "ref": row.ref,
+            "hyp": row.hyp,
+            "errors": row.words.errors,
+            "substitutions": row.words.substitutions,
+            "deletions": row.words.deletions,
+            "insertions": row.words.insertions,
+            "ref_words": row.words.ref_len,
+            "char_errors": row.chars.errors,
+            "has_hyp": row.has_hyp,
+            "alignment": [list(pair) for pair in row.alignment],
         }
-        for (_, label), counts in sorted(buckets.items())
-    ]
+
+    @property
+    def pooled(self) -> Totals:
+        """Every test set's totals summed."""
+        return sum(self.by_set.values(), Totals())
 
 
 def wer_by_duration_figure(rows: list[dict[str, object]]):
@@ -114,15 +234,13 @@ def wer_by_duration_figure(rows: list[dict[str, object]]):
     return figure
 
 
-def metrics_dict(
-    score: CorpusScore, durations: dict[str, float], rtf: dict[str, float] | None = None
-) -> dict[str, float | int]:
+def metrics_dict(totals: Totals, rtf: dict[str, float] | None = None) -> dict[str, float | int]:
     """The flat numbers of ``metrics.json``; rates are fractions, durations seconds.
 
     ``rtf`` entries (real-time factors: processing seconds per audio second) appear as
     ``rtf_<name>`` (a name already starting with ``rtf`` is kept as it is).
     """
-    words, chars = score.words, score.chars
+    words, chars = totals.words, totals.chars
     ref_words = max(words.ref_len, 1)
     metrics: dict[str, float | int] = {
         "wer": words.rate,
@@ -139,43 +257,42 @@ def metrics_dict(
         "char_deletions": chars.deletions,
         "char_insertions": chars.insertions,
         "ref_chars": chars.ref_len,
-        "num_utterances": len(score.utterances),
-        "num_missing_hyps": score.num_missing_hyps,
-        "duration_s": sum(float(durations[row.id]) for row in score.utterances if durations.get(row.id) is not None),
+        "num_utterances": totals.num_utterances,
+        "num_missing_hyps": totals.num_missing_hyps,
+        "duration_s": totals.duration_s,
     }
     for name, value in (rtf or {}).items():
         metrics[name if name.startswith("rtf") else f"rtf_{name}"] = float(value)
     return metrics
 
 
-def test_set_metrics(score: CorpusScore, durations: dict[str, float]) -> dict[str, float | int]:
+def test_set_metrics(totals: Totals) -> dict[str, float | int]:
     """:data:`TEST_SET_KEYS` of one test set (rates are fractions, ``duration_s`` seconds)."""
-    metrics = {**metrics_dict(score, durations), "char_errors": score.chars.errors}
+    metrics = {**metrics_dict(totals), "char_errors": totals.chars.errors}
     return {key: metrics[key] for key in TEST_SET_KEYS}
 
 
-def _totals(score: CorpusScore) -> list[str]:
-    words, chars = score.words, score.chars
+def _totals(totals: Totals) -> list[str]:
+    words, chars = totals.words, totals.chars
     lines = [
         f"WER {100 * words.rate:.2f}% ({words.errors} errors / {words.ref_len} words: "
         f"{words.substitutions} sub, {words.deletions} del, {words.insertions} ins) "
-        f"on {len(score.utterances)} utterances",
+        f"on {totals.num_utterances} utterances",
         f"CER {100 * chars.rate:.2f}% ({chars.errors} errors / {chars.ref_len} characters: "
         f"{chars.substitutions} sub, {chars.deletions} del, {chars.insertions} ins)",
     ]
-    if score.num_missing_hyps:
-        lines.append(f"{score.num_missing_hyps} utterances had no hypothesis (scored as all deletions)")
+    if totals.num_missing_hyps:
+        lines.append(f"{totals.num_missing_hyps} utterances had no hypothesis (scored as all deletions)")
     return lines
 
 
-def _errors_text(scores: Mapping[str, CorpusScore], top_n: int) -> str:
-    score = pool_scores(scores.values())
-    lines = _totals(score)
-    if len(scores) > 1:
-        lines[0] += f" of {len(scores)} test sets"
-        for name, one in scores.items():
+def _errors_text(report: ReportTotals, top_n: int) -> str:
+    lines = _totals(report.pooled)
+    if len(report.by_set) > 1:
+        lines[0] += f" of {len(report.by_set)} test sets"
+        for name, one in report.by_set.items():
             lines += ["", f"{name}:", *(f"  {line}" for line in _totals(one))]
-    top = score.most_frequent_errors(top_n)
+    top = top_errors(report.errors, top_n)
     lines += ["", f"Most frequent word errors (top {top_n}):", f"{'count':>7}  error"]
     lines += [f"{count:>7}  {error}" for error, count in top] or ["      -  none"]
     return "\n".join(lines) + "\n"
@@ -190,7 +307,7 @@ def write_report(
     top_n: int = TOP_ERRORS,
     loss_csv: Path | None = None,
 ) -> dict[str, float | int]:
-    """Write the report files (see the module docstring) into ``out_dir``.
+    """Write the report files (see the module docstring) into ``out_dir`` from scores held in memory.
 
     Args:
         out_dir: folder for the files; created if missing.
@@ -205,55 +322,67 @@ def write_report(
     Returns:
         The metrics written to ``metrics.json``.
     """
-    score = pool_scores(scores.values())
-    test_set_of = {row.id: name for name, one in scores.items() for row in one.utterances}
+    rows = ((name, row, durations.get(row.id)) for name, one in scores.items() for row in one.utterances)
+    report = write_per_utterance(out_dir, scores, rows)
+    return finish_report(out_dir, report, rtf=rtf, top_n=top_n, loss_csv=loss_csv)
+
+
+def write_per_utterance(
+    out_dir: Path, test_sets: Iterable[str], rows: Iterable[tuple[str, UtteranceScore, float | None]]
+) -> ReportTotals:
+    """Write ``per_utterance.jsonl`` into ``out_dir`` as ``rows`` come, each
+    ``(test set, score, duration in seconds or None)``, one of ``test_sets`` (in report order).
+
+    Only :class:`ReportTotals` is kept, so ``rows`` may be a stream of any length; the file is
+    in their order and appears (atomically) once they are all written.
+
+    Returns:
+        The totals for :func:`finish_report`.
+    """
+    report = ReportTotals(test_sets)
+    write_jsonl(Path(out_dir) / PER_UTTERANCE_FILE, (report.add(name, row, duration) for name, row, duration in rows))
+    return report
+
+
+def finish_report(
+    out_dir: Path,
+    report: ReportTotals,
+    *,
+    rtf: dict[str, float] | None = None,
+    top_n: int = TOP_ERRORS,
+    loss_csv: Path | None = None,
+) -> dict[str, float | int]:
+    """Write the report files after ``per_utterance.jsonl`` (:func:`write_per_utterance`): ``errors.txt``,
+    ``wer_by_duration.csv``, the figures (with ``loss_csv``) and ``metrics.json`` last.
+
+    Args: as :func:`write_report`'s.
+
+    Returns:
+        The metrics written to ``metrics.json``.
+    """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    missing = [row.id for row in score.utterances if durations.get(row.id) is None]
-    if missing:
+    if report.num_without_duration:
         logger.warning(
             "%d utterances have no duration (e.g. %s); left out of %s",
-            len(missing),
-            missing[0],
+            report.num_without_duration,
+            report.first_without_duration,
             WER_BY_DURATION_FILE,
         )
-
-    write_jsonl(
-        out_dir / PER_UTTERANCE_FILE,
-        (
-            {
-                "test_set": test_set_of[row.id],
-                "id": row.id,
-                "duration": durations.get(row.id),
-                "ref": row.ref,
-                "hyp": row.hyp,
-                "errors": row.words.errors,
-                "substitutions": row.words.substitutions,
-                "deletions": row.words.deletions,
-                "insertions": row.words.insertions,
-                "ref_words": row.words.ref_len,
-                "char_errors": row.chars.errors,
-                "has_hyp": row.has_hyp,
-                "alignment": [list(pair) for pair in row.alignment],
-            }
-            for row in score.utterances
-        ),
-    )
-
     with atomic_path(out_dir / ERRORS_FILE) as tmp:
-        tmp.write_text(_errors_text(scores, top_n))
+        tmp.write_text(_errors_text(report, top_n))
 
+    wer_rows = report.buckets.rows()
     with atomic_path(out_dir / WER_BY_DURATION_FILE) as tmp, open(tmp, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=WER_BY_DURATION_COLUMNS)
         writer.writeheader()
-        writer.writerows(wer_by_duration(score, durations))
+        writer.writerows(wer_rows)
 
     metrics = {
-        **metrics_dict(score, durations, rtf),
-        TEST_SETS_KEY: {name: test_set_metrics(one, durations) for name, one in scores.items()},
+        **metrics_dict(report.pooled, rtf),
+        TEST_SETS_KEY: {name: test_set_metrics(one) for name, one in report.by_set.items()},
     }
     if loss_csv is not None:
-        write_figures(out_dir, metrics, wer_by_duration(score, durations), loss_csv)
+        write_figures(out_dir, metrics, wer_rows, loss_csv)
     write_json(out_dir / METRICS_FILE, metrics)
     return metrics
 

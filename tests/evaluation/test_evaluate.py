@@ -24,6 +24,7 @@ from asrflow.evaluation.evaluate import (
     decode_split,
     decoding_batches,
     evaluate,
+    windowed_batches,
 )
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.device import resolve_device
@@ -178,3 +179,42 @@ def test_bad_settings_name_the_key(settings, message):
 def test_lm_settings_are_accepted_with_beam_search():
     config = EvaluateConfig(decoder="beam", lm_path="lm.arpa", lm_weight=0.0, word_score=-1.5)
     assert config.lm_path == "lm.arpa" and config.word_score == -1.5
+
+
+def test_packing_holds_at_most_one_window_of_a_lazy_stream():
+    """windowed_batches reads a window, sorts and packs it, yields its batches before reading on."""
+    durations = [(i * 7919) % 13 + 0.5 for i in range(101)]  # seconds, in no order
+    pulled = 0
+
+    def stream():
+        nonlocal pulled
+        for index, seconds in enumerate(durations):
+            pulled += 1
+            yield index, seconds
+
+    emitted: list[int] = []
+    for batch in windowed_batches(stream(), lambda item: item[1], 20.0, window=10):
+        assert sum(seconds for _, seconds in batch) <= 20.0 or len(batch) == 1
+        assert [seconds for _, seconds in batch] == sorted(seconds for _, seconds in batch)
+        emitted += [index for index, _ in batch]
+        assert pulled - len(emitted) < 10  # never more than a window ahead of the batches emitted
+    assert sorted(emitted) == list(range(len(durations)))
+    # One window over everything: the whole-set sort of old (stable for equal durations).
+    whole = [index for batch in windowed_batches(stream(), lambda item: item[1], 20.0) for index, _ in batch]
+    assert whole == sorted(range(len(durations)), key=lambda i: durations[i])
+
+
+def test_a_test_set_larger_than_the_window_gives_the_one_window_results(yesno_model, yesno_data, tmp_path):  # noqa: F811
+    """Lazy test sets in windows of 7 cuts: each of the 30 utterances decoded once, the same transcripts and
+    metrics as one window (apart from timing)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    results = {}
+    for window in (7, 10_000):
+        out = tmp_path / f"eval{window}"
+        metrics = evaluate(yesno_model, yesno_data / "fbank", out, EvaluateConfig(), tracking_uri=uri, window=window)
+        rows = [json.loads(line) for line in (out / "per_utterance.jsonl").read_text().splitlines()]
+        ids = [row["id"] for row in rows]
+        assert len(ids) == len(set(ids)) == 30
+        timing_free = {key: value for key, value in metrics.items() if not key.startswith("rtf")}
+        results[window] = ({row["id"]: row["hyp"] for row in rows}, timing_free, (out / "errors.txt").read_text())
+    assert results[7] == results[10_000]
