@@ -1,16 +1,22 @@
 """Random kills: the yesno pipeline under ``snakemake --cores all``, its whole process group SIGKILLed at N
-seeded moments spread over every stage, re-run right after each kill; it must end as one uninterrupted run
-does (every tensor of ``exp/model.pt`` equal, the same ``exp/eval/metrics.json`` timings aside).
+seeded moments spread over every stage, re-run right after each kill without reaping the killed run first; it
+must end as one uninterrupted run does (every tensor of ``exp/model.pt`` equal, the same
+``exp/eval/metrics.json`` timings aside).
 
 ``python -m bench.random_kill --kills 20 [--seed 0] [--workdir DIR]``
 
 Kill ``k`` aims at ``STAGES[k % 5]``, at a moment drawn from 5-95 % of that stage's clean duration divided by
-the kills aimed at it, from its start in the run being killed. Record ``random_kill``: ``clean_s``,
-``killed_total_s`` (every run of the killed pipeline), their ratio, the work lost per kill, the checks.
+the kills aimed at it, from its start in the run being killed. Observed per kill, from outside: the stages
+running when it was sent (Snakemake's console, and the group's live ``python -m stages.<stage>`` processes,
+read with the group stopped), and, once the re-run had started, the killed Snakemake's process status (an
+unreaped zombie, as a user's terminal leaves it) and how many of its group's processes were still listed or
+alive. Record ``random_kill``: ``clean_s``, ``killed_total_s`` (every run of the killed pipeline), their ratio,
+the work lost per kill, the checks.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -19,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import copy_repo, tool_env
 from bench.common import emit, load_average, machine, parse_args, ratio, workdir
@@ -26,6 +34,7 @@ from bench.common import emit, load_average, machine, parse_args, ratio, workdir
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
 RULE_STARTED = re.compile(r"^(?:local)?rule (\w+):$", re.MULTILINE)
 RULE_FINISHED = re.compile(r"^Finished jobid: \d+ \(Rule: (\w+)\)$", re.MULTILINE)
+STAGE_COMMAND = re.compile(r"-m stages\.(\w+)")
 POLL_S = 0.1
 KILL_WINDOW = (0.05, 0.95)
 
@@ -36,13 +45,24 @@ class PipelineFailed(RuntimeError):
 
 @dataclass(kw_only=True)
 class Kill:
-    """One planned kill: the stage aimed at and the delay after its start (s); what happened."""
+    """One planned kill: the stage aimed at and the delay after its start (s); what was observed."""
 
     stage: str
     delay_s: float
     made: bool = False
-    landed_in: str | None = None  # the stage running when the group was killed
+    landed_in: str | None = None  # the stages the console showed running when the group was killed
+    processes_running: list[str] = field(default_factory=list)  # stages a live process of the group ran then
     run_s: float = 0.0  # how long the killed run had run
+    # just after the re-run started: the killed Snakemake's psutil status, its group's processes still
+    # listed (zombies included) and those of them not zombies
+    snakemake_at_rerun: str | None = None
+    group_listed_at_rerun: int | None = None
+    group_alive_at_rerun: int | None = None
+
+    @property
+    def landed(self) -> bool:
+        """Whether the aimed stage was running when the kill was sent, by the console and by a live process."""
+        return self.stage in (self.landed_in or "").split(",") and self.stage in self.processes_running
 
 
 @dataclass
@@ -53,6 +73,19 @@ class KillRun:
     @property
     def made(self) -> list[Kill]:
         return [kill for kill in self.kills if kill.made]
+
+
+def group(pgid: int) -> list[dict]:
+    """psutil's ``pid``, ``status`` and ``cmdline`` of each process now listed in process group ``pgid``, zombies
+    included (a zombie's ``cmdline`` is None)."""
+    members = []
+    for process in psutil.process_iter(["pid", "status", "cmdline"]):
+        try:
+            if os.getpgid(process.pid) == pgid:
+                members.append(process.info)
+        except OSError:  # gone since it was listed
+            continue
+    return members
 
 
 def fresh_copy(destination: Path) -> Path:
@@ -87,9 +120,34 @@ class SnakemakeRun(ChildProcess):
         if self.process.returncode:
             raise PipelineFailed(f"snakemake exited {self.process.returncode}:\n{self.tail(40)}")
 
-    def kill(self) -> None:
-        """SIGKILL the whole group and reap Snakemake itself; its children may still be exiting."""
+    def kill(self) -> tuple[list[str], list[str]]:
+        """SIGKILL the whole group and return once Snakemake has died, without reaping it (``waitid`` with
+        ``WNOWAIT``): it stays a zombie until :meth:`reap`, and its workers exit in their own time, while the next
+        run starts. Just before, the group is
+        frozen (SIGSTOP) and read, so both readings are of the moment of the kill: the stages the console shows
+        running (a rule line, no "Finished jobid" yet), and the stages a live process of the group runs (command
+        line ``-m stages.<stage>``)."""
+        self.signal(signal.SIGSTOP)
+        started, finished = self.stages()
+        console = [stage for stage in started if stage not in finished]
+        live = (member for member in group(self.pid) if member["status"] != psutil.STATUS_ZOMBIE)
+        processes = sorted(
+            {stage for member in live for stage in STAGE_COMMAND.findall(" ".join(member["cmdline"] or []))}
+        )
         self.signal(signal.SIGKILL)
+        os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        return console, processes
+
+    def remains(self) -> tuple[str, int, int]:
+        """Read now: Snakemake's psutil status (``gone`` once no longer listed), how many of its group's
+        processes are still listed (zombies included) and how many of them are not zombies."""
+        members = group(self.pid)
+        status = next((member["status"] for member in members if member["pid"] == self.pid), "gone")
+        alive = sum(member["status"] != psutil.STATUS_ZOMBIE for member in members)
+        return status, len(members), alive
+
+    def reap(self) -> None:
+        """Wait for Snakemake (killed before), so that no zombie outlives the benchmark."""
         self.process.wait(timeout=60)
 
 
@@ -126,33 +184,43 @@ def plan_kills(count: int, durations: dict[str, float], seed: int) -> list[Kill]
 
 
 def killed_run(copy: Path, kills: list[Kill]) -> KillRun:
-    """Run the pipeline, killing it as ``kills`` plan and re-running right after each kill, until it finishes."""
+    """Run the pipeline, killing it as ``kills`` plan and re-running right after each kill, until it finishes.
+
+    A killed run is not waited for before the re-run starts (its Snakemake an unreaped zombie, its workers maybe
+    still exiting); what is left of it is read once the re-run has started. The killed runs are reaped at the end.
+    """
     record = KillRun(kills)
     pending = list(kills)
-    attempt = 0
-    while True:
-        attempt += 1
-        run = SnakemakeRun(copy, copy.parent / f"killed-{attempt:02d}.log")
-        kill = pending[0] if pending else None
-        aim_start = None
-        while not run.finished():
-            started, finished = run.stages()
-            if kill is not None and aim_start is None and _reached(started, kill.stage):
-                aim_start = run.elapsed()
-            if aim_start is not None and run.elapsed() - aim_start >= kill.delay_s:
-                running = [stage for stage in started if stage not in finished]
-                kill.landed_in = ",".join(running) or "snakemake"  # none running: Snakemake between jobs
-                kill.run_s = run.elapsed()
-                run.kill()
-                kill.made = True
-                break
-            time.sleep(POLL_S)
-        record.run_seconds.append(run.elapsed())
-        if kill is not None and kill.made:
-            pending.pop(0)
-            continue
-        run.check()
-        return record  # finished: any kill still pending could not be made
+    killed: list[tuple[Kill, SnakemakeRun]] = []
+    try:
+        while True:
+            run = SnakemakeRun(copy, copy.parent / f"killed-{len(record.run_seconds) + 1:02d}.log")
+            if killed:
+                last, before = killed[-1]
+                last.snakemake_at_rerun, last.group_listed_at_rerun, last.group_alive_at_rerun = before.remains()
+            kill = pending[0] if pending else None
+            aim_start = None
+            while not run.finished():
+                started = run.stages()[0]
+                if kill is not None and aim_start is None and _reached(started, kill.stage):
+                    aim_start = run.elapsed()
+                if aim_start is not None and run.elapsed() - aim_start >= kill.delay_s:
+                    kill.run_s = run.elapsed()
+                    console, kill.processes_running = run.kill()
+                    kill.landed_in = ",".join(console) or "snakemake"  # none running: Snakemake between jobs
+                    kill.made = True
+                    killed.append((kill, run))
+                    break
+                time.sleep(POLL_S)
+            record.run_seconds.append(run.elapsed())
+            if kill is not None and kill.made:
+                pending.pop(0)
+                continue
+            run.check()
+            return record  # finished: any kill still pending could not be made
+    finally:
+        for _, before in killed:
+            before.reap()
 
 
 def _reached(started: list[str], stage: str) -> bool:
@@ -203,7 +271,9 @@ def measure(root: Path, kills: int, seed: int) -> dict:
     record = killed_run(killed_copy, plan_kills(kills, durations, seed))
     made, killed_total, ended = record.made, sum(record.run_seconds), evaluation(clean_copy)
     found = {"benchmark": "random_kill", "status": kill_status(record), "seed": seed, "kills_planned": kills}
-    found |= {"kills_made": len(made), "kills": [asdict(kill) for kill in record.kills]}
+    found |= {"kills_made": len(made), "kills": [asdict(kill) | {"landed": kill.landed} for kill in record.kills]}
+    found |= {"kills_landed": sum(kill.landed for kill in made)}
+    found |= {"reruns_beside_zombie": sum(kill.snakemake_at_rerun == psutil.STATUS_ZOMBIE for kill in made)}
     found["stages_hit"] = sorted({name for kill in made for name in kill.landed_in.split(",") if name in STAGES})
     found |= {"clean_s": clean_s, "stage_s": durations, "killed_total_s": killed_total, "runs": len(record.run_seconds)}
     lost = (killed_total - clean_s) / len(made) if made else None
