@@ -132,7 +132,7 @@ def wer_by_duration(score: CorpusScore, durations: dict[str, float]) -> list[dic
     return buckets.rows()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Totals:
     """Running sums over the scored utterances of a test set (or several): O(1) memory.
 
@@ -156,11 +156,11 @@ class Totals:
 
     def __add__(self, other: Totals) -> Totals:
         return Totals(
-            self.words + other.words,
-            self.chars + other.chars,
-            self.num_utterances + other.num_utterances,
-            self.num_missing_hyps + other.num_missing_hyps,
-            self.duration + other.duration,
+            words=self.words + other.words,
+            chars=self.chars + other.chars,
+            num_utterances=self.num_utterances + other.num_utterances,
+            num_missing_hyps=self.num_missing_hyps + other.num_missing_hyps,
+            duration=self.duration + other.duration,
         )
 
     @property
