@@ -157,3 +157,10 @@ def pack_by_duration(items: Iterable[T], duration_s: Callable[[T], float], max_s
     if current:
         batches.append(current)
     return batches
+
+
+def pack_shortest_first(items: Iterable[T], duration_s: Callable[[T], float], max_seconds: float) -> list[list[T]]:
+    """``items`` sorted by duration (seconds; stable: equal durations keep their order), then packed into
+    batches of at most ``max_seconds`` (:func:`pack_by_duration`): similar lengths share a batch, so padding
+    stays small."""
+    return pack_by_duration(sorted(items, key=duration_s), duration_s, max_seconds)

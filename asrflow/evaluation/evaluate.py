@@ -15,7 +15,7 @@ from lhotse import CutSet
 from lhotse.cut import Cut
 
 from asrflow.data.features.config import check_same_features
-from asrflow.data.manifests import cut_text, cuts_path, list_test_sets, load_cuts, pack_by_duration
+from asrflow.data.manifests import cut_text, cuts_path, list_test_sets, load_cuts, pack_shortest_first
 from asrflow.decoding.ctc import DECODER_KINDS, build_decoder
 from asrflow.errors import AsrflowError
 from asrflow.evaluation.metrics import score_utterance
@@ -103,7 +103,7 @@ def windowed_batches(
     """Batches of at most ``max_batch_duration_s`` seconds of audio from a stream of ``items``.
 
     ``window`` items at a time are read, sorted by duration (seconds, stable: equal durations
-    keep their order) and packed (:func:`asrflow.data.manifests.pack_by_duration`); their
+    keep their order) and packed (:func:`asrflow.data.manifests.pack_shortest_first`); their
     batches are yielded before the next window is read. So at most ``window`` items are held
     whatever the stream's length, and a stream that fits in one window is batched as if it
     were sorted whole.
@@ -112,8 +112,7 @@ def windowed_batches(
         raise ValueError(f"window must be 1 or more, not {window}")
     stream = iter(items)
     while chunk := list(islice(stream, window)):
-        chunk.sort(key=duration_s)
-        yield from pack_by_duration(chunk, duration_s, max_batch_duration_s)
+        yield from pack_shortest_first(chunk, duration_s, max_batch_duration_s)
 
 
 def decoding_batches(cuts: Iterable[Cut], max_batch_duration_s: float, window: int = SORT_WINDOW) -> Iterator[CutSet]:

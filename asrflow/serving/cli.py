@@ -144,7 +144,7 @@ def transcribe_files(
     input order, each as soon as it and every path before it are done. A batch that fails
     as a whole is retried file by file, so one bad file only costs its own transcript.
     """
-    from asrflow.data.manifests import pack_by_duration
+    from asrflow.data.manifests import pack_shortest_first
     from asrflow.serving.inference import read_audio, transcripts
 
     done: dict[int, tuple[str | None, str | None]] = {}
@@ -156,9 +156,8 @@ def transcribe_files(
             readable.append((index, cut))
 
     next_index = 0
-    # Sorting by duration keeps padding small: an utterance's output depends a little on it.
-    ordered = sorted(readable, key=lambda item: item[1].duration)
-    batches = pack_by_duration(ordered, lambda item: item[1].duration, batch_seconds)
+    # Shortest first keeps padding small: an utterance's output depends a little on it.
+    batches = pack_shortest_first(readable, lambda item: item[1].duration, batch_seconds)
     for number, batch in enumerate(batches, start=1):
         while next_index in done:
             yield paths[next_index], *done.pop(next_index)

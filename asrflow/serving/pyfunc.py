@@ -172,7 +172,7 @@ def transcribe(bundle, paths: list[str], decode, batch_seconds: float = BATCH_SE
         AsrflowError: before any decoding, naming every file that cannot be read or is too short, one
             ``;``-separated reason each.
     """
-    from asrflow.data.manifests import pack_by_duration
+    from asrflow.data.manifests import pack_shortest_first
     from asrflow.serving.inference import read_audio, transcripts
 
     cuts, problems = [], []
@@ -183,8 +183,7 @@ def transcribe(bundle, paths: list[str], decode, batch_seconds: float = BATCH_SE
     if problems:
         raise AsrflowError("; ".join(problems))
     texts = [""] * len(cuts)
-    order = sorted(range(len(cuts)), key=lambda index: cuts[index].duration)
-    for batch in pack_by_duration(order, lambda index: cuts[index].duration, batch_seconds):
+    for batch in pack_shortest_first(range(len(cuts)), lambda index: cuts[index].duration, batch_seconds):
         for index, text in zip(batch, transcripts(bundle, [cuts[index] for index in batch], decode), strict=True):
             texts[index] = text
     return texts

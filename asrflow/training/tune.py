@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import platform
 import re
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 import psutil
 import torch
 
+from asrflow.cores import available_cores
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.model.conformer_ctc import build_model, subsampled_lengths
@@ -79,7 +79,7 @@ class Machine:
         return cls(
             cpu=names[0].strip() if names else platform.processor() or platform.machine(),
             flags=tuple(flag for flag in RELEVANT_FLAGS if flag in flags),
-            usable_cores=len(os.sched_getaffinity(0)),
+            usable_cores=available_cores(),
             memory_gib=psutil.virtual_memory().total / 2**30,
             gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         )
@@ -261,7 +261,7 @@ def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> d
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch_s = min(settings.train.data.max_duration_s, SPEED_BATCH_S)
     batch = synthetic_batch(batch_s, settings, vocab_size, device=device)
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     figures: dict[str, Any] = {"speed_batch_s": batch_s, "precision_audio_s_per_s": {}, "threads_audio_s_per_s": {}}
     threads = settings.train.optim.num_threads
     runners = {
