@@ -1,16 +1,19 @@
 """The stages as the pipeline runs them, on corpora of growing size: wall time and peak memory of each.
 
 ``python -m bench.stage_scale [--corpus KIND] [--sizes N ...] [--workdir W] [--quick] [--repo R] [--in-process]``
+``python -m bench.stage_scale --noop-only W/run-spoken-<hours>`` (the no-op timing alone, on a run it left)
 
 KIND, its sizes, and its stages (corpora cached in ``W``): ``spoken`` (hours of espeak-ng speech: all five
 stages, train stopped by SIGTERM after ``--steps`` and resumed, evaluate with its last checkpoint; then the
-no-op ``snakemake`` and ``dvc repro`` of the data stages at the largest size), ``folder`` (utterances copied
-from 8) and ``kaldi`` (segments of 10 long recordings): prepare; ``segments`` (hours of 2-7 s cuts of 16
-recordings): features. ``--repo`` runs another checkout's stages; ``--in-process`` runs prepare here (CPU s).
+no-op ``snakemake --cores all`` and ``dvc repro`` of the whole pipeline at the largest size), ``folder``
+(utterances copied from 8) and ``kaldi`` (segments of 10 long recordings): prepare; ``segments`` (hours of
+2-7 s cuts of 16 recordings): features. ``--repo`` runs another checkout's stages; ``--in-process`` runs
+prepare here (CPU s).
 
 Records: ``stage_scale`` per stage and size (``elapsed_s``; ``peak_rss_mb``, the stage's ``VmHWM``;
 ``peak_tree_pss_mb``, it and its workers), ``stage_scale_baseline`` (the stage's ``--help``),
-``stage_scale_growth`` (largest size against smallest), ``stage_scale_noop``. Method: bench/RESULTS.md.
+``stage_scale_growth`` (largest size against smallest), ``stage_scale_noop_pipeline`` (the data stages' alone,
+``stage_scale_noop``, are at commit 130738e). Method: bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import yaml
 
 from asrflow.testing import corpora
 from asrflow.testing.repo import REPO, copy_repo, repo_params
+from asrflow.testing.stage_memory import stage_peaks
 from bench.common import (
     emit,
     load_average,
@@ -33,7 +37,6 @@ from bench.common import (
     noop_runs,
     parse_args,
     ratio,
-    stage_peaks,
     timed_run,
     workdir,
     write_bundle,
@@ -203,8 +206,13 @@ def growth(stage: str, sizes: list[float], figures: dict, baseline: dict) -> dic
     return record
 
 
+#: What the whole pipeline's no-op run needs in place, besides ``data/``: the train and evaluate stages' outputs.
+EXP_OUTPUTS = ("model.pt", "checkpoints", "plots/train_loss.csv", "eval")
+
+
 def noop(work: Path, root: Path, size: float) -> list[dict]:
-    """No-op ``snakemake`` and ``dvc repro`` of the data stages in a repository copy linked to ``root``'s outputs."""
+    """No-op ``snakemake --cores all`` and ``dvc repro`` of the whole pipeline (every stage) in a repository copy
+    whose outputs are ``root``'s, hard-linked: both tools check every stage and must find nothing to do."""
     from asrflow.testing.repo import tool_env
 
     repo = work / "noop-copy"
@@ -213,14 +221,36 @@ def noop(work: Path, root: Path, size: float) -> list[dict]:
     shutil.copyfile(root / "params.yaml", repo / "params.yaml")
     for name in ("manifests", "fbank", "lang"):
         shutil.copytree(root / name, repo / "data" / name, copy_function=os.link)
-    targets, env = ["data/manifests", "data/fbank", "data/lang"], tool_env(repo)
-    timed_run(["snakemake", "--cores", "all", "--touch", *targets], repo, env)
+    placeholder = _link_exp(root / "exp", repo / "exp")
+    env = tool_env(repo)
+    timed_run(["snakemake", "--cores", "all", "--touch"], repo, env)
     timed_run(["dvc", "init", "--no-scm", "-q"], repo, env)
-    commit_s, _ = timed_run(["dvc", "commit", "-f", "-q", "prepare", "features", "tokenizer"], repo, env)
-    commands = {"snakemake": ["snakemake", "--cores", "all", *targets], "dvc": ["dvc", "repro", "tokenizer"]}
-    found = noop_runs(repo, commands, 3)
+    commit_s, _ = timed_run(["dvc", "commit", "-f", "-q"], repo, env)
+    found = noop_runs(repo, {"snakemake": ["snakemake", "--cores", "all"], "dvc": ["dvc", "repro"]}, 3)
     shutil.rmtree(repo, ignore_errors=True)
-    return [emit({"benchmark": "stage_scale_noop", "size": size, **r, "dvc_commit_s": commit_s}) for r in found]
+    base = {"benchmark": "stage_scale_noop_pipeline", "size": size, "dvc_commit_s": commit_s}
+    return [emit(base | record | {"train_loss_csv_written_here": placeholder}) for record in found]
+
+
+def _link_exp(source: Path, target: Path) -> bool:
+    """Hard-link :data:`EXP_OUTPUTS` from ``source`` into ``target``. A run stopped by SIGTERM has no loss table
+    (the train stage writes it when it ends): then one is written from the MLflow store beside ``source``, and
+    True returned."""
+    from bench.startup import metric_points
+
+    for name in EXP_OUTPUTS:
+        origin, copy = source / name, target / name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if origin.is_dir():
+            shutil.copytree(origin, copy, copy_function=os.link)
+        elif origin.is_file():
+            os.link(origin, copy)
+    table = target / "plots" / "train_loss.csv"
+    if table.is_file():
+        return False
+    points = metric_points(source.parent / "mlflow.db", "train/loss")
+    table.write_text("step,loss\n" + "".join(f"{step},{loss}\n" for step, (_, loss) in sorted(points.items())))
+    return True
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -240,9 +270,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             help='spoken: params overrides as JSON, dotted ({"train.model.num_layers": 6})',
         )
         parser.add_argument("--no-noop", action="store_true", help="spoken: skip the no-op snakemake / dvc timing")
+        parser.add_argument(
+            "--noop-only", type=Path, metavar="RUN", help="spoken: only the no-op timing, on a run folder this left"
+        )
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     args.repo = args.repo.resolve()
+    if args.noop_only:
+        size = float(args.noop_only.name.rsplit("-", 1)[-1])
+        with workdir(args.workdir) as work:
+            return [emit({"benchmark": "machine", **machine()}), *noop(work, args.noop_only.resolve(), size)]
     kind, sizes = args.corpus, args.sizes or KINDS[args.corpus][1 if args.quick else 0]
     records = [emit({"benchmark": "machine", **machine(), "corpus": kind, "repo": args.repo})]
     with workdir(args.workdir) as work:

@@ -2,8 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
+import torch
 from lhotse.augmentation.torchaudio import Resample
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch at one intra-op thread inside the block, the previous count after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextmanager
+def native_resampling() -> Iterator[None]:
+    """A block in which audio is resampled without oneDNN, at one torch thread; wrap every place that loads
+    audio at another rate (or speed-perturbs it).
+
+    Lhotse resamples with a strided 1-D convolution over the whole file. On the CPU, PyTorch gives that to
+    oneDNN, which builds (and caches, with its buffers) a primitive for every input length it meets: files
+    all differ in length, so a process that resamples a corpus grows with the number of files, and runs
+    slower than PyTorch's own convolution, which keeps nothing (bench/RESULTS.md, "Resampling without
+    oneDNN"). PyTorch's own kernels can round differently at another thread count, so the block runs at one,
+    as data workers do: the same audio gives the same samples in a worker and in the training process.
+    Only the block is affected: a model run beside it keeps oneDNN and its threads.
+    """
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        with one_torch_thread():
+            yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 def to_mono(cut):
@@ -40,5 +77,6 @@ def mono_samples(cut, sampling_rate: int) -> np.ndarray:
     if audio.shape[0] > 1:
         audio = audio.mean(axis=0, keepdims=True, dtype=np.float32)
     if cut.sampling_rate != sampling_rate:
-        audio = Resample(cut.sampling_rate, sampling_rate)(audio)
+        with native_resampling():
+            audio = Resample(cut.sampling_rate, sampling_rate)(audio)
     return np.ascontiguousarray(audio, dtype=np.float32)

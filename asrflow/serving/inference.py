@@ -12,7 +12,7 @@ from lhotse import CutSet, Recording
 from lhotse.dataset import OnTheFlyFeatures
 from lhotse.dataset.collation import collate_features
 
-from asrflow.data.audio import to_mono
+from asrflow.data.audio import native_resampling, to_mono
 from asrflow.errors import AsrflowError, first_line
 from asrflow.serving.bundle import Bundle
 
@@ -29,7 +29,8 @@ def cut_features(bundle: Bundle, cuts: CutSet) -> tuple[torch.Tensor, torch.Tens
             cut.resample(bundle.features.sampling_rate) if cut.sampling_rate != bundle.features.sampling_rate else cut
             for cut in cuts
         )
-        features, lengths = OnTheFlyFeatures(bundle.features.extractor())(resampled)
+        with native_resampling():
+            features, lengths = OnTheFlyFeatures(bundle.features.extractor())(resampled)
     return bundle.mvn(features), lengths
 
 

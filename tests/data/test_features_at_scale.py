@@ -1,5 +1,5 @@
-"""The features stage on thousands of generated short utterances: memory that does not grow with
-the split, a disk-space check before writing, and a killed stage that leaves nothing half-written."""
+"""The features stage on thousands of generated short utterances: a disk-space check before writing, and a
+killed stage that leaves nothing half-written (its memory: tests/test_stage_memory.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,6 @@ from asrflow.errors import AsrflowError
 from asrflow.testing.corpora import feature_config, write_segment_manifests
 from asrflow.testing.repo import REPO
 
-#: Coarse frames and few bins: what is tested is how the stage streams, not the features.
-COARSE = feature_config(num_jobs=1, frame_shift_s=0.05, num_mel_bins=10)
-
 
 def manifests(root, train: int, **options):
     """``train`` short (0.1-0.3 s) cuts in train, 2 in dev and test; the manifests' folder."""
@@ -32,40 +29,6 @@ def manifests(root, train: int, **options):
         folder, root / "audio", {"train": train, "dev": 2, "test": 2}, min_s=0.1, max_s=0.3, recordings=3, **options
     )
     return folder
-
-
-#: Run in a fresh interpreter, as the stage runs: the peak of the Python heap (tracemalloc, numpy
-#: arrays included) while the features of each manifests folder given are computed, one per line.
-PEAKS_CHILD = """
-import sys, tracemalloc
-from asrflow.testing.corpora import feature_config
-from asrflow.data.features.extract import compute_features
-config = feature_config(num_jobs=1, frame_shift_s=0.05, num_mel_bins=10)
-for manifests_dir, output_dir in zip(sys.argv[1::2], sys.argv[2::2]):
-    tracemalloc.start()
-    compute_features(manifests_dir, output_dir, config)
-    print(tracemalloc.get_traced_memory()[1], flush=True)
-    tracemalloc.stop()
-"""
-
-
-def test_memory_does_not_grow_with_the_split(tmp_path):
-    """600 and then 2,400 cuts: a stage that held a split (its cuts, their features or their
-    results) would peak several MB higher at 2,400 (a cut in memory takes 2-3 kB). A warm-up
-    run first fills the first-use caches (imports, resamplers, writers)."""
-    sizes = (20, 600, 2400)
-    folders = [arg for n in sizes for arg in (manifests(tmp_path, n, recording_s=12.0), tmp_path / f"fbank-{n}")]
-    child = subprocess.run(
-        [sys.executable, "-c", PEAKS_CHILD, *map(str, folders)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    _, small, large = (int(line) for line in child.stdout.split())
-    assert sum(1 for _ in load_cuts(tmp_path / "fbank-2400", "train")) == 2400
-    assert large - small < 1.5 * 2**20, f"peak Python heap {small / 2**20:.2f} MB -> {large / 2**20:.2f} MB"
 
 
 def test_features_that_do_not_fit_the_free_space_stop_before_writing(tmp_path):

@@ -1,4 +1,4 @@
-"""prepare at realistic shapes: memory that does not grow with the corpus, a killed run, carving by speaker."""
+"""prepare at realistic shapes: a killed run, carving by speaker (its memory: tests/test_stage_memory.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -32,27 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 def folder_config(corpus: Path, **overrides) -> PrepareConfig:
     splits = {"train": "train", "dev": "dev", "test": "test"}
     return PrepareConfig.from_section({"corpus": "folder", "corpus_dir": str(corpus), "splits": splits, **overrides})
-
-
-def traced_peak(config: PrepareConfig, out: Path) -> int:
-    """Peak bytes Python allocated while preparing (tracemalloc), with small sort chunks."""
-    tracemalloc.start()
-    try:
-        prepare_corpus(config, out, seed=0, chunk_lines=200)
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
-def test_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
-    """4x the utterances: the peak grows by far less than holding a split costs (about 7 kB an utterance)."""
-    small, large = 300, 1200
-    peaks = {
-        n: traced_peak(folder_config(copied_folder_corpus(tmp_path, n)), tmp_path / f"out-{n}") for n in (small, large)
-    }
-    per_utterance = (peaks[large] - peaks[small]) / (large - small)
-    assert len(CutSet.from_file(tmp_path / f"out-{large}" / "train_cuts.jsonl.gz")) == large * 48 // 50
-    assert per_utterance < 1000, f"peak grows {per_utterance:.0f} bytes per utterance: {peaks}"
 
 
 def test_a_killed_prepare_leaves_no_partial_output_and_a_rerun_succeeds(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import shutil
 import signal
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -40,7 +40,7 @@ from lhotse.lazy import Dillable, LazySlicer
 from lhotse.utils import fastcopy
 
 from asrflow.cores import available_cores
-from asrflow.data.audio import mono_samples
+from asrflow.data.audio import mono_samples, one_torch_thread
 from asrflow.data.features.cmvn import CMVN_FILE, save_cmvn, train_statistics
 from asrflow.data.features.config import CONFIG_FILE, FeatureConfig
 from asrflow.data.features.disk_space import SplitScan, check_disk_space, disk_margin, estimate_bytes, scan_split
@@ -228,17 +228,6 @@ def _init_worker(stage_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != stage_pid:
         os._exit(1)
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Torch at one intra-op thread inside the block, the previous count after it."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _extract(

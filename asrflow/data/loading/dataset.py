@@ -20,6 +20,7 @@ from lhotse import CutSet
 from lhotse.dataset import GlobalMVN, OnTheFlyFeatures
 from lhotse.dataset.collation import collate_features
 
+from asrflow.data.audio import native_resampling
 from asrflow.data.loading.augment import spec_augment, waveform_augment
 from asrflow.data.loading.config import DataConfig
 from asrflow.data.loading.cut_index import CutIndex, as_index
@@ -85,8 +86,9 @@ class AsrBatchDataset(torch.utils.data.Dataset):
         rng = random.Random(cut_seed)
         cuts = self.cuts.cuts(item.cut_ids)
         if self.extractor is not None:
-            cuts = [waveform_augment(cut, rng, self.augment, self.noise_cuts) for cut in cuts]
-            features, feature_lens = OnTheFlyFeatures(self.extractor)(CutSet.from_cuts(cuts))
+            with native_resampling():  # the audio (and noise) loads and resamples here
+                cuts = [waveform_augment(cut, rng, self.augment, self.noise_cuts) for cut in cuts]
+                features, feature_lens = OnTheFlyFeatures(self.extractor)(CutSet.from_cuts(cuts))
         else:
             features, feature_lens = collate_features(CutSet.from_cuts(cuts))  # (N, T, F), (N,)
         features = pad_frames(self.mvn(features), self.pad_frames_to)
