@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from asrflow.params import with_overrides
+from asrflow.params import flatten, with_overrides
 from asrflow.testing.corpora import params_for, yesno_data
 from asrflow.testing.repo import repo_params
 from bench.common import emit, load_average, machine, parse_args, workdir
@@ -44,13 +44,8 @@ def user_params(data: Path, precision: str, train: dict, quick: bool) -> dict:
     epochs enough to outlast the run, and ``train`` (dotted keys) on top."""
     shipped = repo_params()
     params = params_for(data, shipped) if quick else yaml.safe_load((data / "params.yaml").read_text())
-    restored = {}
-    for key in USER_SETTINGS:
-        section, *path = key.split(".")
-        value = shipped[section]
-        for name in path:
-            value = value[name]
-        restored[key] = value
+    flat = flatten(shipped)
+    restored = {key: flat[key] for key in USER_SETTINGS}
     if quick:  # yesno's few steps: validate and checkpoint often enough to be seen
         restored |= {"train.checkpoint.validate_every_steps": 5, "train.checkpoint.checkpoint_every_steps": 5}
     overrides = restored | {"train.optim.precision": precision, "train.optim.epochs": 1000} | train
