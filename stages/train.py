@@ -63,16 +63,15 @@ def run_trainer(trainer: Trainer) -> tuple[int, TrainOutcome | None]:
     (from :data:`~asrflow.training.outcome.EXIT_CODES`) and its outcome (None after a failure).
     A user's mistake (:class:`AsrflowError`) propagates: the stage's wrapper prints it and exits 2.
 
-    For a process's entry point: once the run has ended, SIGTERM/SIGINT are logged and ignored until the
-    process exits, so that the signal torchrun sends the other ranks when one has exited cannot turn the
-    exit code already decided (75 after a stop, with its checkpoint saved) into death by that signal."""
+    For a process's entry point: once the run has ended, SIGTERM/SIGINT are ignored until the process exits,
+    so that the signal torchrun sends the other ranks when one has exited cannot turn the exit code already
+    decided (75 after a stop, with its checkpoint saved) into death by that signal. Ignored by the kernel,
+    not by a Python handler: the interpreter puts back the default action of every signal it handles as it
+    shuts down, while the process still has its modules (torch's among them) to tear down."""
 
     def on_signal(signum, _frame) -> None:
         logger.warning("received %s: finishing the current step, then saving a checkpoint", signal.Signals(signum).name)
         trainer.request_stop()
-
-    def after_the_run(signum, _frame) -> None:
-        logger.info("received %s after the run ended: exiting as decided", signal.Signals(signum).name)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -83,7 +82,7 @@ def run_trainer(trainer: Trainer) -> tuple[int, TrainOutcome | None]:
         return exit_code(failure), None
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, after_the_run)
+            signal.signal(sig, signal.SIG_IGN)
     if outcome.outcome is Outcome.STOPPED:
         logger.warning(
             "stopped at step %d with a checkpoint saved; run the same command again to resume",

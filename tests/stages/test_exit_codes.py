@@ -4,6 +4,8 @@ README's table is generated from, and every outcome and failure maps through it.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,37 @@ def test_the_stage_and_the_watchdog_use_no_literal_exit_codes():
             continue
         text = path.read_text()
         assert not re.search(r"SystemExit\(\d|_exit\(\d|EXIT_[A-Z_]+ = \d", text), path
+
+
+#: A process whose training run has ended (stopped, 75) and which is sent SIGTERM while the interpreter shuts
+#: down, after Python has put back the default action of every signal it had a handler for: what torchrun
+#: does to the other ranks once one has exited. The trainer is a stand-in whose run has already ended: the
+#: test is of the signal handling around any run.
+_SIGNALLED_WHILE_EXITING = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from stages.train import run_trainer
+from asrflow.training.outcome import Outcome, TrainOutcome
+
+class RunEnded:
+    def run(self):
+        return TrainOutcome(Outcome.STOPPED, {{"steps": 5}})
+
+    def request_stop(self):
+        raise AssertionError("no signal arrived during the run")
+
+class SignalledAtShutdown:
+    def __del__(self):  # runs as the interpreter clears this module, after its signal handlers are gone
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+
+torchrun = SignalledAtShutdown()
+code, _ = run_trainer(RunEnded())
+raise SystemExit(code)
+"""
+
+
+def test_a_signal_while_the_process_exits_keeps_the_exit_code_decided():
+    script = _SIGNALLED_WHILE_EXITING.format(repo=str(REPO))
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == exit_code(Outcome.STOPPED), (ended.returncode, ended.stderr)
