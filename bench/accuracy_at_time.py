@@ -15,8 +15,8 @@ token, test ``wer`` and ``cer``, the model's parameters and the training tree's 
 
 from __future__ import annotations
 
+import argparse
 import json
-import shutil
 from pathlib import Path
 
 import yaml
@@ -26,8 +26,8 @@ from asrflow.testing.corpora import params_for, yesno_data
 from asrflow.testing.repo import repo_params
 from asrflow.testing.stage_memory import stage_peaks
 from bench.common import emit, load_average, machine, parse_args, workdir
+from bench.memory_hour import run_one
 from bench.stage_scale import bundle_from_checkpoint
-from bench.startup import launch, metric_points
 
 #: What ``--quick`` compares on yesno: the shipped model and one other, for a few seconds each.
 QUICK_VARIANTS = {"shipped": {}, "rel_pos": {"train.model.attention": "rel_pos"}}
@@ -36,22 +36,25 @@ QUICK_VARIANTS = {"shipped": {}, "rel_pos": {"train.model.attention": "rel_pos"}
 def variant(text: str) -> tuple[str, dict]:
     """``NAME=JSON`` (dotted keys) -> ``(NAME, overrides)``; argparse's type for ``--variant``."""
     name, separator, overrides = text.partition("=")
+    example = "e.g. 'lr1e-3={\"train.optim.lr\": 0.001}'"
     if not separator or not name or "/" in name:
-        raise ValueError(f"--variant {text!r}: expected NAME=JSON, e.g. 'lr1e-3={{\"train.optim.lr\": 0.001}}'")
-    return name, json.loads(overrides or "{}")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=JSON, {example}")
+    try:
+        found = json.loads(overrides or "{}")
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: the overrides are not JSON ({error}), {example}") from None
+    if not isinstance(found, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: the overrides are not a JSON object, {example}")
+    return name, found
 
 
 def train_for(run_dir: Path, data: Path, params: dict, minutes: float) -> dict:
     """The train stage in a fresh ``run_dir`` on ``data`` for ``minutes``: steps, last train loss, peak PSS."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    (run_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    found = launch(run_dir, data, stop_when=minutes * 60, log=run_dir / "train.log", timeout_s=minutes * 60 + 900)
-    losses = metric_points(run_dir / "mlflow.db", "train/loss")
-    last = max(losses, default=None)
+    found = run_one(run_dir, data, params, minutes)
+    last = max(found["losses"], default=None)
     return {
         "steps": last or 0,
-        "last_train_loss": losses[last][1] if last is not None else None,
+        "last_train_loss": found["losses"][last] if last is not None else None,
         "train_exit_code": found["exit_code"],
         "train_peak_tree_pss_mb": found["peak_tree_pss_mb"],
     }

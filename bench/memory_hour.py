@@ -126,14 +126,15 @@ def plot(curves: dict[str, list[tuple[int, float]]], path: Path, title: str) -> 
 
 
 def run_one(run_dir: Path, data: Path, params: dict, minutes: float) -> dict:
-    """The train stage in a fresh ``run_dir`` for ``minutes``: the readings, steps' times and figures."""
+    """The train stage in a fresh ``run_dir`` for ``minutes``: what :func:`bench.startup.launch` returns, with
+    ``stamps`` (``(s after launch, step)`` of each logged train loss) and ``losses`` (step -> train loss)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     (run_dir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     found = launch(run_dir, data, stop_when=minutes * 60, log=run_dir / "train.log", timeout_s=minutes * 60 + 900)
     points = metric_points(run_dir / "mlflow.db", "train/loss")
     stamps = sorted((at - found["started"], step) for step, (at, _) in points.items())
-    return found | {"stamps": stamps}
+    return found | {"stamps": stamps, "losses": {step: loss for step, (_, loss) in points.items()}}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
