@@ -2,13 +2,13 @@
 
 ``python -m bench.gpu_checks [--quick] [--workdir DIR] [--utterances N] [--steps N] [--budget S] [--out DIR]``.
 Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measured bf16 peak), ``gpu_bare`` per
-batch-shape variant (as the Trainer runs, frames padded to 64, attention on cuDNN: the first pass over new shapes
-against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory by batch size), ``gpu_trainer`` (the
-Trainer's first 200 steps against a warm pass, precomputed features; then on the fly with 2 and with ``auto``
-workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU: real-time factors, the same
-transcripts), ``gpu_profile`` (host time by operator over the first 20 steps, ``profile.txt``),
-``host_cpu_tune`` (the machine tuner on the host CPU, ``host-cpu-preset.yaml``). Checks that would not finish
-inside ``--budget`` are recorded as skipped.
+batch-shape variant (as the Trainer runs, frames padded to 64, and the preset's model without position terms in
+its attention: the first pass over new shapes against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory
+by batch size), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on
+the fly with 2 and with ``auto`` workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU:
+real-time factors, the same transcripts), ``gpu_profile`` (host time by operator over the first 20 steps,
+``profile.txt``), ``host_cpu_tune`` (the machine tuner on the host CPU, ``host-cpu-preset.yaml``). Checks that
+would not finish inside ``--budget`` are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -107,13 +107,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             common = [*quick, "--workdir", str(work)]
             return keep(probe(kind, data, *options, *common, timeout=min(cap, left() - 10), log=log))
 
-        # As the Trainer runs now (attention off cuDNN), frames padded to 64 too, and attention on cuDNN as before.
-        variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "cudnn-attention": ["--cudnn-attention"]}
+        # As the Trainer runs the preset (rel_pos attention), frames padded to 64 too, and without positions: what
+        # rel_pos costs on a GPU (it has no fused attention kernel).
+        variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "no-positions": ["--attention", "none"]}
         bare = {name: run("bare", "--steps", steps, *options, cap=90) for name, options in variants.items()}
         sizes = ["--sizes", *(["60", "120"] if args.quick else ["600", "1200", "2400", "4800", "9600"])]
         out += [*(r for records in bare.values() for r in records)]
         out += run("sizes", *sizes, "--peak", str(peak), cap=100)
-        trainable = ("default", "pad64")  # the Trainer's process keeps attention off cuDNN
+        trainable = ("default", "pad64")  # the preset's model
         rates = {name: bare[name][0].get("first_pass_audio_s_per_s", 0.0) for name in trainable if bare[name]}
         best = max(rates, key=rates.get) if rates else "default"
         trainer_steps = "6" if args.quick else "200"

@@ -16,7 +16,8 @@ costs, the batch sizes that train, data wait.
   preset's model, drawn weights): real-time factors, transcripts that agree.
 
 ``--pad-frames-to`` sets ``train.data.pad_frames_to``; ``--no-cudnn`` turns cuDNN off for the whole process;
-``--cudnn-attention`` lets attention use cuDNN's kernel (the Trainer's process does not);
+``--cudnn-attention`` lets attention use cuDNN's kernel (the Trainer's process does not; ``rel_pos`` attention uses
+no fused kernel); ``--attention`` sets ``train.model.attention`` (default: the preset's);
 ``--old-norm`` restores the (C, F) LayerNorm call of ConvFrameNorm that PyTorch's CUDA backward breaks on.
 """
 
@@ -28,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from asrflow.model.positions import ATTENTION_KINDS
 from asrflow.testing.repo import REPO, repo_params
 
 #: The model and batches measured: the real-corpus preset in bf16, steps only (no checkpoint or validation).
@@ -49,6 +51,8 @@ def settings_for(data: Path, args: argparse.Namespace, **overrides):
 
     preset = preset_params(repo_params(), REPO / "presets" / "real-corpus.yaml")
     changes = FIXED | {"train.data.pad_frames_to": args.pad_frames_to} | overrides
+    if args.attention:
+        changes["train.model.attention"] = args.attention
     return train_settings(preset, quick=args.quick, data=data, overrides=changes)
 
 
@@ -284,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pad-frames-to", type=int, default=1)
     parser.add_argument("--no-cudnn", action="store_true")
     parser.add_argument("--cudnn-attention", action="store_true", help="bare, sizes, profile: cuDNN's SDPA too")
+    parser.add_argument("--attention", choices=ATTENTION_KINDS, help="train.model.attention (default: the preset's)")
     parser.add_argument("--old-norm", action="store_true")
     parser.add_argument("--on-the-fly", action="store_true", help="trainer: fbank and speed perturbation on the fly")
     parser.add_argument("--num-workers", help="trainer: run.num_workers (auto or an integer)")
@@ -299,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         restore_old_norm()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variant = {"pad_frames_to": args.pad_frames_to, "cudnn": not args.no_cudnn, "old_norm": args.old_norm}
-    variant["cudnn_attention"] = args.cudnn_attention
+    variant |= {"cudnn_attention": args.cudnn_attention, "attention": args.attention or "preset"}
     kinds = {"bare": bare, "trainer": trainer, "sizes": sizes, "profile": profile, "decode": decode}
     found = kinds[args.kind](args.data, args, device)
     for record in found if isinstance(found, list) else [found]:
