@@ -64,7 +64,7 @@ def evaluate(run_dir: Path, data: Path) -> dict:
     """The evaluate stage on ``data``'s test split with ``run_dir``'s newest checkpoint: WER, CER, parameters."""
     import torch
 
-    bundle = bundle_from_checkpoint(run_dir, data)
+    bundle = bundle_from_checkpoint(run_dir, data, made_by="bench.accuracy_at_time")
     parameters = sum(tensor.numel() for tensor in torch.load(bundle, weights_only=False)["model"].values())
     argv = ["--params", str(run_dir / "params.yaml"), "--model", str(bundle), "--fbank", str(data / "fbank")]
     found = stage_peaks("stages.evaluate", [*argv, "--out", str(run_dir / "exp" / "eval")], run_dir / "evaluate.log")

@@ -114,14 +114,14 @@ def in_process(params: Path, out: Path) -> dict:
     return {"elapsed_s": wall, "cpu_s": cpu, "utterances_per_cpu_s": summary.items_total / cpu}
 
 
-def bundle_from_checkpoint(root: Path, data: Path | None = None) -> Path:
+def bundle_from_checkpoint(root: Path, data: Path | None = None, made_by: str = "bench.stage_scale") -> Path:
     """``root/exp/model.pt`` from the newest checkpoint (what the train stage writes at its end, not averaged), over
-    ``data``'s ``fbank/`` and ``lang/`` (default: ``root``'s)."""
+    ``data``'s ``fbank/`` and ``lang/`` (default: ``root``'s), its ``made_by`` naming the bench."""
     from asrflow.params import load_params
     from asrflow.training import checkpoint as ckpt
 
     state, _ = ckpt.load_latest(root / "exp" / "checkpoints")
-    params, made_by = load_params(root / "params.yaml"), "bench.stage_scale from the last checkpoint"
+    params, made_by = load_params(root / "params.yaml"), f"{made_by} from the last checkpoint"
     return write_bundle(root / "exp" / "model.pt", data or root, params, state["model"], made_by=made_by)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -23,7 +24,7 @@ def test_a_variant_is_a_name_and_dotted_overrides():
 @pytest.mark.pipeline
 def test_quick_run_trains_stops_and_scores_each_variant(tmp_path):
     overrides = {"train.model.attention": "rel_pos"}
-    records = main(["--quick", "--workdir", str(tmp_path), "--variant", 'rel_pos={"train.model.attention": "rel_pos"}'])
+    records = main(["--quick", "--workdir", str(tmp_path), "--variant", f"rel_pos={json.dumps(overrides)}"])
     (found,) = [record for record in records if record["benchmark"] == "accuracy_at_time"]
     assert found["variant"] == "rel_pos" and found["overrides"] == overrides
     assert found["train_exit_code"] == 75  # stopped by SIGTERM at its time, its step saved
