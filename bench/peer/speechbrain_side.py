@@ -9,9 +9,10 @@ from pathlib import Path
 from bench.peer.side import report, run_as_child
 
 
-def speechbrain_model(config: dict, input_dim: int, vocab_size: int):
+def speechbrain_model(config: dict, input_dim: int, vocab_size: int, *, attention_type: str = "regularMHA"):
     """Two stride-2 convolution blocks (64, 32 channels), a Conformer encoder of asrflow's shape (``config``: its
-    ``train.model`` section as a dict), a CTC head."""
+    ``train.model`` section as a dict) with SpeechBrain's ``attention_type`` (``regularMHA``: no positions;
+    ``RelPosMHAXL``: relative positions, as its LibriSpeech Conformer recipes), a CTC head."""
     import torch
     from speechbrain.lobes.models.convolution import ConvolutionFrontEnd
     from speechbrain.lobes.models.transformer.TransformerASR import TransformerASR
@@ -21,7 +22,7 @@ def speechbrain_model(config: dict, input_dim: int, vocab_size: int):
     freq = cnn(torch.zeros(1, 16, input_dim)).shape[-2:]  # (F', C)
     shape = {"d_model": config["d_model"], "nhead": config["num_heads"], "num_encoder_layers": config["num_layers"]}
     shape |= {"d_ffn": config["ffn_dim"], "dropout": config["dropout"], "kernel_size": config["conv_kernel_size"]}
-    kind = {"encoder_module": "conformer", "attention_type": "regularMHA", "normalize_before": True, "causal": False}
+    kind = {"encoder_module": "conformer", "attention_type": attention_type, "normalize_before": True, "causal": False}
     kind |= {"num_decoder_layers": 0, "activation": torch.nn.GELU}
     transformer = TransformerASR(input_size=freq[0] * freq[1], tgt_vocab=vocab_size, **shape, **kind)
 
@@ -33,12 +34,16 @@ def speechbrain_model(config: dict, input_dim: int, vocab_size: int):
 
         def forward(self, features, feature_lens):
             """(N, T, F) fbank, (N,) frames -> (N, T', V) log-probabilities, (N,) output frames."""
-            x = self.cnn(features)  # (N, T', F', C), flattened by the transformer
             relative = feature_lens.float() / features.shape[1]
-            encoded = self.transformer.encode(x, relative)  # (N, T', D)
-            log_probs = self.ctc_lin(encoded).log_softmax(-1)
+            log_probs = self.log_probs(features, relative)
             out_lens = torch.clamp((relative * log_probs.shape[1]).round().long(), 1, log_probs.shape[1])
             return log_probs, out_lens
+
+        def log_probs(self, features, relative):
+            """(N, T, F) fbank, (N,) lengths as fractions of T (SpeechBrain's convention) -> (N, T', V)."""
+            x = self.cnn(features)  # (N, T', F', C), flattened by the transformer
+            encoded = self.transformer.encode(x, relative)  # (N, T', D)
+            return self.ctc_lin(encoded).log_softmax(-1)
 
     return SpeechBrainCtc()
 

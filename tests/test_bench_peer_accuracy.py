@@ -1,0 +1,73 @@
+"""bench.peer_accuracy: asrflow and SpeechBrain's own training loop for the same minutes, scored alike."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from lhotse import MonoCut, Recording, SupervisionSegment
+from lhotse.audio import AudioSource
+
+from asrflow.testing.repo import repo_params
+from bench.common import ratio
+from bench.peer_accuracy import main, speechbrain_options, write_csv
+
+
+def cut_of(source: AudioSource, *, start: float = 0.0, duration: float = 1.0, text: str = "YES NO") -> MonoCut:
+    """A cut of ``duration`` s from ``start`` of a 2 s, 8 kHz recording read from ``source``."""
+    recording = Recording(id="r1", sources=[source], sampling_rate=8000, num_samples=16000, duration=2.0)
+    supervision = SupervisionSegment(id="s1", recording_id="r1", start=0.0, duration=duration, text=text)
+    return MonoCut(id="c1", start=start, duration=duration, channel=0, recording=recording, supervisions=[supervision])
+
+
+def test_csv_rows_name_the_file_the_span_in_samples_and_the_transcript(tmp_path):
+    cut = cut_of(AudioSource(type="file", channels=[0], source="/audio/r1.wav"), start=0.5, duration=1.25)
+    mean = write_csv([cut], tmp_path / "train.csv")
+    with open(tmp_path / "train.csv") as rows:
+        (row,) = csv.DictReader(rows)
+    assert mean == 1.25
+    assert row == {
+        "ID": "c1",
+        "duration": "1.25",
+        "wav": "/audio/r1.wav",
+        "start": "4000",
+        "stop": "14000",
+        "sample_rate": "8000",
+        "wrd": "YES NO",
+    }
+
+
+def test_audio_that_is_not_one_file_is_refused_naming_the_cut(tmp_path):
+    cut = cut_of(AudioSource(type="command", channels=[0], source="sox r1.sph -t wav - |"))
+    with pytest.raises(ValueError, match="cut c1: its audio is not one file"):
+        write_csv([cut], tmp_path / "train.csv")
+
+
+def test_speechbrain_gets_asrflows_settings_and_time_masks_of_the_mean_utterance():
+    params = repo_params()
+    data, optim = params["train"]["data"], params["train"]["optim"]
+    options = speechbrain_options(params, {"mean_train_s": 6.0, "tokenizer": "t.model"}, minutes=30)
+    assert options["model"] == params["train"]["model"] and options["minutes"] == 30
+    assert options["optim"]["lr"] == optim["lr"] and options["optim"]["warmup_steps"] == optim["warmup_steps"]
+    assert options["data"]["max_duration_s"] == data["max_duration_s"]
+    assert options["data"]["freq_mask_width"] == data["freq_mask_width"]
+    assert options["data"]["time_mask_frames"] == round(data["time_mask_ratio"] * 600)
+    assert options["sample_rate"] == params["features"]["sampling_rate"] and options["tokenizer"] == "t.model"
+
+
+@pytest.mark.pipeline
+def test_quick_run_trains_both_sides_for_the_same_minutes_and_scores_both(tmp_path):
+    records = main(["--quick", "--workdir", str(tmp_path), "--precisions", "fp32"])
+    (found,) = [record for record in records if record["benchmark"] == "peer_accuracy"]
+    ours = found["asrflow"]
+    assert ours["train_exit_code"] == 75 and ours["steps"] > 0
+    assert 0 <= ours["cer"] <= 1 and 0 <= ours["wer"] <= 1.5
+    if found["status"] == "peer unavailable":  # the registry could not be reached: said, and no ratio
+        assert found["reason"] and "wer_ratio" not in found
+        return
+    theirs = found["speechbrain"]
+    assert theirs["steps"] > 0 and theirs["params"] > 0 and theirs["peak_tree_pss_mb"] > 0
+    assert 0 <= theirs["cer"] <= 1 and 0 <= theirs["wer"] <= 1.5
+    assert found["wer_ratio"] == pytest.approx(ratio(ours["wer"], theirs["wer"]), rel=1e-3)  # printed: 4 digits
+    assert found["cer_ratio"] == pytest.approx(ratio(ours["cer"], theirs["cer"]), rel=1e-3)
+    assert (tmp_path / "speechbrain-csv" / "test.csv").read_text().count("\n") == 1 + 30  # yesno's 30 test files
