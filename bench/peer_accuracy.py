@@ -23,8 +23,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -33,16 +31,13 @@ from asrflow.data.manifests import cut_text, list_test_sets, load_cuts
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.params import with_overrides
 from asrflow.testing.corpora import params_for, yesno_data
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import REPO, repo_params
+from asrflow.testing.repo import repo_params
 from bench.accuracy_at_time import evaluate, train_for
 from bench.common import emit, load_average, machine, parse_args, ratio, workdir
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
+from bench.peer.side import run_child
 
 CSV_COLUMNS = ("ID", "duration", "wav", "start", "stop", "sample_rate", "wrd")
-#: Frames per second of both sides' features (10 ms shift).
-FRAMES_PER_S = 100
-PSS_POLL_S = 1.0
 
 
 def write_csv(cuts, path: Path) -> float:
@@ -58,9 +53,8 @@ def write_csv(cuts, path: Path) -> float:
         if len(sources) != 1 or sources[0].type != "file":
             raise ValueError(f"cut {cut.id}: its audio is not one file ({sources}); SpeechBrain reads files only")
         rate = cut.recording.sampling_rate
-        start = round(cut.start * rate)
-        rows.append([cut.id, cut.duration, sources[0].source, start, start + round(cut.duration * rate), rate])
-        rows[-1].append(cut_text(cut))
+        start, stop = round(cut.start * rate), round((cut.start + cut.duration) * rate)
+        rows.append([cut.id, cut.duration, sources[0].source, start, stop, rate, cut_text(cut)])
         total += cut.duration
     with open(path, "w", newline="") as out:
         writer = csv.writer(out)
@@ -87,30 +81,23 @@ def speechbrain_options(params: dict, files: dict, minutes: float) -> dict:
     train = params["train"]
     data = train["data"]
     masks = {key: data[key] for key in ("spec_augment", "num_freq_masks", "freq_mask_width", "num_time_masks")}
+    fbank = params["features"]
     # asrflow's time mask is a share of each utterance; SpeechBrain's is frames, so that share of the mean one.
-    masks["time_mask_frames"] = max(1, round(data["time_mask_ratio"] * files["mean_train_s"] * FRAMES_PER_S))
+    masks["time_mask_frames"] = max(1, round(data["time_mask_ratio"] * files["mean_train_s"] / fbank["frame_shift_s"]))
     batches = {"max_duration_s": data["max_duration_s"], "num_buckets": data["num_buckets"]}
     optim = {key: train["optim"][key] for key in ("lr", "weight_decay", "warmup_steps", "max_grad_norm")}
     optim |= {"precision": train["optim"]["precision"], "num_threads": train["optim"]["num_threads"]}
-    features = {"sample_rate": params["features"]["sampling_rate"], "num_mel_bins": params["features"]["num_mel_bins"]}
+    features = {key: fbank[key] for key in ("sampling_rate", "num_mel_bins", "frame_shift_s", "frame_length_s")}
     options = {"model": train["model"], "data": masks | batches, "optim": optim, "seed": params.get("seed", 0)}
     return options | features | {"minutes": minutes} | files
 
 
 def run_speechbrain(options: dict, refs: dict[str, str], log: Path) -> dict:
     """The SpeechBrain side in a process of its own: steps, WER, CER, parameters, peak tree PSS."""
-    report = log.with_suffix(".json")
-    report.unlink(missing_ok=True)
     env = peer_env() | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(options["optim"]["num_threads"])}
-    launched = time.time()
-    command = [sys.executable, "-m", "bench.peer.speechbrain_recipe", str(report), repr(launched), json.dumps(options)]
-    process = ChildProcess(command, log_path=log, env=env, cwd=REPO, memory_poll_s=PSS_POLL_S)
-    code = process.wait()
-    if code != 0 or not report.is_file():
-        raise RuntimeError(f"the SpeechBrain side exited {code}; log {log}:\n{process.tail()}")
-    found = json.loads(report.read_text())
+    found = run_child("bench.peer.speechbrain_recipe", options, log, env)
     score = score_corpus(refs, found.pop("hyps"))
-    return found | {"wer": score.wer, "cer": score.cer, "peak_tree_pss_mb": process.peak_pss / 2**20}
+    return found | {"wer": score.wer, "cer": score.cer}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -10,19 +10,17 @@ corpus: per side audio s/s, start to first step, peak tree PSS, FLOPs, dev loss,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 from asrflow.testing.corpora import generated_data, yesno_data
-from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO
 from bench.common import emit, machine, parse_args, ratio, train_settings, workdir
 from bench.peer.batches import cached_batches, dump_batches
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
+from bench.peer.side import run_child
 from bench.peer.sweep import SWEEP_STEPS, median_step_rate, sweep
 
 #: Utterances of the generated corpus (2 % of them dev), per mode.
@@ -32,22 +30,13 @@ PLANS = {"full": [("generated", 1, None), ("yesno", 30, None)], "quick": [("gene
 #: Timed runs per side and corpus, alternating asrflow and SpeechBrain; each side's fastest is reported.
 REPEATS = {"full": 2, "quick": 1}
 SIDES = ("asrflow", "speechbrain")
-PSS_POLL_S = 1.0
 
 
 def run_side(side: str, options: dict, log: Path) -> dict:
     """One side's training process: its report, with the process tree's peak PSS."""
-    report = log.with_suffix(".json")
-    report.unlink(missing_ok=True)
     env = peer_env() if side == "speechbrain" else dict(os.environ)
     env |= {"PYTHONUNBUFFERED": "1", "GIT_PYTHON_REFRESH": "quiet", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    launched = time.time()
-    command = [sys.executable, "-m", f"bench.peer.{side}_side", str(report), repr(launched), json.dumps(options)]
-    process = ChildProcess(command, log_path=log, env=env, cwd=REPO, memory_poll_s=PSS_POLL_S)
-    code = process.wait()
-    if code != 0 or not report.is_file():
-        raise RuntimeError(f"{side} training exited {code}; log {log}:\n{process.tail()}")
-    return {**json.loads(report.read_text()), "peak_tree_pss_mb": process.peak_pss / 2**20}
+    return run_child(f"bench.peer.{side}_side", options, log, env)
 
 
 def summary(result: dict) -> dict:

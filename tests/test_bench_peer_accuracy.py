@@ -51,8 +51,9 @@ def test_speechbrain_gets_asrflows_settings_and_time_masks_of_the_mean_utterance
     assert options["optim"]["lr"] == optim["lr"] and options["optim"]["warmup_steps"] == optim["warmup_steps"]
     assert options["data"]["max_duration_s"] == data["max_duration_s"]
     assert options["data"]["freq_mask_width"] == data["freq_mask_width"]
-    assert options["data"]["time_mask_frames"] == round(data["time_mask_ratio"] * 600)
-    assert options["sample_rate"] == params["features"]["sampling_rate"] and options["tokenizer"] == "t.model"
+    assert options["data"]["time_mask_frames"] == round(data["time_mask_ratio"] * 600)  # 10 ms frames
+    assert options["sampling_rate"] == params["features"]["sampling_rate"] and options["tokenizer"] == "t.model"
+    assert options["frame_shift_s"] == params["features"]["frame_shift_s"]
 
 
 @pytest.mark.pipeline

@@ -41,6 +41,32 @@ def report(model, forward_backward, first_batch: dict, *, steps: list, launched:
     return found | {"flops_per_audio_s": counter.get_total_flops() / audio_s}
 
 
+#: How often the parent reads its child's process tree for the peak PSS (seconds).
+PSS_POLL_S = 1.0
+
+
+def run_child(module: str, options: dict, log: Path, env: dict[str, str]) -> dict:
+    """``python -m module REPORT LAUNCHED OPTIONS`` (a :func:`run_as_child` script) from the repository in a process
+    of its own, output to ``log``: its report, with ``peak_tree_pss_mb`` of its process tree.
+
+    Raises:
+        RuntimeError: it failed or wrote no report; the message names ``log`` and holds its tail.
+    """
+    import time
+
+    from asrflow.testing.processes import ChildProcess
+    from asrflow.testing.repo import REPO
+
+    report_path = log.with_suffix(".json")
+    report_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", module, str(report_path), repr(time.time()), json.dumps(options)]
+    process = ChildProcess(command, log_path=log, env=env, cwd=REPO, memory_poll_s=PSS_POLL_S)
+    code = process.wait()
+    if code != 0 or not report_path.is_file():
+        raise RuntimeError(f"{module} exited {code}; log {log}:\n{process.tail()}")
+    return {**json.loads(report_path.read_text()), "peak_tree_pss_mb": process.peak_pss / 2**20}
+
+
 def run_as_child(train) -> None:
     """Arguments ``REPORT LAUNCHED OPTIONS``: ``train(OPTIONS as JSON, LAUNCHED unix time)`` as JSON into REPORT."""
     report, launched, options = sys.argv[1:4]

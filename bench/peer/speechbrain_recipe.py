@@ -39,7 +39,7 @@ def datasets(options: dict, tokenizer):
 
     train = sb.dataio.dataset.DynamicItemDataset.from_csv(options["train_csv"])
     test = sb.dataio.dataset.DynamicItemDataset.from_csv(options["test_csv"]).filtered_sorted(sort_key="duration")
-    target_rate = options["sample_rate"]
+    target_rate = options["sampling_rate"]
 
     @sb.utils.data_pipeline.takes("wav", "start", "stop", "sample_rate")
     @sb.utils.data_pipeline.provides("sig")
@@ -106,11 +106,17 @@ def make_brain(options: dict, model, deadline: float):
                 raise TimeUp
 
         def on_fit_batch_end(self, batch, outputs, loss, should_step):
+            self.last_loss = float(loss)
             if should_step:
                 self.hparams.schedule(self.optimizer)
 
     hparams = {
-        "fbank": Fbank(sample_rate=options["sample_rate"], n_mels=options["num_mel_bins"]),
+        "fbank": Fbank(
+            sample_rate=options["sampling_rate"],
+            n_mels=options["num_mel_bins"],
+            hop_length=options["frame_shift_s"] * 1000,  # SpeechBrain's unit: ms
+            win_length=options["frame_length_s"] * 1000,
+        ),
         "augment": spec_augment(options["data"]),
         "schedule": NoamScheduler(lr_initial=optim["lr"], n_warmup_steps=max(optim["warmup_steps"], 1)),
         "epochs": EpochCounter(limit=10**6),
@@ -166,7 +172,8 @@ def train(options: dict, launched: float) -> dict:
         brain.fit(brain.hparams.epochs, train_set, train_loader_kwargs=loader)
     trained = time.time()
     hyps = decode(brain, test_set, tokenizer)
-    found = {"steps": brain.optimizer_step, "avg_train_loss_batchmean": float(brain.avg_train_loss)}
+    # Brain's avg_train_loss restarts at 0 with each epoch; the last batch's loss is what the run ended at.
+    found = {"steps": brain.optimizer_step, "last_train_loss_batchmean": getattr(brain, "last_loss", None)}
     found |= {"params": sum(p.numel() for p in model.parameters()), "train_s": trained - launched}
     return found | {"decode_s": time.time() - trained, "hyps": hyps}
 
