@@ -8,7 +8,8 @@ by batch size), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pa
 the fly with 2 and with ``auto`` workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU:
 real-time factors, the same transcripts), ``gpu_profile`` (host time by operator over the first 20 steps,
 ``profile.txt``), ``host_cpu_tune`` (the machine tuner on the host CPU, ``host-cpu-preset.yaml``). Checks that
-would not finish inside ``--budget`` are recorded as skipped.
+would not finish inside ``--budget`` are recorded as skipped. On a lent machine, which reaches no registry, the
+packages its image lacks travel as wheels: ``python -m bench.gpu_wheels`` fetches them into ``.whl``.
 """
 
 from __future__ import annotations

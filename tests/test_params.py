@@ -250,15 +250,20 @@ def test_num_workers_auto_loads_in_process_with_precomputed_features(yesno_data)
     from asrflow.testing.repo import repo_params
     from asrflow.testing.tiny_config import tiny_train_data
     from asrflow.training.config import load_run_config
-    from asrflow.training.run_config import AUTO_WORKERS_GPU_STORED, AUTO_WORKERS_ON_THE_FLY
+    from asrflow.training.run_config import (
+        AUTO_WORKERS_GPU_STORED,
+        AUTO_WORKERS_ON_THE_FLY,
+        AUTO_WORKERS_ON_THE_FLY_MOST,
+    )
 
     run = load_run_config(repo_params())
     assert run.num_workers == "auto"  # the shipped value
     assert run.data_workers(on_the_fly=False) == 0
     assert run.data_workers(on_the_fly=True, usable_cores=2) == AUTO_WORKERS_ON_THE_FLY == 2
-    assert run.data_workers(on_the_fly=True, usable_cores=16) == 15  # the cores, less one for the rank
+    assert run.data_workers(on_the_fly=True, usable_cores=6) == 5  # the cores, less one for the rank
+    assert run.data_workers(on_the_fly=True, usable_cores=16) == AUTO_WORKERS_ON_THE_FLY_MOST == 8
     assert replace(run, nproc_per_node=4).data_workers(on_the_fly=True, usable_cores=16) == 3  # per rank
-    assert run.data_workers(on_the_fly=True, gpu=True, usable_cores=16) == 15
+    assert run.data_workers(on_the_fly=True, gpu=True, usable_cores=16) == 8
     assert run.data_workers(on_the_fly=False, gpu=True, usable_cores=16) == AUTO_WORKERS_GPU_STORED == 4
     assert run.data_workers(on_the_fly=False, gpu=True, usable_cores=3) == 2  # the share, when it is smaller
     assert replace(run, num_workers=3).data_workers(on_the_fly=False) == 3  # an integer is taken as it is

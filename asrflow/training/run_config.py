@@ -16,6 +16,9 @@ AUTO_WORKERS_ON_THE_FLY = 2
 #: ``auto``'s most workers for a GPU reading stored fbank: loading a batch is light, and each spawned worker
 #: imports torch again; the figures behind it are in bench/RESULTS.md ("GPU, fourth run").
 AUTO_WORKERS_GPU_STORED = 4
+#: ``auto``'s most workers with features computed on the fly: enough to keep a GPU fed, where a machine's every
+#: core as a worker never delivered a first batch in time (bench/RESULTS.md, "GPU, fifth run").
+AUTO_WORKERS_ON_THE_FLY_MOST = 8
 #: Keys that must stay the same for a resume to continue the same run: the number of processes changes the
 #: batches each one trains on. The other keys are bookkeeping, parallel loading and time limits.
 WORLD_KEYS = ("nproc_per_node", "nnodes")
@@ -60,16 +63,16 @@ class RunConfig:
         precomputed features (a batch of stored fbank loads quickly next to a CPU step, and each spawned
         worker would import torch again); when features are computed on the fly (fbank, speed perturbation,
         noise), the rank's share of the ``usable_cores`` (default: :func:`asrflow.cores.available_cores`) less one for
-        the rank itself, at least :data:`AUTO_WORKERS_ON_THE_FLY`; when a ``gpu`` trains on precomputed
-        features (its steps are short next to loading a batch), that share but at most
-        :data:`AUTO_WORKERS_GPU_STORED`."""
+        the rank itself, at least :data:`AUTO_WORKERS_ON_THE_FLY` and at most :data:`AUTO_WORKERS_ON_THE_FLY_MOST`;
+        when a ``gpu`` trains on precomputed features (its steps are short next to loading a batch), that share
+        but at most :data:`AUTO_WORKERS_GPU_STORED`."""
         if self.num_workers != "auto":
             return int(self.num_workers)
         if not on_the_fly and not gpu:
             return 0
         cores = usable_cores if usable_cores is not None else available_cores()
         share = max(AUTO_WORKERS_ON_THE_FLY, cores // self.nproc_per_node - 1)
-        return share if on_the_fly else min(share, AUTO_WORKERS_GPU_STORED)
+        return min(share, AUTO_WORKERS_ON_THE_FLY_MOST if on_the_fly else AUTO_WORKERS_GPU_STORED)
 
     @property
     def world(self) -> dict:
