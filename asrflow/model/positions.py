@@ -77,10 +77,14 @@ class RelPositionAttention(nn.Module):
         distances = torch.arange(t - 1, -t, -1, device=x.device)  # (2T - 1,): T-1 ... -(T-1)
         encoded = self.position(sinusoids(distances, d).to(x.dtype))  # (2T - 1, D)
         positions = encoded.view(1, -1, self.num_heads, self.head_dim).transpose(1, 2)  # (1, H, 2T - 1, d_head)
-        content = torch.matmul(query + self.content_bias.unsqueeze(1), key.transpose(-2, -1))  # (N, H, T, T)
+        scale = 1 / math.sqrt(self.head_dim)
         by_position = torch.matmul(query + self.position_bias.unsqueeze(1), positions.transpose(-2, -1))
-        scores = (content + relative_shift(by_position)) / math.sqrt(self.head_dim)  # (N, H, T, T)
-        scores = scores.masked_fill(padding_mask.view(n, 1, 1, t), float("-inf"))
-        weights = self.dropout(scores.softmax(dim=-1))
-        mixed = torch.matmul(weights, value).transpose(1, 2).reshape(n, t, d)  # (N, T, D)
-        return self.out(mixed)
+        # The position scores enter as an additive mask, so the content scores, softmax and weighted sum can run
+        # in one fused kernel where the device has one (a GPU's memory-efficient attention takes a mask's gradient).
+        position_scores = (relative_shift(by_position) * scale).masked_fill(padding_mask.view(n, 1, 1, t), -math.inf)
+        content_query = (query + self.content_bias.unsqueeze(1)).to(key.dtype)  # autocast: the bias is fp32
+        dropout = self.dropout.p if self.training else 0.0
+        mixed = nn.functional.scaled_dot_product_attention(
+            content_query, key, value, attn_mask=position_scores.to(key.dtype), dropout_p=dropout, scale=scale
+        )  # (N, H, T, d_head)
+        return self.out(mixed.transpose(1, 2).reshape(n, t, d))
