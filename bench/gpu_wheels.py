@@ -43,9 +43,7 @@ def image_packages(path: Path) -> set[str]:
 
 
 def pinned(name: str) -> str:
-    """``name==version`` at this environment's version (SpeechBrain at the peer benches' pin)."""
-    if canonicalize_name(name) == "speechbrain":
-        return f"speechbrain=={PEER_VERSION}"
+    """``name==version`` at this environment's version."""
     return f"{name}=={importlib.metadata.version(name)}"
 
 
@@ -69,8 +67,11 @@ def requirements_of(wheel: Path) -> list[Requirement]:
 
 
 def fetch(roots: list[str], have: set[str], dest: Path) -> list[Path]:
-    """Wheels for ``roots`` and every dependency not in ``have``, one version each; the wheels fetched."""
+    """Wheels for ``roots`` and every dependency not in ``have``, one version each (wheels already in ``dest``
+    are removed first: two versions of a package stop the install there); the wheels fetched."""
     dest.mkdir(parents=True, exist_ok=True)
+    for stale in dest.glob("*.whl"):
+        stale.unlink()
     queue, seen, wheels = [Requirement(root) for root in roots], set(have), []
     while queue:
         requirement = queue.pop(0)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--have", type=Path, default=KINDS, help="a file listing the image's packages")
     args = parser.parse_args(argv)
     have = image_packages(args.have)
-    fetch([pinned(name) for name in (*DATA, *TRACKING, "speechbrain")], have, args.dest)
+    fetch([*(pinned(name) for name in (*DATA, *TRACKING)), f"speechbrain=={PEER_VERSION}"], have, args.dest)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 import zipfile
 
-from bench.gpu_wheels import image_packages, requirements_of
+from bench.gpu_wheels import fetch, image_packages, requirements_of
 
 
 def test_image_packages_reads_the_last_packages_line(tmp_path):
@@ -27,3 +27,11 @@ def test_requirements_of_keeps_those_whose_markers_hold_on_the_gpu_machine(tmp_p
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("demo-1.0.dist-info/METADATA", "\n".join(metadata) + "\n")
     assert [str(r) for r in requirements_of(wheel)] == ["lilcom>=1.8", 'cytoolz>=0.10; python_version >= "3.8"']
+
+
+def test_fetch_clears_wheels_left_from_an_earlier_fetch(tmp_path):
+    """Two versions of one package in the folder would stop the install on the GPU machine."""
+    (tmp_path / "sqlalchemy-2.1.9-cp312-cp312-manylinux2014_x86_64.whl").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("kept")
+    assert fetch([], set(), tmp_path) == []
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
