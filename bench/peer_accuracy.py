@@ -15,7 +15,8 @@ corpus for a few seconds each. Per precision, one after the other so each has th
   utterances, scored with asrflow's scorer against the same transcripts.
 
 Records ``peer_accuracy`` per precision: each side's steps, test WER and CER, parameters and the training process
-tree's peak PSS; ``wer_ratio`` and ``cer_ratio`` are asrflow / SpeechBrain (goal: both <= 1).
+tree's peak PSS; ``wer_ratio`` and ``cer_ratio`` are asrflow / SpeechBrain (goal: both <= 1). ``--sides speechbrain``
+trains the peer alone (at other settings than a run already recorded for asrflow, say): its record has no ratios.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from bench.peer.install import PEER_VERSION, install_peer, peer_env
 from bench.peer.side import run_child
 
 CSV_COLUMNS = ("ID", "duration", "wav", "start", "stop", "sample_rate", "wrd")
+SIDES = ("asrflow", "speechbrain")
 
 
 def write_csv(cuts, path: Path) -> float:
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.add_argument("--minutes", type=float, default=30.0, help="training time per side (default: 30)")
         parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
         parser.add_argument("--train", type=json.loads, default={}, help="params overrides as JSON, dotted keys")
+        parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES, help="only these (default: both)")
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
     if not args.quick and args.data is None:
@@ -123,13 +126,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             record = {"benchmark": "peer_accuracy", "precision": precision, "minutes": minutes, "data": str(data)}
             record |= {"overrides": args.train}
             record |= {"peer": f"speechbrain {PEER_VERSION}", "load_before": load_average()}
-            run_dir = work / f"peer-accuracy-asrflow-{precision}"
-            record["asrflow"] = train_for(run_dir, data, params, minutes) | evaluate(run_dir, data)
-            if problem is not None:
+            if "asrflow" in args.sides:
+                run_dir = work / f"peer-accuracy-asrflow-{precision}"
+                record["asrflow"] = train_for(run_dir, data, params, minutes) | evaluate(run_dir, data)
+            if "speechbrain" in args.sides and problem is not None:
                 records.append(emit(record | {"status": "peer unavailable", "reason": problem}))
                 continue
-            options = speechbrain_options(params, files, minutes)
-            record["speechbrain"] = run_speechbrain(options, refs, work / f"peer-accuracy-speechbrain-{precision}.log")
+            if "speechbrain" in args.sides:
+                options = speechbrain_options(params, files, minutes)
+                log = work / f"peer-accuracy-speechbrain-{precision}.log"
+                record["speechbrain"] = run_speechbrain(options, refs, log)
+            if len(args.sides) < len(SIDES):
+                records.append(emit(record | {"load_after": load_average()}))
+                continue
             ours, theirs = record["asrflow"], record["speechbrain"]
             record |= {"wer_ratio": ratio(ours["wer"], theirs["wer"]), "cer_ratio": ratio(ours["cer"], theirs["cer"])}
             record["no_worse"] = ours["wer"] <= theirs["wer"] and ours["cer"] <= theirs["cer"]

@@ -72,3 +72,15 @@ def test_quick_run_trains_both_sides_for_the_same_minutes_and_scores_both(tmp_pa
     assert found["wer_ratio"] == pytest.approx(ratio(ours["wer"], theirs["wer"]), rel=1e-3)  # printed: 4 digits
     assert found["cer_ratio"] == pytest.approx(ratio(ours["cer"], theirs["cer"]), rel=1e-3)
     assert (tmp_path / "speechbrain-csv" / "test.csv").read_text().count("\n") == 1 + 30  # yesno's 30 test files
+
+
+@pytest.mark.pipeline
+def test_one_side_alone_is_trained_scored_and_given_no_ratio(tmp_path):
+    records = main(["--quick", "--workdir", str(tmp_path), "--precisions", "fp32", "--sides", "speechbrain"])
+    (found,) = [record for record in records if record["benchmark"] == "peer_accuracy"]
+    assert "asrflow" not in found and "wer_ratio" not in found
+    assert not (tmp_path / "peer-accuracy-asrflow-fp32").exists()
+    if found.get("status") == "peer unavailable":
+        assert found["reason"]
+        return
+    assert found["speechbrain"]["steps"] > 0 and 0 <= found["speechbrain"]["cer"] <= 1
