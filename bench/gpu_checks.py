@@ -5,11 +5,13 @@ Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measure
 batch-shape variant (as the Trainer runs, frames padded to 64, and the preset's model without position terms in
 its attention: the first pass over new shapes against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory
 by batch size), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on
-the fly with 2 and with ``auto`` workers), ``gpu_decode`` (the evaluate stage's decoding on the CPU and the GPU:
-real-time factors, the same transcripts), ``gpu_profile`` (host time by operator over the first 20 steps,
-``profile.txt``), ``host_cpu_tune`` (the machine tuner on the host CPU, ``host-cpu-preset.yaml``). Checks that
-would not finish inside ``--budget`` are recorded as skipped. On a lent machine, which reaches no registry, the
-packages its image lacks travel as wheels: ``python -m bench.gpu_wheels`` fetches them into ``.whl``.
+the fly with 2 and with ``auto`` workers), ``peer_speed`` with ``loop: whole`` (asrflow's Trainer against
+SpeechBrain's own Brain and data pipeline, :func:`peer_whole_loop`), ``gpu_decode`` (the evaluate stage's decoding
+on the CPU and the GPU: real-time factors, the same transcripts), ``host_cpu_tune`` (the machine tuner on the host
+CPU, ``host-cpu-preset.yaml``), ``gpu_profile`` (host time by operator over the first 20 steps, ``profile.txt``), in
+that order. Checks that would not finish inside ``--budget`` are recorded as skipped. On a lent machine, which
+reaches no registry, the packages its image lacks (SpeechBrain among them) travel as wheels: ``python -m
+bench.gpu_wheels`` fetches them into ``.whl``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,30 @@ def bf16_peak(size: int = 8192, repeat: int = 10) -> float:
 def probe(kind: str, data: Path, *options: str, timeout: float, log: Path | None) -> list[dict]:
     """``python -m bench.gpu_probe KIND`` in a fresh process; its records, or one saying why there are none."""
     command = [sys.executable, "-m", "bench.gpu_probe", kind, "--data", str(data), *options]
+    return records_of(command, f"gpu_{kind}", options, timeout=timeout, log=log)
+
+
+def peer_whole_loop(work: Path, *, quick: bool, timeout: float, log: Path | None) -> list[dict]:
+    """``python -m bench.peer_speed --loop whole`` (shared/GPU_CHECKS.md item 5): asrflow's Trainer and SpeechBrain's
+    own loop at the preset's shape in bf16, once each, 4 data workers each; its records."""
+    options = ["--loop", "whole", "--corpora", "generated", "--precision", "bf16", "--repeats", "1"]
+    options += [
+        "--settings",
+        "1x4",
+        "1x4",
+        "--params",
+        str(REPO / "presets" / "real-corpus.yaml"),
+        "--workdir",
+        str(work),
+    ]
+    options += ["--quick", "--steps", "4"] if quick else ["--epochs", "2"]
+    command = [sys.executable, "-m", "bench.peer_speed", *options]
+    return records_of(command, "gpu_peer_whole_loop", options, timeout=timeout, log=log)
+
+
+def records_of(command: list[str], name: str, options, *, timeout: float, log: Path | None) -> list[dict]:
+    """``command``'s JSON records (its stdout lines starting with ``{``), and one named ``name`` saying why when it
+    failed or timed out; its stderr appended to ``log``."""
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout, 1), cwd=REPO)
     except subprocess.TimeoutExpired as expired:
@@ -58,9 +84,7 @@ def probe(kind: str, data: Path, *options: str, timeout: float, log: Path | None
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     if problem:
         tail = err.strip().splitlines()[-3:]
-        records.append(
-            {"benchmark": f"gpu_{kind}", "status": "failed", "options": options, "why": problem, "tail": tail}
-        )
+        records.append({"benchmark": name, "status": "failed", "options": options, "why": problem, "tail": tail})
     return [emit(record) for record in records]
 
 
@@ -98,7 +122,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     steps = str(4 if args.quick else args.steps)
     with workdir(args.workdir) as work:
         utterances = 200 if args.quick else args.utterances
-        data = generated_data(work, utterances)
+        # 40 dev utterances, as bench.peer_speed generates its corpus: the peer check below finds it ready
+        data = generated_data(work, utterances, dev_utterances=4 if args.quick else 40)
         ready = {"benchmark": "gpu_data", "utterances": utterances, "ready_after_s": args.budget - left()}
         out += keep([emit(ready)])
 
@@ -109,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             return keep(probe(kind, data, *options, *common, timeout=min(cap, left() - 10), log=log))
 
         # As the Trainer runs the preset (rel_pos attention), frames padded to 64 too, and without positions: what
-        # rel_pos costs on a GPU (it has no fused attention kernel).
+        # rel_pos costs on a GPU.
         variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "no-positions": ["--attention", "none"]}
         bare = {name: run("bare", "--steps", steps, *options, cap=90) for name, options in variants.items()}
         sizes = ["--sizes", *(["60", "120"] if args.quick else ["600", "1200", "2400", "4800", "9600"])]
@@ -123,9 +148,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for workers in ("2", "auto"):
             options = ["--on-the-fly", "--num-workers", workers, "--once", "--steps", trainer_steps, "--seconds", "25"]
             out += run("trainer", *options, *variants[best], cap=100)
-        out += keep(host_cpu_tune(out_dir / "host-cpu-preset.yaml", timeout=min(HOST_TUNE_S, left() - 60)))
+        if left() < 60:
+            out += keep([emit({"benchmark": "gpu_peer_whole_loop", "status": "skipped"})])
+        else:
+            out += keep(peer_whole_loop(work, quick=args.quick, timeout=min(200, left() - 20), log=log))
+        # Measured in earlier runs (bench/RESULTS.md, "GPU"): last, so a short budget skips them first.
         decoded = ["--steps", "8" if args.quick else "300", "--batch-seconds", "60" if args.quick else "600"]
         out += run("decode", *decoded, cap=90)
+        out += keep(host_cpu_tune(out_dir / "host-cpu-preset.yaml", timeout=min(HOST_TUNE_S, left() - 60)))
         out += run("profile", "--steps", "4" if args.quick else "20", "--out", str(out_dir / "profile.txt"), cap=45)
         if best != "default":
             out += run("trainer", "--steps", trainer_steps, "--seconds", "45", "--once", cap=70)

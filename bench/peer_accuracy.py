@@ -36,7 +36,7 @@ from asrflow.testing.repo import repo_params
 from bench.accuracy_at_time import evaluate, train_for
 from bench.common import emit, load_average, machine, parse_args, ratio, workdir
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
-from bench.peer.side import run_child
+from bench.peer.side import audio_rate, run_child
 
 CSV_COLUMNS = ("ID", "duration", "wav", "start", "stop", "sample_rate", "wrd")
 SIDES = ("asrflow", "speechbrain")
@@ -95,11 +95,12 @@ def speechbrain_options(params: dict, files: dict, minutes: float) -> dict:
 
 
 def run_speechbrain(options: dict, refs: dict[str, str], log: Path) -> dict:
-    """The SpeechBrain side in a process of its own: steps, WER, CER, parameters, peak tree PSS."""
+    """The SpeechBrain side in a process of its own: steps, WER, CER, parameters, peak tree PSS, audio seconds
+    trained per second after its first step."""
     env = peer_env() | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(options["optim"]["num_threads"])}
     found = run_child("bench.peer.speechbrain_recipe", options, log, env)
     score = score_corpus(refs, found.pop("hyps"))
-    return found | {"wer": score.wer, "cer": score.cer}
+    return found | {"wer": score.wer, "cer": score.cer, "audio_s_per_s": audio_rate(found.pop("step_times"))}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

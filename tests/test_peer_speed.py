@@ -76,3 +76,23 @@ def test_the_sweep_picks_each_side_by_its_best_round():
     assert best["asrflow"]["num_threads"] == 2 and best["asrflow"]["audio_s_per_s"] == 180.0
     assert best["speechbrain"]["num_threads"] == 2 and best["speechbrain"]["audio_s_per_s"] == 113.0
     assert [row["audio_s_per_s_of_each_round"] for row in figures["speechbrain"]] == [[82.8, 81.0], [60.0, 113.0]]
+
+
+@pytest.mark.pipeline
+def test_the_whole_loop_trains_speechbrains_brain_for_as_many_steps_as_asrflow(tmp_path):
+    """SpeechBrain's own loop (its Brain, its data pipeline from the audio) against asrflow's Trainer: the same
+    step count, speed and memory of each; no dev loss (its loop decodes instead of measuring one)."""
+    from bench.peer_speed import main
+
+    records = main(["--quick", "--loop", "whole", "--steps", "3", "--workdir", str(tmp_path)])
+    (found,) = [record for record in records if record["benchmark"] == "peer_speed"]
+    assert found["loop"] == "whole"
+    if found["status"] == "peer unavailable":  # the registry could not be reached: said, and no ratio
+        assert found["reason"] and "ratio" not in found
+        return
+    ours, theirs = found["asrflow"], found["speechbrain"]
+    assert ours["steps"] == theirs["steps"] == 3
+    assert theirs["audio_s_per_s"] > 0 and theirs["start_to_first_step_s"] > 0 and theirs["peak_tree_pss_mb"] > 0
+    assert theirs["dev_loss"] is None and "dev_loss_no_worse" not in found
+    assert found["ratio"] > 0 and "memory" in found["goal"] and isinstance(found["meets_goal"], bool)
+    assert theirs["flops_per_audio_s"] is None  # the bare side counts FLOPs on its dumped batch; the Brain does not

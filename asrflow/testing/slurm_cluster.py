@@ -178,9 +178,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 ReturnToService=2
 MpiDefault=none
-# a cancelled job's processes get SIGTERM, then SIGKILL after KillWait seconds: enough for the train stage to
-# finish its step and save it, without a stopped (SIGSTOP) job's minute of waiting for nothing
-KillWait=20
+# a cancelled job's processes get SIGTERM, then SIGKILL after KillWait seconds
+KillWait=60
 {node_lines}
 PartitionName={PARTITION} Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINITE State=UP
 """)

@@ -24,10 +24,11 @@ def train(options: dict, launched: float) -> dict:
         return max_steps is not None and len(steps) >= max_steps - 1
 
     trainer = run_trainer(data, exp, settings, after_step=timing)
-    model, loss = trainer.model, None
+    model, loss, device = trainer.model, None, trainer.device
     if options["dev"]:
-        loss = trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=torch.device("cpu"))
+        loss = trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=device)
     batch = torch.load(Path(options["batches"]) / "step-0.pt", weights_only=True)
+    batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
     model.train()
 
     def forward_backward():

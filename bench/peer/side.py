@@ -28,14 +28,31 @@ def flops_by_part(counts: dict[str, dict]) -> dict[str, float]:
     return parts
 
 
+def audio_rate(steps: list[dict]) -> float | None:
+    """Audio seconds trained per wall second after the first step, from each step's end ``t`` (unix s) and
+    ``audio_s``; None with fewer than two steps."""
+    if len(steps) < 2:
+        return None
+    return sum(step["audio_s"] for step in steps[1:]) / (steps[-1]["t"] - steps[0]["t"])
+
+
+def peak_gpu_mb() -> float | None:
+    """The most GPU memory this process's tensors held (MB), or None without CUDA."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
 def report(model, forward_backward, first_batch: dict, *, steps: list, launched: float, dev_loss, settings) -> dict:
-    """One side's report: per-step end times, FLOPs of ``forward_backward`` per audio second, parameters."""
+    """One side's report: per-step end times, FLOPs of ``forward_backward`` per audio second, parameters, the
+    peak GPU memory of its training."""
+    gpu_mb = peak_gpu_mb()  # before the FLOP count's extra forward and backward
     from torch.utils.flop_counter import FlopCounterMode
 
     audio_s = float(first_batch["durations"].sum())
     with FlopCounterMode(display=False) as counter:
         forward_backward()
-    found = {"steps": steps, "launched": launched, "dev_loss": dev_loss, "settings": settings}
+    found = {"steps": steps, "launched": launched, "dev_loss": dev_loss, "settings": settings, "peak_gpu_mb": gpu_mb}
     found["flops_by_part"] = {k: v / audio_s for k, v in flops_by_part(counter.get_flop_counts()).items()}
     found["params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return found | {"flops_per_audio_s": counter.get_total_flops() / audio_s}

@@ -5,11 +5,14 @@ CSV, audio read and resampled in data-loader workers, ``DynamicBatchSampler``), 
 ``InputNormalization``, ``SpectrogramDrop`` for SpecAugment), its Conformer with relative-position attention
 (``RelPosMHAXL``), its CTC loss and greedy decoder. What asrflow sets (model shape, peak learning rate and warm-up,
 weight decay, batch seconds, mask counts and widths, precision, threads) is taken from asrflow's params, so the
-comparison changes the tool and nothing else. Training stops at the first batch past the deadline; the model as it
-is then decodes the test CSV, and the report holds each utterance's hypothesis for the caller to score.
+comparison changes the tool and nothing else. Training stops at the first batch past the deadline (or after
+``max_steps``); the model as it is then decodes the test CSV (unless ``decode`` is false), and the report holds each
+utterance's hypothesis for the caller to score, and each step's end time and audio seconds. It trains on
+``device`` (``cpu`` or ``cuda``) with ``num_workers`` data-loader processes.
 
-Run by :mod:`bench.peer_accuracy` in a process of its own (``python -m bench.peer.speechbrain_recipe REPORT
-LAUNCHED OPTIONS``), with SpeechBrain on its path (:func:`bench.peer.install.peer_env`).
+Run by :mod:`bench.peer_accuracy` and by :mod:`bench.peer_speed` (``--loop whole``) in a process of its own
+(``python -m bench.peer.speechbrain_recipe REPORT LAUNCHED OPTIONS``), with SpeechBrain on its path
+(:func:`bench.peer.install.peer_env`).
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ from __future__ import annotations
 import contextlib
 import time
 
-from bench.peer.side import run_as_child
+from bench.peer.side import peak_gpu_mb, run_as_child
 from bench.peer.speechbrain_side import speechbrain_model
 
-#: Data-loader processes reading audio: one keeps up with a 4 M model on 2 cores and leaves the other to compute.
+#: Data-loader processes reading audio, unless the options say: one keeps up with a 4 M model on 2 cores and leaves
+#: the other to compute.
 NUM_WORKERS = 1
 #: Utterances per decoding batch (the test CSV is sorted by duration, so padding stays small).
 DECODE_BATCH = 16
 
 
 class TimeUp(Exception):
-    """Raised at the first training batch after the deadline."""
+    """Raised at the first training batch after the deadline or the last step."""
 
 
 def datasets(options: dict, tokenizer):
@@ -75,7 +79,8 @@ def spec_augment(data: dict):
 
 
 def make_brain(options: dict, model, deadline: float):
-    """A ``Brain`` that trains ``model`` on fbank of the waveforms and raises :class:`TimeUp` after ``deadline``."""
+    """A ``Brain`` that trains ``model`` on fbank of the waveforms, records each step's end (unix s) and audio
+    seconds in ``step_times``, and raises :class:`TimeUp` after ``deadline`` or ``options["max_steps"]`` steps."""
     import speechbrain as sb
     import torch
     from speechbrain.lobes.features import Fbank
@@ -84,7 +89,7 @@ def make_brain(options: dict, model, deadline: float):
     from speechbrain.processing.features import InputNormalization
     from speechbrain.utils.epoch_loop import EpochCounter
 
-    optim = options["optim"]
+    optim, max_steps, rate = options["optim"], options.get("max_steps"), options["sampling_rate"]
 
     class CtcBrain(sb.Brain):
         def compute_forward(self, batch, stage):
@@ -102,13 +107,15 @@ def make_brain(options: dict, model, deadline: float):
             return ctc_loss(log_probs, tokens, relative, token_lens, blank_index=0, reduction="batchmean")
 
         def on_fit_batch_start(self, batch, should_step):
-            if time.time() >= deadline:
+            if time.time() >= deadline or (max_steps is not None and len(self.step_times) >= max_steps):
                 raise TimeUp
 
         def on_fit_batch_end(self, batch, outputs, loss, should_step):
-            self.last_loss = float(loss)
+            self.last_loss = float(loss)  # waits for the step on a GPU, so the time below is its end
             if should_step:
                 self.hparams.schedule(self.optimizer)
+            wavs, relative = batch.sig  # (N, samples) padded, (N,) lengths as fractions: on the host
+            self.step_times.append({"t": time.time(), "audio_s": float(relative.sum()) * wavs.shape[1] / rate})
 
     hparams = {
         "fbank": Fbank(
@@ -123,8 +130,11 @@ def make_brain(options: dict, model, deadline: float):
     }
     modules = {"model": model, "normalize": InputNormalization(norm_type="global", update_until_epoch=4)}
     adamw = lambda params: torch.optim.AdamW(params, lr=optim["lr"], weight_decay=optim["weight_decay"])  # noqa: E731
-    run_opts = {"device": "cpu", "precision": optim["precision"], "max_grad_norm": optim["max_grad_norm"]}
-    return CtcBrain(modules=modules, opt_class=adamw, hparams=hparams, run_opts=run_opts | {"noprogressbar": True})
+    run_opts = {"device": options.get("device", "cpu"), "precision": optim["precision"]}
+    run_opts["max_grad_norm"] = optim["max_grad_norm"]
+    brain = CtcBrain(modules=modules, opt_class=adamw, hparams=hparams, run_opts=run_opts | {"noprogressbar": True})
+    brain.step_times = []
+    return brain
 
 
 def decode(brain, test, tokenizer) -> dict[str, str]:
@@ -167,14 +177,15 @@ def train(options: dict, launched: float) -> dict:
         batch_ordering="random",
         seed=options["seed"],
     )
-    loader = {"batch_sampler": sampler, "num_workers": NUM_WORKERS}
+    loader = {"batch_sampler": sampler, "num_workers": options.get("num_workers", NUM_WORKERS)}
     with contextlib.suppress(TimeUp):  # the deadline: stop where the loop is, as a SIGTERM stops asrflow
         brain.fit(brain.hparams.epochs, train_set, train_loader_kwargs=loader)
     trained = time.time()
-    hyps = decode(brain, test_set, tokenizer)
+    found = {"steps": brain.optimizer_step, "step_times": brain.step_times, "peak_gpu_mb": peak_gpu_mb()}
     # Brain's avg_train_loss restarts at 0 with each epoch; the last batch's loss is what the run ended at.
-    found = {"steps": brain.optimizer_step, "last_train_loss_batchmean": getattr(brain, "last_loss", None)}
+    found |= {"last_train_loss_batchmean": getattr(brain, "last_loss", None), "launched": launched}
     found |= {"params": sum(p.numel() for p in model.parameters()), "train_s": trained - launched}
+    hyps = decode(brain, test_set, tokenizer) if options.get("decode", True) else {}
     return found | {"decode_s": time.time() - trained, "hyps": hyps}
 
 

@@ -1,5 +1,6 @@
 """SpeechBrain's side: its Conformer-CTC as its LibriSpeech CTC recipes build it, trained on the dumped batches
-with forward, ``log_softmax``, ``ctc_loss``, backward, clipping and AdamW on asrflow's schedule."""
+with forward, ``log_softmax``, ``ctc_loss``, backward, clipping and AdamW on asrflow's schedule, on a CUDA GPU when
+there is one (as asrflow's Trainer picks)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,15 @@ def train(options: dict, launched: float) -> dict:
     config = train["optim"]
     torch.set_num_threads(config["num_threads"])
     torch.manual_seed(options["seed"])
-    folder = Path(options["batches"])
-    first = torch.load(folder / "step-0.pt", weights_only=True)
-    model = speechbrain_model(train["model"], first["features"].shape[-1], options["vocab_size"])
+    folder, device = Path(options["batches"]), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def load(name: str) -> dict:
+        """A dumped batch, its tensors on ``device`` (``step_tokens`` is a number)."""
+        batch = torch.load(folder / name, weights_only=True)
+        return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
+
+    first = load("step-0.pt")
+    model = speechbrain_model(train["model"], first["features"].shape[-1], options["vocab_size"]).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
     warmup = config["warmup_steps"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -66,7 +73,7 @@ def train(options: dict, launched: float) -> dict:
     )
 
     def loss_sum(batch):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config["precision"] == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config["precision"] == "bf16"):
             log_probs, out_lens = model(batch["features"], batch["feature_lens"])
         args = (log_probs.float().transpose(0, 1), batch["targets"], out_lens, batch["target_lens"])
         return F.ctc_loss(*args, reduction="sum", zero_infinity=True)
@@ -76,20 +83,21 @@ def train(options: dict, launched: float) -> dict:
     limit = total if options["max_steps"] is None else min(total, options["max_steps"])
     model.train()
     for index in range(limit):
-        batch = first if index == 0 else torch.load(folder / f"step-{index}.pt", weights_only=True)
+        batch = first if index == 0 else load(f"step-{index}.pt")
         optimizer.zero_grad(set_to_none=True)
         (loss_sum(batch) / max(int(batch["step_tokens"]), 1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config["max_grad_norm"])
         optimizer.step()
         scheduler.step()
-        steps.append({"t": time.time(), "audio_s": float(batch["durations"].sum())})
+        audio_s = float(batch["durations"].sum())  # waits for the step on a GPU, so the time below is its end
+        steps.append({"t": time.time(), "audio_s": audio_s})
     loss = None
     if options["dev"]:
         model.eval()
         total_loss, tokens = 0.0, 0.0
         with torch.no_grad():
             for path in sorted(folder.glob("dev-*.pt")):
-                batch = torch.load(path, weights_only=True)
+                batch = load(path.name)
                 total_loss += float(loss_sum(batch))
                 tokens += float(batch["target_lens"].sum())
         loss = total_loss / max(tokens, 1.0)
