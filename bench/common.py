@@ -148,6 +148,11 @@ def train_settings(params: dict, *, quick: bool, data: Path | None = None, overr
     return TrainingSettings.from_params(with_overrides(params, changes | (overrides or {}), "the benchmark"))
 
 
+def on_device(batch: dict, device) -> dict:
+    """``batch`` with its tensors on ``device``."""
+    return {key: value.to(device) if hasattr(value, "to") else value for key, value in batch.items()}
+
+
 def run_trainer(data: Path, exp: Path, settings, *, after_step=None, uri=None):
     """The Trainer as the train stage assembles it for ``settings`` on ``data`` (``fbank/``, ``lang/``) into
     ``exp``, MLflow store ``uri`` (default: ``exp/mlflow.db``); ``after_step(result)`` after each step, which

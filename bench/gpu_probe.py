@@ -31,6 +31,7 @@ from pathlib import Path
 
 from asrflow.model.positions import ATTENTION_KINDS
 from asrflow.testing.repo import REPO, repo_params
+from bench.common import on_device
 
 #: The model and batches measured: the real-corpus preset in bf16, steps only (no checkpoint or validation).
 FIXED = {
@@ -54,11 +55,6 @@ def settings_for(data: Path, args: argparse.Namespace, **overrides):
     if args.attention:
         changes["train.model.attention"] = args.attention
     return train_settings(preset, quick=args.quick, data=data, overrides=changes)
-
-
-def on_device(batch: dict, device) -> dict:
-    """``batch`` with its tensors on ``device``."""
-    return {key: value.to(device) if hasattr(value, "to") else value for key, value in batch.items()}
 
 
 def synchronize() -> None:

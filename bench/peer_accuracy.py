@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if "asrflow" in args.sides:
                 run_dir = work / f"peer-accuracy-asrflow-{precision}"
                 record["asrflow"] = train_for(run_dir, data, params, minutes) | evaluate(run_dir, data)
-            if "speechbrain" in args.sides and problem is not None:
-                records.append(emit(record | {"status": "peer unavailable", "reason": problem}))
-                continue
             if "speechbrain" in args.sides:
+                if problem is not None:
+                    records.append(emit(record | {"status": "peer unavailable", "reason": problem}))
+                    continue
                 options = speechbrain_options(params, files, minutes)
                 log = work / f"peer-accuracy-speechbrain-{precision}.log"
                 record["speechbrain"] = run_speechbrain(options, refs, log)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import run_trainer
+from bench.common import on_device, run_trainer
 from bench.peer.side import report, run_as_child
 
 
@@ -27,8 +27,7 @@ def train(options: dict, launched: float) -> dict:
     model, loss, device = trainer.model, None, trainer.device
     if options["dev"]:
         loss = trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=device)
-    batch = torch.load(Path(options["batches"]) / "step-0.pt", weights_only=True)
-    batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
+    batch = on_device(torch.load(Path(options["batches"]) / "step-0.pt", weights_only=True), device)
     model.train()
 
     def forward_backward():

@@ -10,9 +10,10 @@ from pathlib import Path
 KEYS = ("features", "feature_lens", "targets", "target_lens", "durations", "step_tokens")
 
 
-def dump_batches(data: Path, out: Path, settings, *, max_steps: int | None) -> dict:
-    """``out/step-<k>.pt`` for each training step ``settings`` (TrainingSettings, one batch per step) plans
-    and ``out/dev-<k>.pt`` for each dev batch; returns ``{"steps", "vocab_size"}``."""
+def dump_batches(data: Path, out: Path, settings, *, max_steps: int | None, written_steps: int | None = None) -> dict:
+    """``out/step-<k>.pt`` for each training step ``settings`` (TrainingSettings, one batch per step) plans (only the
+    first ``written_steps`` when given: the rest are counted) and ``out/dev-<k>.pt`` for each dev batch; returns
+    ``{"steps", "vocab_size"}``."""
     import torch
 
     from asrflow.data.loading.planner import BatchItem
@@ -22,8 +23,9 @@ def dump_batches(data: Path, out: Path, settings, *, max_steps: int | None) -> d
     train_data = build_train_data(data, settings, accum_grad=1)
     steps = 0
     for item in train_data.batches:
-        batch = train_data.dataset[item]
-        torch.save({key: batch[key] for key in KEYS}, out / f"step-{steps}.pt")
+        if written_steps is None or steps < written_steps:
+            batch = train_data.dataset[item]
+            torch.save({key: batch[key] for key in KEYS}, out / f"step-{steps}.pt")
         steps += 1
         if max_steps is not None and steps >= max_steps:
             break

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from bench.common import on_device
 from bench.peer.side import report, run_as_child
 
 
@@ -60,9 +61,8 @@ def train(options: dict, launched: float) -> dict:
     folder, device = Path(options["batches"]), torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def load(name: str) -> dict:
-        """A dumped batch, its tensors on ``device`` (``step_tokens`` is a number)."""
-        batch = torch.load(folder / name, weights_only=True)
-        return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
+        """A dumped batch, its tensors on ``device``."""
+        return on_device(torch.load(folder / name, weights_only=True), device)
 
     first = load("step-0.pt")
     model = speechbrain_model(train["model"], first["features"].shape[-1], options["vocab_size"]).to(device)
