@@ -32,8 +32,9 @@ M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 #: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). A fixed threshold
 #: stops glibc from raising its own after each large free, which is what lets the heap's holes pile up
-#: with every new batch shape; a low one keeps bf16 and fp16 training's resident set level at no cost in
-#: step time (bench/RESULTS.md, "Training memory against SpeechBrain, fp32 and bf16", item 3).
+#: with every new batch shape; a low one stops most of that growth in bf16 and fp16 training at no cost in
+#: step time (bench/RESULTS.md, "Training memory against SpeechBrain, fp32 and bf16", item 3; what bf16 still
+#: gains over an hour: "bf16 alone for an hour").
 MMAP_THRESHOLD = 1 << 20
 #: ... but fp32 activations are twice as large, so more of a step's blocks cross the low threshold and are
 #: mapped, faulted in and unmapped anew at every step, which costs step time. fp32 training takes 32 MiB,
