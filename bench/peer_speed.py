@@ -26,6 +26,7 @@ from bench.peer.install import PEER_VERSION, install_peer, peer_env
 from bench.peer.side import audio_rate, run_child
 from bench.peer.sweep import SWEEP_STEPS, median_step_rate, sweep
 from bench.peer_accuracy import speechbrain_inputs, speechbrain_options
+from bench.startup import log_marks
 
 #: Utterances of the generated corpus (2 % of them dev), per mode.
 GENERATED = {"full": 2000, "quick": 60}
@@ -58,6 +59,13 @@ def speechbrain_whole_loop(params: dict, files: dict, *, steps: int, workers: in
     optim = options["optim"]
     found["settings"] = {"num_threads": optim["num_threads"], "num_workers": workers, "precision": optim["precision"]}
     return found | {"steps": found.pop("step_times"), "dev_loss": None}
+
+
+def start_marks(log: Path, launched: float) -> dict[str, float]:
+    """Seconds from ``launched`` (unix s) to each start-up mark of :data:`bench.startup.MARKERS` found in the
+    Trainer's ``log``: data ready, model built, first batch handed over, first step, MLflow run open."""
+    marks = log_marks(log.read_text(errors="replace"))
+    return {mark: round(at - launched, 2) for mark, at in sorted(marks.items(), key=lambda item: item[1])}
 
 
 def summary(result: dict) -> dict:
@@ -109,7 +117,8 @@ def measure(
             )
         options = {"data": str(data), "batches": str(batches), "exp": str(work / name), "seed": given.seed, "dev": dev}
         options |= {"vocab_size": info["vocab_size"], "params": given.params, "max_steps": steps}
-        return summary(run_side(side, options, work / f"{name}.log"))
+        found = run_side(side, options, work / f"{name}.log")
+        return summary(found) | {"start_marks_s": start_marks(work / f"{name}.log", found["launched"])}
 
     sweep_figures = None
     if settings is None and not quick:

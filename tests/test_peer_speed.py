@@ -96,3 +96,6 @@ def test_the_whole_loop_trains_speechbrains_brain_for_as_many_steps_as_asrflow(t
     assert theirs["dev_loss"] is None and "dev_loss_no_worse" not in found
     assert found["ratio"] > 0 and "memory" in found["goal"] and isinstance(found["meets_goal"], bool)
     assert theirs["flops_per_audio_s"] is None  # the bare side counts FLOPs on its dumped batch; the Brain does not
+    marks = ours["start_marks_s"]  # where asrflow's start-up goes, read from its Trainer's log
+    assert list(marks)[:3] == ["data", "model", "first_batch"] and 0 < marks["first_batch"] <= marks["first_step"]
+    assert marks["first_step"] == pytest.approx(ours["start_to_first_step_s"], abs=1.0)

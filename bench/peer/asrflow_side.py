@@ -12,10 +12,12 @@ from bench.peer.side import report, run_as_child
 def train(options: dict, launched: float) -> dict:
     import torch
 
+    from asrflow.logs import setup_logging
     from asrflow.training.assemble import TrainingSettings
     from asrflow.training.distributed import DistInfo
     from asrflow.training.step import ctc_loss_sum
 
+    setup_logging()  # the Trainer's stamped lines in the side's log: where its start goes (bench.startup.MARKERS)
     settings = TrainingSettings.from_params(options["params"])  # the side's params, features and seed included
     data, exp, max_steps, steps = Path(options["data"]), Path(options["exp"]), options["max_steps"], []
 
