@@ -23,7 +23,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	. $(BIN)/activate && .ci/install-slurm
-	. $(BIN)/activate && ruff check . && ruff format --check . && python -m pytest -q --durations=25
+	. $(BIN)/activate && ruff check . && ruff format --check . && .ci/pytest
 
 # The spoken-corpus tests need espeak-ng: installed here when make runs as root with apt, else they skip.
 test: espeak-ng
