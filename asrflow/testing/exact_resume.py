@@ -3,7 +3,8 @@
 A run interrupted (SIGKILL, SIGTERM) and resumed by running the same command again must end exactly
 where the uninterrupted run ends: :func:`final_state` reads what a finished run leaves in its ``exp``
 folder, :func:`assert_identical` compares two of them, :func:`resumed_from` reads the step a run's log
-says it resumed from. :data:`OVERRIDES` is a schedule that checkpoints often, with spawned data workers.
+says it resumed from. :data:`OVERRIDES` is a schedule that checkpoints often, with data workers forked
+from a forkserver (the default).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
 
-#: 3 epochs of 9 steps on yesno, a checkpoint every 2 steps, dev loss every 4, two spawned data workers.
+#: 3 epochs of 9 steps on yesno, a checkpoint every 2 steps, dev loss every 4, two data workers (forkserver).
 OVERRIDES = {
     "train.optim.epochs": 3,
     "train.checkpoint.checkpoint_every_steps": 2,
@@ -24,7 +25,7 @@ OVERRIDES = {
     "train.checkpoint.keep_last": 50,
     "train.optim.average_last": 1,
     "run.num_workers": 2,
-    "run.mp_start_method": "spawn",
+    "run.mp_start_method": "forkserver",
 }
 
 

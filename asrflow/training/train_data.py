@@ -7,6 +7,8 @@ batch plan, datasets and data loader from :meth:`TrainData.build`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +125,8 @@ class TrainData:
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
         logger.info("train data ready: %d train cuts, %d dev cuts", len(train_cuts), len(dev_cuts))
+        if num_workers and mp_start_method == "forkserver":
+            start_worker_server()
         return cls(
             tokenizer=tokenizer,
             mvn=mvn,
@@ -175,7 +179,7 @@ class TrainData:
         """This rank's batches from optimizer step ``step_in_epoch`` of ``epoch`` to the end of training.
 
         Yields packed batches (see :func:`asrflow.data.loading.workers.unpack_batch`), built by
-        ``num_workers`` spawned processes (0: in this process).
+        ``num_workers`` processes started with ``mp_start_method`` (0: in this process).
         """
         self.batches.start_at(epoch, step_in_epoch)
         workers = self.num_workers
@@ -205,6 +209,18 @@ class TrainData:
         keeps the iterator alive, and a worker still running holds the process at exit."""
         iterator, self._open = self._open, None
         shut_down_workers(iterator)
+
+
+#: What a forkserver imports once, so that each data worker it forks starts with them loaded.
+WORKER_MODULES = ("asrflow.data.loading.workers", "asrflow.data.loading.dataset")
+
+
+def start_worker_server() -> None:
+    """Start the forkserver the data workers will be forked from, in the background: it imports
+    :data:`WORKER_MODULES` (torch, Lhotse) while this process goes on building the model, instead of
+    each spawned worker importing them once the loader opens."""
+    multiprocessing.set_forkserver_preload(list(WORKER_MODULES))
+    multiprocessing.forkserver.ensure_running()
 
 
 def shut_down_workers(iterator: Iterator | None) -> None:

@@ -1,7 +1,7 @@
 """Exact resume: a run killed (SIGKILL) or stopped (SIGTERM) and resumed ends bit-identical.
 
 Every run is a real training process (``asrflow.testing.train_entry``) on the prepared yesno data, with
-two spawned data workers, SpecAugment and dropout on. The reference run trains 3 epochs
+two data workers forked from a forkserver (the default), SpecAugment and dropout on. The reference run trains 3 epochs
 (9 steps each) without interruption; the others are interrupted and resumed by running the
 same command again, and must end with every tensor ``torch.equal`` to the reference and
 the same per-step loss series, float for float.
