@@ -7,8 +7,6 @@ batch plan, datasets and data loader from :meth:`TrainData.build`.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.forkserver
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from asrflow.data.loading.cut_index import CutIndex, data_digest
 from asrflow.data.loading.dataset import AsrBatchDataset
 from asrflow.data.loading.index_store import shared_index
 from asrflow.data.loading.planner import CorpusMix, TrainingBatches, steps_in_plan
+from asrflow.data.loading.worker_server import start_worker_server
 from asrflow.data.loading.workers import init_worker, pack_batch
 from asrflow.data.manifests import corpus_of_ids, cuts_path, list_corpora, load_cuts
 from asrflow.errors import AsrflowError
@@ -209,18 +208,6 @@ class TrainData:
         keeps the iterator alive, and a worker still running holds the process at exit."""
         iterator, self._open = self._open, None
         shut_down_workers(iterator)
-
-
-#: What a forkserver imports once, so that each data worker it forks starts with them loaded.
-WORKER_MODULES = ("asrflow.data.loading.workers", "asrflow.data.loading.dataset")
-
-
-def start_worker_server() -> None:
-    """Start the forkserver the data workers will be forked from, in the background: it imports
-    :data:`WORKER_MODULES` (torch, Lhotse) while this process goes on building the model, instead of
-    each spawned worker importing them once the loader opens."""
-    multiprocessing.set_forkserver_preload(list(WORKER_MODULES))
-    multiprocessing.forkserver.ensure_running()
 
 
 def shut_down_workers(iterator: Iterator | None) -> None:

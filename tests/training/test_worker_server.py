@@ -1,6 +1,8 @@
 """Data workers forked from a forkserver (``run.mp_start_method: forkserver``, the default): the server starts
 when the training data is built, before the model, and imports torch while the model is built; its
-workers give the batches spawned workers give."""
+workers give the batches spawned workers give; the server outlives a SIGTERM sent to every process of the
+job (the training process finishes its step with its workers), and a killed training process takes the
+server and its workers with it."""
 
 from __future__ import annotations
 
@@ -8,13 +10,18 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+import psutil
 
 from asrflow.testing.repo import REPO
 
 #: Run in a fresh process (the forkserver is one per process): build the data, look for the server among
-#: this process's children, then compare the first batches of forked and spawned workers.
+#: this process's children, compare the first batches of forked and spawned workers, then SIGTERM the
+#: server and its workers while a loader is open, take more batches and report the pids, and wait to be
+#: killed.
 SCRIPT = """
-import json, sys, time
+import json, os, signal, sys, time
 import psutil, torch
 from asrflow.testing.tiny_config import tiny_train_data
 from asrflow.data.loading.workers import unpack_batch
@@ -38,15 +45,45 @@ same = all(
     a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
     for a, b in zip(forked, spawned, strict=True)
 )
-print(json.dumps({"servers": len(servers), "torch_loaded": torch_loaded, "same": same}))
+data.mp_start_method = "forkserver"
+batches = data.open(0, 0)
+next(batches)
+workers = servers[0].children()
+for process in [servers[0], *workers]:
+    os.kill(process.pid, signal.SIGTERM)
+time.sleep(1.0)
+after_sigterm = sum(1 for _ in range(4) if next(batches, None) is not None)
+found = {"servers": len(servers), "torch_loaded": torch_loaded, "same": same, "after_sigterm": after_sigterm}
+print(json.dumps({**found, "pids": [p.pid for p in [servers[0], *workers]]}), flush=True)
+time.sleep(600)
 """
 
 
-def test_the_server_starts_with_the_data_and_its_workers_give_the_spawned_workers_batches(yesno_data):
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_the_server_starts_with_the_data_outlives_sigterm_and_dies_with_the_training_process(yesno_data):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(yesno_data)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(yesno_data)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
     )
-    assert done.returncode == 0, done.stderr
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found == {"servers": 1, "torch_loaded": True, "same": True}, done.stderr
+    try:
+        line = trainer.stdout.readline()
+        assert line, f"the script ended ({trainer.wait(timeout=60)}) before reporting"
+        found = json.loads(line)
+        pids = found.pop("pids")
+        assert found == {"servers": 1, "torch_loaded": True, "same": True, "after_sigterm": 4}
+        assert len(pids) == 3 and all(_alive(pid) for pid in pids), pids
+        trainer.kill()
+        trainer.wait(timeout=60)
+        deadline = time.monotonic() + 10.0
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in pids if _alive(pid)] == []
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=60)
