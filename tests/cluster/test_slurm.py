@@ -57,11 +57,23 @@ def slurm(tmp_path_factory):
 def run_on_slurm(
     cluster: LocalSlurm, copy: Path, *extra_args: str, check: bool = True, timeout_s: float = RUN_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
-    """``SLURM_COMMAND`` (plus ``extra_args``) in ``copy`` against ``cluster``."""
-    started = time.monotonic()
-    result = run(copy, *SLURM_COMMAND, *extra_args, timeout=timeout_s, check=check, env=slurm_env(cluster, copy))
+    """``SLURM_COMMAND`` (plus ``extra_args``) in ``copy`` against ``cluster``. When ``check`` fails it, the
+    error ends with the stage logs the run wrote (Snakemake's output names a failed job, not why it failed)."""
+    started, started_at = time.monotonic(), time.time()
+    try:
+        result = run(copy, *SLURM_COMMAND, *extra_args, timeout=timeout_s, check=check, env=slurm_env(cluster, copy))
+    except ToolError as error:
+        raise ToolError(f"{error}\n{stage_logs_since(copy, started_at)}") from None
     print(f"{' '.join(SLURM_COMMAND[:3])}: exit {result.returncode} after {time.monotonic() - started:.0f} s")
     return result
+
+
+def stage_logs_since(copy: Path, since: float, lines: int = 40) -> str:
+    """The last ``lines`` of each stage log in ``copy/logs`` written at or after ``since`` (unix time)."""
+    logs = sorted(path for path in (copy / "logs").glob("*.log") if path.stat().st_mtime >= since)
+    return "\n".join(
+        f"---- {path.relative_to(copy)}, its end:\n{tail(path.read_text(errors='replace'), lines)}" for path in logs
+    )
 
 
 def submitted(output: str) -> dict[str, str]:
