@@ -22,6 +22,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie, ended but not yet reaped, counts as ended)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def tree(pid: int) -> list[psutil.Process]:
     """``pid`` and every process below it (empty once it is gone)."""
     try:

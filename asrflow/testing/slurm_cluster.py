@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from asrflow.testing.processes import free_port
+from asrflow.testing.processes import free_port, running
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 PACKAGES = ("slurm-wlm", "munge")
@@ -289,13 +289,13 @@ PartitionName={PARTITION} Nodes={",".join(self.node_names)} Default=YES MaxTime=
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + STOP_TIMEOUT_S
-            while _alive(pid) and time.monotonic() < deadline:
+            while running(pid) and time.monotonic() < deadline:
                 if name in self.processes:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         self.processes[name].wait(timeout=0.2)
                 else:
                     time.sleep(0.2)
-            if _alive(pid):
+            if running(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
                 if name in self.processes:
@@ -331,18 +331,6 @@ PartitionName={PARTITION} Nodes={",".join(self.node_names)} Default=YES MaxTime=
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie child of ours counts as gone
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,13 +12,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
 from asrflow.params import set_param
 from asrflow.testing.pipeline_tools import IDENTITY, run
+from asrflow.testing.processes import running
 from asrflow.testing.repo import tool_env
 from asrflow.tracking.naming import DVC_EXP_TAG, NOTE_TAG
 from asrflow.training.sweep import SWEEP_DIR, sweep_key
@@ -102,16 +102,9 @@ def _wait_for_no_worker(copy: Path, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     pid_files = (copy / ".dvc/tmp/exps/celery").glob("dvc-exp-worker-*.pid")
     for pid in {int(text) for path in pid_files if (text := path.read_text().strip()).isdigit()}:
-        while _running(pid):
+        while running(pid):
             assert time.monotonic() < deadline, f"queue worker {pid} still running after {timeout_s} s"
             time.sleep(0.5)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.fixture

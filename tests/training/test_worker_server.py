@@ -12,8 +12,7 @@ import subprocess
 import sys
 import time
 
-import psutil
-
+from asrflow.testing.processes import running
 from asrflow.testing.repo import REPO
 
 #: Run in a fresh process (the forkserver is one per process): build the data, look for the server among
@@ -59,13 +58,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_the_server_starts_with_the_data_outlives_sigterm_and_dies_with_the_training_process(yesno_data):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     trainer = subprocess.Popen(
@@ -77,13 +69,13 @@ def test_the_server_starts_with_the_data_outlives_sigterm_and_dies_with_the_trai
         found = json.loads(line)
         pids = found.pop("pids")
         assert found == {"servers": 1, "torch_loaded": True, "same": True, "after_sigterm": 4}
-        assert len(pids) == 3 and all(_alive(pid) for pid in pids), pids
+        assert len(pids) == 3 and all(running(pid) for pid in pids), pids
         trainer.kill()
         trainer.wait(timeout=60)
         deadline = time.monotonic() + 10.0
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(running(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert [pid for pid in pids if _alive(pid)] == []
+        assert [pid for pid in pids if running(pid)] == []
     finally:
         trainer.kill()
         trainer.wait(timeout=60)
