@@ -18,7 +18,6 @@ the features' size is estimated and compared with the free space
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import heapq
 import json
@@ -26,7 +25,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import signal
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -48,6 +46,7 @@ from asrflow.data.manifests import cuts_path, list_corpora, list_test_sets, load
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
 from asrflow.logs import progress
+from asrflow.process_lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -211,10 +210,6 @@ def jobs_for(audio_s: float, cores: int) -> int:
     return max(1, min(cores, int(audio_s // AUDIO_S_PER_JOB)))
 
 
-#: ``prctl`` option: the signal a process gets when the process that started it dies.
-_PR_SET_PDEATHSIG = 1
-
-
 def _init_worker(stage_pid: int) -> None:
     """One torch thread; and on Linux, die with the stage (a killed stage leaves no worker writing).
 
@@ -222,10 +217,7 @@ def _init_worker(stage_pid: int) -> None:
     asked for): then it ends here.
     """
     torch.set_num_threads(1)
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
     if os.getppid() != stage_pid:
         os._exit(1)
 

@@ -20,7 +20,7 @@ import multiprocessing.forkserver
 import signal
 import sys
 
-from asrflow.data.loading.workers import die_with_parent
+from asrflow.process_lifetime import die_with_parent
 
 #: What the server imports once, so that each data worker it forks starts with them loaded (torch, Lhotse):
 #: this module first (its import sets the server up), then the workers' modules.

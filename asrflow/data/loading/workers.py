@@ -3,16 +3,12 @@ spawned worker imports the module of each function it is given (not the trainer,
 
 from __future__ import annotations
 
-import ctypes
 import signal
-import sys
 
 import torch
 
 from asrflow.allocator import tune_malloc
-
-#: Linux's ``prctl`` option that sends the process a signal when its parent dies.
-_PR_SET_PDEATHSIG = 1
+from asrflow.process_lifetime import die_with_parent
 
 #: Small per-utterance tensors of a batch, sent from a data worker as Python lists. Each
 #: tensor crosses the process boundary through its own shared-memory handle (a file descriptor
@@ -55,9 +51,3 @@ def init_worker(_worker_id: int) -> None:
     die_with_parent()
     tune_malloc()
     torch.set_num_threads(1)
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent exits (elsewhere: nothing happens)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
