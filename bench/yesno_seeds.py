@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from asrflow.errors import AsrflowError
+from asrflow.params import with_overrides
 from asrflow.testing.corpora import yesno_data
 from asrflow.testing.processes import ChildProcess
 from asrflow.testing.repo import REPO
@@ -27,19 +29,17 @@ PLATEAU_LOSS = 0.5
 
 
 def seeded_params(seed: int, overrides: list[str], quick: bool) -> dict:
-    """params.yaml with ``seed`` and the ``section.key=value`` overrides (values parsed as YAML)."""
+    """params.yaml with ``seed`` and the ``section.key=value`` overrides (values parsed as YAML); an unknown key is
+    refused as params.yaml's own keys are (:func:`asrflow.params.with_overrides`: its path and the nearest key)."""
+    settings = overrides + (["train.optim.epochs=2"] if quick else [])
+    if malformed := [setting for setting in settings if "=" not in setting]:
+        raise SystemExit(f"--set {malformed[0]}: use section.key=value")
+    dotted = {key: yaml.safe_load(value) for key, _, value in (setting.partition("=") for setting in settings)}
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["seed"] = seed
-    for override in overrides + (["train.optim.epochs=2"] if quick else []):
-        key, _, value = override.partition("=")
-        *sections, name = key.split(".")
-        node = params
-        for section in sections:
-            node = node.get(section) if isinstance(node, dict) else None
-        if not sections or not isinstance(node, dict) or name not in node:
-            raise SystemExit(f"--set {override}: no such key in params.yaml (use section.key=value)")
-        node[name] = yaml.safe_load(value)
-    return params
+    try:
+        return with_overrides(params, {"seed": seed} | dotted, "--set")
+    except AsrflowError as error:
+        raise SystemExit(str(error)) from None
 
 
 def stage(module: str, args: list[str], out: Path, env: dict) -> str:

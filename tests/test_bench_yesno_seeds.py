@@ -18,3 +18,5 @@ def test_seeded_params_set_the_seed_and_overrides_and_refuse_unknown_keys():
     assert seeded_params(7, [], quick=True)["train"]["optim"]["epochs"] == 2
     with pytest.raises(SystemExit, match="train.no_such_key"):
         seeded_params(7, ["train.no_such_key=1"], quick=False)
+    with pytest.raises(SystemExit, match="section.key=value"):
+        seeded_params(7, ["train.optim.lr"], quick=False)
