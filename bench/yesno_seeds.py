@@ -32,8 +32,8 @@ def seeded_params(seed: int, overrides: list[str], quick: bool) -> dict:
     """params.yaml with ``seed`` and the ``section.key=value`` overrides (values parsed as YAML); an unknown key is
     refused as params.yaml's own keys are (:func:`asrflow.params.with_overrides`: its path and the nearest key)."""
     settings = overrides + (["train.optim.epochs=2"] if quick else [])
-    if malformed := [setting for setting in settings if "=" not in setting]:
-        raise SystemExit(f"--set {malformed[0]}: use section.key=value")
+    if malformed := [setting for setting in settings if "." not in setting.partition("=")[0] or "=" not in setting]:
+        raise SystemExit(f"--set {malformed[0]}: use section.key=value (the seed comes from --seeds)")
     dotted = {key: yaml.safe_load(value) for key, _, value in (setting.partition("=") for setting in settings)}
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     try:

@@ -20,3 +20,6 @@ def test_seeded_params_set_the_seed_and_overrides_and_refuse_unknown_keys():
         seeded_params(7, ["train.no_such_key=1"], quick=False)
     with pytest.raises(SystemExit, match="section.key=value"):
         seeded_params(7, ["train.optim.lr"], quick=False)
+    for unsectioned in ("seed=3", "features=1"):  # the seed comes from --seeds; a whole section is not one key
+        with pytest.raises(SystemExit, match="section.key=value"):
+            seeded_params(7, [unsectioned], quick=False)
