@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from asrflow.tracking.store import create_whole_sqlite_store
+
 _TEMPLATE_DB: Path | None = None
 
 
@@ -19,12 +21,10 @@ def fresh_mlflow_store(directory: Path) -> str:
     global _TEMPLATE_DB
     if _TEMPLATE_DB is None or not _TEMPLATE_DB.is_file():
         os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
-        from mlflow.tracking import MlflowClient
-
         folder = tempfile.mkdtemp(prefix="asrflow-mlflow-template-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         template = Path(folder) / "mlflow.db"
-        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+        create_whole_sqlite_store(f"sqlite:///{template}")
         _TEMPLATE_DB = template
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,14 @@ from asrflow.errors import AsrflowError, first_line
 from asrflow.params import committed_params, flatten
 from asrflow.tracking.metric_log import MetricLog, Point, now_ms
 from asrflow.tracking.naming import dvc_experiment_tags, param_value, run_name, run_tags
-from asrflow.tracking.store import check_tracking_uri, default_artifact_location, runs_page
+from asrflow.tracking.store import (
+    check_tracking_uri,
+    create_whole_sqlite_store,
+    default_artifact_location,
+    runs_page,
+    sqlite_path,
+    store_error,
+)
 
 # Before MLflow loads: no git warning, no telemetry, no minutes of retries on a server that is down.
 _ENV_DEFAULTS = {
@@ -91,9 +98,16 @@ class MlflowRun:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
         from mlflow.tracking import MlflowClient
         from mlflow.tracking.context.registry import resolve_tags
+        from sqlalchemy.exc import SQLAlchemyError
 
         self.tracking_uri = uri = check_tracking_uri(tracking_uri)
-        self._client = client = MlflowClient(tracking_uri=uri)
+        create_whole_sqlite_store(uri)
+        try:
+            self._client = client = MlflowClient(tracking_uri=uri)  # opens a SQLite store's tables
+        except (MlflowException, SQLAlchemyError) as error:
+            if sqlite_path(uri) is None:
+                raise
+            raise store_error(uri, error) from error
         tags, run = {str(k): str(v) for k, v in (tags or {}).items()}, None
         if run_id is None and by_key and (known := client.get_experiment_by_name(experiment)) is not None:
             found = client.search_runs([known.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'")

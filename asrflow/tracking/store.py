@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from asrflow.errors import AsrflowError
+from asrflow.errors import AsrflowError, first_line
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow 3's default
 _SQLITE = "sqlite:///"
@@ -71,6 +73,43 @@ def check_tracking_uri(tracking_uri: str | None = None) -> str:
                 f"use a writable path, or unset MLFLOW_TRACKING_URI to use {DEFAULT_TRACKING_URI}"
             ) from None
     return uri
+
+
+def create_whole_sqlite_store(tracking_uri: str) -> None:
+    """Create a ``sqlite:///`` store that does not exist yet all at once, so no process ever opens a half-made one.
+
+    MLflow builds a new store's tables in place with one migration after another, and SQLite's DDL under them is
+    not transactional: a process stopped part-way (a Slurm time limit, a kill) leaves a file that no later run can
+    open ("table ... already exists", mlflow/mlflow#23721). Here MLflow builds them in a hidden file beside the
+    store, which is then hard-linked into place; if another process linked its own first, that one is kept. A
+    process killed while building leaves only its hidden ``.building`` file behind. Other URIs and existing
+    stores are left as they are.
+    """
+    db = sqlite_path(tracking_uri)
+    if db is None or db.exists():
+        return
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    db.resolve().parent.mkdir(parents=True, exist_ok=True)
+    handle, building = tempfile.mkstemp(prefix=f".{db.name}.", suffix=".building", dir=db.resolve().parent)
+    os.close(handle)
+    try:
+        SqlAlchemyStore(f"{_SQLITE}{building}", DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH).engine.dispose()
+        with contextlib.suppress(FileExistsError):
+            os.link(building, db)
+    finally:
+        os.unlink(building)
+
+
+def store_error(tracking_uri: str, error: BaseException) -> AsrflowError:
+    """What to do about a SQLite store that MLflow cannot open: ``error`` named, and the two usual causes."""
+    db = sqlite_path(tracking_uri)
+    return AsrflowError(
+        f"MLflow cannot open the store {db} ({first_line(error)}). If it holds no runs, it was left half-made by a "
+        f"process stopped while creating it (mlflow/mlflow#23721): move {db} aside and run again. If it holds "
+        f"runs, back it up and run `mlflow db upgrade {tracking_uri}`"
+    )
 
 
 def runs_page(tracking_uri: str, experiment_id: str) -> str:
