@@ -96,8 +96,21 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+#: Settings from the environment that change a run's speed or memory without changing its params: each figure's
+#: machine record names those that were set (the allocator preloaded, oneDNN's cache, thread counts).
+PERFORMANCE_ENVIRONMENT = (
+    "LD_PRELOAD",
+    "MALLOC_CONF",
+    "MALLOC_ARENA_MAX",
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
+
+
 def machine() -> dict:
-    """The machine the figures were measured on (Linux)."""
+    """The machine the figures were measured on (Linux), with ``environment``: the
+    :data:`PERFORMANCE_ENVIRONMENT` variables that were set, as set."""
     import torch
 
     from asrflow.training.tune import Machine
@@ -112,6 +125,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+    found |= {"environment": {key: os.environ[key] for key in PERFORMANCE_ENVIRONMENT if key in os.environ}}
     return found | {"torch_threads": torch.get_num_threads(), "load_average": load_average()}
 
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from asrflow.testing.repo import REPO
+from bench.common import PERFORMANCE_ENVIRONMENT, machine
 
 FIGURES = {
     "machine": ["cpu_count", "usable_cores"],
@@ -51,6 +52,18 @@ def _numbers(value) -> list[float]:
     if isinstance(value, bool):
         return []
     return [float(value)] if isinstance(value, int | float) else []
+
+
+def test_the_machine_record_names_the_environment_that_changes_speed_or_memory(monkeypatch):
+    for key in PERFORMANCE_ENVIRONMENT:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # not one of them
+    assert machine()["environment"] == {
+        "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024",
+    }
 
 
 @pytest.mark.pipeline
