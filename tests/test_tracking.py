@@ -220,6 +220,9 @@ def test_a_process_killed_while_creating_the_store_leaves_none_half_made(tmp_pat
     assert not db.exists()
     tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
     tracker.end()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert db.stat().st_mode & 0o777 == 0o666 & ~umask  # readable by others as MLflow's own store is (a shared UI)
     assert only_run(MlflowClient(tracking_uri=uri)).info.status == "FINISHED"
     assert [path.name for path in tmp_path.glob(".mlflow.db.*.building")] != []  # the killed one's, left as it was
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 from asrflow.errors import AsrflowError, first_line
@@ -91,15 +91,15 @@ def create_whole_sqlite_store(tracking_uri: str) -> None:
     from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-    db.resolve().parent.mkdir(parents=True, exist_ok=True)
-    handle, building = tempfile.mkstemp(prefix=f".{db.name}.", suffix=".building", dir=db.resolve().parent)
-    os.close(handle)
+    folder = db.resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    building = folder / f".{db.name}.{uuid.uuid4().hex}.building"  # SQLite creates it, with the umask's mode
     try:
         SqlAlchemyStore(f"{_SQLITE}{building}", DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH).engine.dispose()
         with contextlib.suppress(FileExistsError):
             os.link(building, db)
     finally:
-        os.unlink(building)
+        building.unlink(missing_ok=True)
 
 
 def store_error(tracking_uri: str, error: BaseException) -> AsrflowError:
