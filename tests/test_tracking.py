@@ -20,7 +20,12 @@ from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.tracking.metric_log import MetricLog
 from asrflow.tracking.naming import param_value
 from asrflow.tracking.run import LOGGED_THROUGH_TAG, REOPENED_END_STATUS_TAG, MlflowRun
-from asrflow.tracking.store import default_artifact_location, default_tracking_uri, resolve_tracking_uri
+from asrflow.tracking.store import (
+    create_whole_sqlite_store,
+    default_artifact_location,
+    default_tracking_uri,
+    resolve_tracking_uri,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("train/loss", "train/lr")
@@ -225,6 +230,19 @@ def test_a_process_killed_while_creating_the_store_leaves_none_half_made(tmp_pat
     assert db.stat().st_mode & 0o777 == 0o666 & ~umask  # readable by others as MLflow's own store is (a shared UI)
     assert only_run(MlflowClient(tracking_uri=uri)).info.status == "FINISHED"
     assert [path.name for path in tmp_path.glob(".mlflow.db.*.building")] != []  # the killed one's, left as it was
+
+
+def test_a_store_is_made_whole_on_a_filesystem_without_hard_links(tmp_path, monkeypatch):
+    def no_hard_links(source, target):
+        raise PermissionError(1, "Operation not permitted", str(source))
+
+    monkeypatch.setattr(os, "link", no_hard_links)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    create_whole_sqlite_store(uri)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mlflow.db"]
+    tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
+    tracker.end()
+    assert only_run(MlflowClient(tracking_uri=uri)).info.status == "FINISHED"
 
 
 # --------------------------------------------------------------------------- params and tags

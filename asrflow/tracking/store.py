@@ -1,8 +1,8 @@
-"""Where runs are stored and browsed: tracking URIs, their check before any work, the UI's runs page."""
+"""Where runs are stored and browsed: tracking URIs, their check before any work, a new SQLite store made whole,
+the UI's runs page."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import urllib.error
@@ -96,8 +96,13 @@ def create_whole_sqlite_store(tracking_uri: str) -> None:
     building = folder / f".{db.name}.{uuid.uuid4().hex}.building"  # SQLite creates it, with the umask's mode
     try:
         SqlAlchemyStore(f"{_SQLITE}{building}", DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH).engine.dispose()
-        with contextlib.suppress(FileExistsError):
+        try:
             os.link(building, db)
+        except FileExistsError:
+            pass  # another process's store came first, made whole the same way
+        except OSError:  # a filesystem without hard links: a rename, which could replace a store made meanwhile
+            if not db.exists():
+                os.replace(building, db)
     finally:
         building.unlink(missing_ok=True)
 
