@@ -31,6 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 KEYS = ("train/loss", "train/lr")
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH``, for a child Python script."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
 @pytest.fixture
 def client(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
@@ -211,7 +216,7 @@ def test_a_process_killed_while_creating_the_store_leaves_none_half_made(tmp_pat
     uri = f"sqlite:///{db}"
     child = subprocess.run(
         [sys.executable, "-c", KILLED_WHILE_CREATING, uri, creator],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))),
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -529,11 +534,9 @@ def test_real_sigkill_then_resume(tmp_path, uri, client, mode):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     ckpt = tmp_path / "ckpt.json"
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=pythonpath)
     child = subprocess.run(
         [sys.executable, str(script), uri, mode, str(ckpt)],
-        env=env,
+        env=child_env(),
         cwd=tmp_path,
         capture_output=True,
         text=True,
