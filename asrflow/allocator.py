@@ -1,11 +1,15 @@
-"""Keeping a process's memory flat while it works on batches of varying shapes: glibc's ``malloc``, oneDNN's cache.
+"""Keeping a process's memory flat while it works on batches of varying shapes: which ``malloc`` serves it,
+glibc's settings, oneDNN's cache.
 
 Batches of varying shapes free and allocate blocks of ever-different sizes. glibc's default
 policy raises its ``mmap`` threshold each time a large block is freed, so later blocks of
 that size come from the heap, whose free holes it rarely gives back: the resident set creeps
 with the number of shapes seen (bench/RESULTS.md, "Trainer memory at scale"). Here:
 
-* :func:`tune_malloc` fixes the threshold (blocks from it up are mapped and unmapped whole),
+* :func:`use_allocator` re-executes the process with jemalloc preloaded (``run.allocator``): a
+  malloc that returns freed pages on its own, where glibc's heap still grows around oneDNN's
+  per-shape primitives in bf16 (bench/RESULTS.md, "bf16 with jemalloc against glibc's malloc");
+* without jemalloc, :func:`tune_malloc` fixes the threshold (blocks from it up are mapped and unmapped whole),
   fixes the trim threshold, and caps the per-thread arenas;
 * :func:`release_free_memory` hands the heap's free pages back (``malloc_trim``); the
   training data loader calls it every few batches;
@@ -13,7 +17,7 @@ with the number of shapes seen (bench/RESULTS.md, "Trainer memory at scale"). He
   matrix products go through oneDNN, and each new batch shape adds primitives with their
   own buffers to a cache of 1,024 by default.
 
-Elsewhere than glibc (musl, macOS, jemalloc or tcmalloc preloaded) the first two do nothing.
+Without glibc's malloc (musl, macOS, jemalloc or tcmalloc preloaded) the glibc settings do nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ import ctypes.util
 import functools
 import logging
 import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from asrflow.params import param_error
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +61,83 @@ ARENA_MAX = 2
 ONEDNN_CACHE_CAPACITY = 64
 
 
+#: Accepted values of ``run.allocator``: ``auto`` preloads jemalloc when it is installed and keeps the C library's
+#: malloc otherwise; ``jemalloc`` requires it; ``system`` keeps the C library's.
+ALLOCATORS = ("auto", "jemalloc", "system")
+#: Set in the environment of a process re-executed by :func:`use_allocator`, so that it never re-executes twice
+#: (a preload the dynamic loader refused leaves the process on the C library's malloc).
+REEXECUTED_FLAG = "ASRFLOW_ALLOCATOR_REEXECUTED"
+#: The preloadable allocators, by the name their library file starts with.
+PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc")
+
+
+def find_jemalloc() -> str | None:
+    """The jemalloc library the dynamic loader can preload (a soname such as ``libjemalloc.so.2``, which it
+    finds on its own search path), or None when none is installed."""
+    return ctypes.util.find_library("jemalloc")
+
+
+def loaded_allocator(maps: Path = Path("/proc/self/maps")) -> str | None:
+    """``jemalloc`` or ``tcmalloc`` when such a library is mapped into this process (``maps``: the process's
+    memory map), else None: it serves ``malloc`` only when preloaded. Where there is no ``/proc`` (macOS), what
+    ``LD_PRELOAD`` names."""
+    try:
+        mapped = maps.read_text()
+    except OSError:
+        mapped = os.environ.get("LD_PRELOAD", "")
+    return next((name for name in PRELOADED_ALLOCATORS if f"lib{name}" in mapped), None)
+
+
+def environment_with_jemalloc(environ: Mapping[str, str], library: str) -> dict[str, str]:
+    """``environ`` with ``library`` first in ``LD_PRELOAD`` (what was there is kept after it)."""
+    preload = " ".join(filter(None, (library, environ.get("LD_PRELOAD", ""))))
+    return {**environ, "LD_PRELOAD": preload}
+
+
+def jemalloc_to_preload(choice: str) -> str | None:
+    """The jemalloc library to preload for ``run.allocator`` = ``choice`` (one of :data:`ALLOCATORS`), or None
+    for the C library's malloc. Raises :class:`~asrflow.errors.AsrflowError` for an unknown ``choice``, or for
+    ``jemalloc`` when none is installed."""
+    if choice not in ALLOCATORS:
+        raise param_error("run", "allocator", choice, f"is not valid; use one of {', '.join(ALLOCATORS)}")
+    library = None if choice == "system" else find_jemalloc()
+    if library is None and choice == "jemalloc":
+        raise param_error(
+            "run",
+            "allocator",
+            choice,
+            "needs a jemalloc library and none is installed: install one (Debian "
+            "and Ubuntu: apt install libjemalloc2; conda: conda install jemalloc) or set run.allocator: auto",
+        )
+    return library
+
+
+def use_allocator(choice: str) -> None:
+    """Make this process's malloc the one ``run.allocator`` = ``choice`` asks for: when that is jemalloc and it
+    is not loaded yet, re-execute the process's own command line (``sys.orig_argv``) with it preloaded, so its
+    data workers and any torchrun ranks inherit it; else return. Call it first thing in a process's entry
+    point: what ran before the re-execution runs again. Errors as :func:`jemalloc_to_preload`."""
+    library = jemalloc_to_preload(choice)
+    if library is None or loaded_allocator() is not None:
+        return
+    if os.environ.get(REEXECUTED_FLAG):
+        logger.warning("LD_PRELOAD=%s did not load (see the loader's message above): glibc's malloc serves", library)
+        return
+    logging.shutdown()  # flush what was logged before the process image is replaced
+    environ = environment_with_jemalloc(os.environ, library) | {REEXECUTED_FLAG: "1"}
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+
+
+def malloc_in_use() -> str:
+    """Which ``malloc`` serves this process: ``jemalloc``, ``tcmalloc``, ``glibc`` or ``system`` (another C
+    library's), for the logs."""
+    return loaded_allocator() or ("glibc" if glibc_malloc() else "system")
+
+
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
     """The C library when it is glibc's malloc that serves this process, else None."""
-    if "jemalloc" in os.environ.get("LD_PRELOAD", "") or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+    if loaded_allocator() is not None:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

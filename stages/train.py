@@ -14,11 +14,12 @@ Exit codes (asrflow.training.outcome.EXIT_CODES): 0 finished, 2 a mistake to fix
 failed, 71 a data worker died, 75 stopped by SIGTERM/SIGINT after saving a checkpoint, 124 stalled;
 after 70, 71 and 75, run again to resume.
 
-Start-up: MLflow is imported and its run opened in a background thread once the first step
-is done (its points are kept, with their times, until then). run.num_workers: auto builds the batches in this
-process when features are precomputed (a batch loads in milliseconds; each spawned worker
-would import torch again) and starts 2 spawned workers with features.on_the_fly: true; an
-integer sets the number of workers.
+Start-up: with run.allocator auto (the default) and jemalloc installed, the stage first re-executes itself
+with jemalloc preloaded (asrflow.allocator.use_allocator), before torch is imported. MLflow is imported and
+its run opened in a background thread once the first step is done (its points are kept, with their times,
+until then). run.num_workers: auto builds the batches in this process when features are precomputed (a batch
+loads in milliseconds; each spawned worker would import torch again) and starts 2 spawned workers with
+features.on_the_fly: true; an integer sets the number of workers.
 """
 
 from __future__ import annotations
@@ -31,20 +32,21 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from asrflow.allocator import malloc_in_use, use_allocator
 from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.launch.multinode import rendezvous_from_environment
 from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_command
 from asrflow.logs import setup_logging
 from asrflow.params import load_params
 from asrflow.tracking.store import check_tracking_uri
-from asrflow.training.assemble import TrainingSettings, build_trainer
-from asrflow.training.config import TrainPaths
-from asrflow.training.init_model import check_declared
-from asrflow.training.observers import TrainObserver
-from asrflow.training.outcome import Outcome, TrainingFailure, TrainOutcome, exit_code
 from asrflow.training.sweep import checkpoints_outside_temp_workspace
-from asrflow.training.trainer import Trainer
+
+if TYPE_CHECKING:
+    from asrflow.training.observers import TrainObserver
+    from asrflow.training.outcome import TrainOutcome
+    from asrflow.training.trainer import Trainer
 
 #: Named after this module's import path (``__name__`` is ``__main__`` under ``python -m``).
 logger = logging.getLogger("stages.train")
@@ -68,6 +70,7 @@ def run_trainer(trainer: Trainer) -> tuple[int, TrainOutcome | None]:
     decided (75 after a stop, with its checkpoint saved) into death by that signal. Ignored by the kernel,
     not by a Python handler: the interpreter puts back the default action of every signal it handles as it
     shuts down, while the process still has its modules (torch's among them) to tear down."""
+    from asrflow.training.outcome import Outcome, TrainingFailure, exit_code  # imports torch: see main
 
     def on_signal(signum, _frame) -> None:
         logger.warning("received %s: finishing the current step, then saving a checkpoint", signal.Signals(signum).name)
@@ -94,8 +97,11 @@ def run_trainer(trainer: Trainer) -> tuple[int, TrainOutcome | None]:
 
 
 @exit_on_user_error
-def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ()) -> None:
-    """The stage; ``observers`` watch the run (tests inject faults through them)."""
+def main(
+    argv: list[str] | None = None, observers: Sequence[TrainObserver] = (), *, process_entry: bool = False
+) -> None:
+    """The stage; ``observers`` watch the run (tests inject faults through them). As the ``process_entry`` (run
+    as a script) it may first re-execute the process with jemalloc preloaded (``run.allocator``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
     parser.add_argument("--fbank", default="data/fbank", help="features stage output (default: %(default)s)")
@@ -109,11 +115,19 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
     )
     args = parser.parse_args(argv)
     setup_logging()
-    logger.info("train stage started (pid %d)", os.getpid())  # imports done: bench.startup times from here
+    params = load_params(args.params)
+    if process_entry:
+        use_allocator(params.get("run", {}).get("allocator", "auto"))
+    # Imported only now: torch takes seconds to import, which a re-execution above would have paid twice.
+    from asrflow.training.assemble import TrainingSettings, build_trainer
+    from asrflow.training.config import TrainPaths
+    from asrflow.training.init_model import check_declared
+
+    logger.info("train stage started (pid %d, malloc: %s)", os.getpid(), malloc_in_use())  # bench.startup's mark
     overrides = rendezvous_from_environment()  # a cluster job's allocation, for that job only
     if args.node_rank is not None:
         overrides["node_rank"] = args.node_rank
-    settings = TrainingSettings.from_params(load_params(args.params), **overrides)
+    settings = TrainingSettings.from_params(params, **overrides)
     check_declared(settings.train.finetune.init_from)  # a model file is a declared dependency: under pretrained/
     check_tracking_uri()  # an unreachable MLFLOW_TRACKING_URI stops here, before any training
     if needs_torchrun(settings.run):
@@ -135,4 +149,4 @@ def main(argv: list[str] | None = None, observers: Sequence[TrainObserver] = ())
 
 
 if __name__ == "__main__":
-    main()
+    main(process_entry=True)

@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from asrflow.allocator import environment_with_jemalloc, jemalloc_to_preload
 from asrflow.testing.exit_observer import RankExit, observed, rank_exits
 from asrflow.testing.faults import NonFiniteSteps
 from asrflow.testing.mlflow_store import fresh_mlflow_store
@@ -225,6 +226,9 @@ class TrainingProcess(ChildProcess):
             "MLFLOW_TRACKING_URI": tracking_uri,
             **(env or {}),
         }
+        jemalloc = jemalloc_to_preload(overrides.get("run.allocator", tiny_settings().run.allocator))
+        if jemalloc is not None:  # the malloc the train stage would run under
+            full_env = environment_with_jemalloc(full_env, jemalloc)
         log_path = log_path or self.exp / f"train-{started}.log"
         super().__init__(command, log_path=log_path, env=full_env, cwd=self.exp)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asrflow.allocator import ALLOCATORS
 from asrflow.cores import available_cores
 from asrflow.params import check_at_least, check_choice, check_positive, param_error
 
@@ -32,6 +33,7 @@ class RunConfig:
     register_model_name: str | None
     num_workers: int | str
     mp_start_method: str
+    allocator: str
     nproc_per_node: int
     nnodes: int
     node_rank: int
@@ -46,6 +48,7 @@ class RunConfig:
         else:
             check_at_least(self, SECTION, 0, "num_workers")
         check_choice(self, SECTION, "mp_start_method", START_METHODS)
+        check_choice(self, SECTION, "allocator", ALLOCATORS)
         check_at_least(self, SECTION, 1, "nproc_per_node", "nnodes")
         check_at_least(self, SECTION, 0, "node_rank", "stall_timeout_s")
         check_positive(self, SECTION, "dist_timeout_s")
