@@ -6,8 +6,8 @@
 ``W/run-spoken-<hours>``; ``--quick`` uses the shipped yesno corpus instead. Each precision trains in a run
 folder of its own (``W/memory-<precision>``), all at once (one torch thread each by default), launched as
 ``dvc repro`` launches the stage and stopped by SIGTERM after ``--minutes``. The params are ``RUN``'s with the
-repository's own run settings put back (validation, data workers, threads: what a user gets), ``--train`` on
-top. The tree's memory is read every 5 s.
+repository's own run settings put back (validation, threads, the ``run:`` section with its data workers and
+malloc: what a user gets), ``--train`` on top. The tree's memory is read every 5 s.
 
 Records ``memory_hour`` per precision, from the readings taken while it trained (before the SIGTERM):
 ``memory_by_minute`` (``[minute, last step logged, highest tree RSS MB, highest tree PSS MB]``), ``windows`` (per
@@ -33,17 +33,19 @@ from bench.stage_scale import by_minute
 from bench.startup import launch, metric_points
 
 #: The run settings put back from the repository's params.yaml: what a user's run has.
-USER_SETTINGS = ("train.checkpoint.validate_every_steps", "run.num_workers", "train.optim.num_threads")
+USER_SETTINGS = ("train.checkpoint.validate_every_steps", "train.optim.num_threads")
 #: Memory counts as levelled when, after the first ``SETTLE_MIN`` minutes, every window's median RSS is within
 #: ``SPREAD`` of their mean and the fitted trend over those minutes moves it by at most ``TREND`` of it.
 SETTLE_MIN, WINDOW_MIN, SPREAD, TREND = 10, 10, 0.03, 0.02
 
 
 def user_params(data: Path, precision: str, train: dict, quick: bool) -> dict:
-    """``data``'s params (yesno: the repository's) with :data:`USER_SETTINGS` as shipped, ``precision``,
+    """``data``'s params (yesno: the repository's) with :data:`USER_SETTINGS` and ``run:`` as shipped,
+    ``precision``,
     epochs enough to outlast the run, and ``train`` (dotted keys) on top."""
     shipped = repo_params()
     params = params_for(data, shipped) if quick else yaml.safe_load((data / "params.yaml").read_text())
+    params["run"] = shipped["run"]  # data workers, malloc: how a user's run executes
     flat = flatten(shipped)
     restored = {key: flat[key] for key in USER_SETTINGS}
     if quick:  # yesno's few steps: validate and checkpoint often enough to be seen
