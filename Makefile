@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export GIT_PYTHON_REFRESH := quiet
 
-.PHONY: setup run test test-fast bench lint mlflow-ui clean espeak-ng
+.PHONY: setup run test test-fast bench lint mlflow-ui clean system-packages
 
 setup: $(STAMP)
 
@@ -25,12 +25,16 @@ test: $(STAMP)
 	. $(BIN)/activate && .ci/install-slurm
 	. $(BIN)/activate && ruff check . && ruff format --check . && .ci/pytest
 
-# The spoken-corpus tests need espeak-ng: installed here when make runs as root with apt, else they skip.
-test: espeak-ng
-espeak-ng:
-	@command -v espeak-ng >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		{ apt-get install -y -q espeak-ng >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q espeak-ng >/dev/null; }; }; } || \
-		echo "espeak-ng could not be installed: the spoken-corpus tests will skip (README: Developing asrflow)"
+# System packages the tests use, installed here when make runs as root with apt (else install them yourself;
+# without them the spoken-corpus tests skip, and the train stage keeps glibc's malloc): espeak-ng speaks the
+# generated corpora, libjemalloc2 is the malloc the train stage preloads (run.allocator; README: Install).
+SYSTEM_PACKAGES := espeak-ng libjemalloc2
+test: system-packages
+system-packages:
+	@missing=$$(for package in $(SYSTEM_PACKAGES); do dpkg -s $$package >/dev/null 2>&1 || echo $$package; done); \
+	[ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q $$missing >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; }; }; } || \
+		echo "could not install" $$missing "(README: Install): without espeak-ng the spoken-corpus tests skip; without libjemalloc2 the train stage uses glibc's malloc"
 
 test-fast: $(STAMP)
 	. $(BIN)/activate && python -m pytest -q -m "not pipeline and not serve"

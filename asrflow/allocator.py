@@ -73,8 +73,9 @@ PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc")
 
 def find_jemalloc() -> str | None:
     """The jemalloc library the dynamic loader can preload (a soname such as ``libjemalloc.so.2``, which it
-    finds on its own search path), or None when none is installed."""
-    return ctypes.util.find_library("jemalloc")
+    finds on its own search path), or None when none is installed, and off Linux (``LD_PRELOAD`` is its
+    loader's)."""
+    return ctypes.util.find_library("jemalloc") if sys.platform.startswith("linux") else None
 
 
 def loaded_allocator(maps: Path = Path("/proc/self/maps")) -> str | None:
@@ -123,7 +124,9 @@ def use_allocator(choice: str) -> None:
     if os.environ.get(REEXECUTED_FLAG):
         logger.warning("LD_PRELOAD=%s did not load (see the loader's message above): glibc's malloc serves", library)
         return
-    logging.shutdown()  # flush what was logged before the process image is replaced
+    logging.shutdown()  # flush what was logged and printed before the process image is replaced
+    sys.stdout.flush()
+    sys.stderr.flush()
     environ = environment_with_jemalloc(os.environ, library) | {REEXECUTED_FLAG: "1"}
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
 

@@ -41,8 +41,7 @@ SETTLE_MIN, WINDOW_MIN, SPREAD, TREND = 10, 10, 0.03, 0.02
 
 def user_params(data: Path, precision: str, train: dict, quick: bool) -> dict:
     """``data``'s params (yesno: the repository's) with :data:`USER_SETTINGS` and ``run:`` as shipped,
-    ``precision``,
-    epochs enough to outlast the run, and ``train`` (dotted keys) on top."""
+    ``precision``, epochs enough to outlast the run, and ``train`` (dotted keys) on top."""
     shipped = repo_params()
     params = params_for(data, shipped) if quick else yaml.safe_load((data / "params.yaml").read_text())
     params["run"] = shipped["run"]  # data workers, malloc: how a user's run executes

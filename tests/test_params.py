@@ -316,7 +316,10 @@ def test_an_old_flat_train_key_is_refused_naming_its_new_place(tmp_path, capsys,
             "unknown key train.schedule; valid keys are: checkpoint, data, finetune, model, nonfinite, optim",
         ),
         ("run.lr", "unknown key run.lr; it belongs in train.optim.lr"),
-        ("run.experimnt", "unknown key run.experimnt; did you mean run.experiment? valid keys are: allocator, dist_timeout_s,"),
+        (
+            "run.experimnt",
+            "unknown key run.experimnt; did you mean run.experiment? valid keys are: allocator, dist_timeout_s,",
+        ),
     ],
 )
 def test_an_unknown_key_is_named_with_its_home_or_the_nearest_valid_key(tmp_path, capsys, key, message):
