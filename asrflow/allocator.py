@@ -6,9 +6,9 @@ policy raises its ``mmap`` threshold each time a large block is freed, so later 
 that size come from the heap, whose free holes it rarely gives back: the resident set creeps
 with the number of shapes seen (bench/RESULTS.md, "Trainer memory at scale"). Here:
 
-* :func:`use_allocator` re-executes the process with jemalloc preloaded (``run.allocator``): a
-  malloc that returns freed pages on its own, where glibc's heap still grows around oneDNN's
-  per-shape primitives in bf16 (bench/RESULTS.md, "bf16 with jemalloc against glibc's malloc");
+* :func:`use_allocator` re-executes the process with jemalloc preloaded (``run.allocator``) to train
+  in bf16: a malloc that returns freed pages on its own, where glibc's heap still grows around
+  oneDNN's per-shape primitives (bench/RESULTS.md, "bf16 with jemalloc against glibc's malloc");
 * without jemalloc, :func:`tune_malloc` fixes the threshold (blocks from it up are mapped and unmapped whole),
   fixes the trim threshold, and caps the per-thread arenas;
 * :func:`release_free_memory` hands the heap's free pages back (``malloc_trim``); the
@@ -61,9 +61,16 @@ ARENA_MAX = 2
 ONEDNN_CACHE_CAPACITY = 64
 
 
-#: Accepted values of ``run.allocator``: ``auto`` preloads jemalloc when it is installed and keeps the C library's
-#: malloc otherwise; ``jemalloc`` requires it; ``system`` keeps the C library's.
+#: Accepted values of ``run.allocator``: ``auto`` preloads jemalloc for the precisions of
+#: :data:`JEMALLOC_PRECISIONS` when it is installed and keeps the C library's malloc otherwise; ``jemalloc``
+#: requires it; ``system`` keeps the C library's.
 ALLOCATORS = ("auto", "jemalloc", "system")
+#: ``train.optim.precision`` values that ``auto`` trains under jemalloc. In bf16 on a CPU glibc's heap creeps
+#: around oneDNN's per-shape primitives and jemalloc is level and faster; in fp32 both are level and glibc's
+#: (with its thresholds fixed) is the faster: jemalloc hands the large activations' pages back and faults them in
+#: anew at every step (bench/RESULTS.md, "The shipped train stage under jemalloc"). ``auto`` is fp32 on every
+#: CPU, and on a GPU the host's malloc serves little of a step.
+JEMALLOC_PRECISIONS = ("bf16",)
 #: Set in the environment of a process re-executed by :func:`use_allocator`, so that it never re-executes twice
 #: (a preload the dynamic loader refused leaves the process on the C library's malloc).
 REEXECUTED_FLAG = "ASRFLOW_ALLOCATOR_REEXECUTED"
@@ -95,13 +102,14 @@ def environment_with_jemalloc(environ: Mapping[str, str], library: str) -> dict[
     return {**environ, "LD_PRELOAD": preload}
 
 
-def jemalloc_to_preload(choice: str) -> str | None:
-    """The jemalloc library to preload for ``run.allocator`` = ``choice`` (one of :data:`ALLOCATORS`), or None
-    for the C library's malloc. Raises :class:`~asrflow.errors.AsrflowError` for an unknown ``choice``, or for
-    ``jemalloc`` when none is installed."""
+def jemalloc_to_preload(choice: str, precision: str) -> str | None:
+    """The jemalloc library to preload for ``run.allocator`` = ``choice`` (one of :data:`ALLOCATORS`) when
+    training in ``train.optim.precision`` = ``precision``, or None for the C library's malloc. Raises
+    :class:`~asrflow.errors.AsrflowError` for an unknown ``choice``, or for ``jemalloc`` when none is installed."""
     if choice not in ALLOCATORS:
         raise param_error("run", "allocator", choice, f"is not valid; use one of {', '.join(ALLOCATORS)}")
-    library = None if choice == "system" else find_jemalloc()
+    wanted = choice == "jemalloc" or (choice == "auto" and precision in JEMALLOC_PRECISIONS)
+    library = find_jemalloc() if wanted else None
     if library is None and choice == "jemalloc":
         raise param_error(
             "run",
@@ -113,12 +121,12 @@ def jemalloc_to_preload(choice: str) -> str | None:
     return library
 
 
-def use_allocator(choice: str) -> None:
-    """Make this process's malloc the one ``run.allocator`` = ``choice`` asks for: when that is jemalloc and it
-    is not loaded yet, re-execute the process's own command line (``sys.orig_argv``) with it preloaded, so its
-    data workers and any torchrun ranks inherit it; else return. Call it first thing in a process's entry
-    point: what ran before the re-execution runs again. Errors as :func:`jemalloc_to_preload`."""
-    library = jemalloc_to_preload(choice)
+def use_allocator(choice: str, precision: str) -> None:
+    """Make this process's malloc the one ``run.allocator`` = ``choice`` asks for when training in ``precision``:
+    when that is jemalloc and it is not loaded yet, re-execute the process's own command line (``sys.orig_argv``)
+    with it preloaded, so its data workers and any torchrun ranks inherit it; else return. Call it first thing in
+    a process's entry point: what ran before the re-execution runs again. Errors as :func:`jemalloc_to_preload`."""
+    library = jemalloc_to_preload(choice, precision)
     if library is None or loaded_allocator() is not None:
         return
     if os.environ.get(REEXECUTED_FLAG):

@@ -14,12 +14,12 @@ Exit codes (asrflow.training.outcome.EXIT_CODES): 0 finished, 2 a mistake to fix
 failed, 71 a data worker died, 75 stopped by SIGTERM/SIGINT after saving a checkpoint, 124 stalled;
 after 70, 71 and 75, run again to resume.
 
-Start-up: with run.allocator auto (the default) and jemalloc installed, the stage first re-executes itself
-with jemalloc preloaded (asrflow.allocator.use_allocator), before torch is imported. MLflow is imported and
-its run opened in a background thread once the first step is done (its points are kept, with their times,
-until then). run.num_workers: auto builds the batches in this process when features are precomputed (a batch
-loads in milliseconds; each spawned worker would import torch again) and starts 2 spawned workers with
-features.on_the_fly: true; an integer sets the number of workers.
+Start-up: training in bf16 with run.allocator auto (the default) and jemalloc installed, the stage first
+re-executes itself with jemalloc preloaded (asrflow.allocator.use_allocator), before torch is imported.
+MLflow is imported and its run opened in a background thread once the first step is done (its points are
+kept, with their times, until then). run.num_workers: auto builds the batches in this process when features
+are precomputed (a batch loads in milliseconds; each spawned worker would import torch again) and starts 2
+spawned workers with features.on_the_fly: true; an integer sets the number of workers.
 """
 
 from __future__ import annotations
@@ -116,8 +116,9 @@ def main(
     args = parser.parse_args(argv)
     setup_logging()
     params = load_params(args.params)
-    if process_entry:
-        use_allocator(params.get("run", {}).get("allocator", "auto"))
+    if process_entry:  # read before the sections are checked: the checks need torch
+        precision = params.get("train", {}).get("optim", {}).get("precision", "auto")
+        use_allocator(params.get("run", {}).get("allocator", "auto"), precision)
     # Imported only now: torch takes seconds to import, which a re-execution above would have paid twice.
     from asrflow.training.assemble import TrainingSettings, build_trainer
     from asrflow.training.config import TrainPaths

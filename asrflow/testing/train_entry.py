@@ -226,7 +226,11 @@ class TrainingProcess(ChildProcess):
             "MLFLOW_TRACKING_URI": tracking_uri,
             **(env or {}),
         }
-        jemalloc = jemalloc_to_preload(overrides.get("run.allocator", tiny_settings().run.allocator))
+        shipped = tiny_settings()
+        jemalloc = jemalloc_to_preload(
+            overrides.get("run.allocator", shipped.run.allocator),
+            overrides.get("train.optim.precision", shipped.train.optim.precision),
+        )
         if jemalloc is not None:  # the malloc the train stage would run under
             full_env = environment_with_jemalloc(full_env, jemalloc)
         log_path = log_path or self.exp / f"train-{started}.log"
