@@ -39,7 +39,7 @@ from asrflow.errors import AsrflowError, exit_on_user_error
 from asrflow.launch.multinode import rendezvous_from_environment
 from asrflow.launch.torchrun import check_launch, needs_torchrun, torchrun_command
 from asrflow.logs import setup_logging
-from asrflow.params import load_params
+from asrflow.params import flatten, load_params
 from asrflow.tracking.store import check_tracking_uri
 from asrflow.training.sweep import checkpoints_outside_temp_workspace
 
@@ -116,9 +116,9 @@ def main(
     args = parser.parse_args(argv)
     setup_logging()
     params = load_params(args.params)
-    if process_entry:  # read before the sections are checked: the checks need torch
-        precision = params.get("train", {}).get("optim", {}).get("precision", "auto")
-        use_allocator(params.get("run", {}).get("allocator", "auto"), precision)
+    if process_entry:  # read before the sections are checked, which needs torch; checked there too
+        flat = flatten(params)
+        use_allocator(flat.get("run.allocator", "auto"), flat.get("train.optim.precision", "auto"))
     # Imported only now: torch takes seconds to import, which a re-execution above would have paid twice.
     from asrflow.training.assemble import TrainingSettings, build_trainer
     from asrflow.training.config import TrainPaths

@@ -96,9 +96,10 @@ def _exp_show(copy: Path) -> dict[str, dict]:
     return {row["Experiment"]: row for row in csv.DictReader(io.StringIO(table[table.index("Experiment") :]))}
 
 
-def _wait_for_no_worker(copy: Path, timeout_s: float = 120) -> None:
+def _wait_for_no_worker(copy: Path, timeout_s: float = 300) -> None:
     """Until every queue worker of ``copy`` has exited: a stopping worker still takes tasks queued meanwhile,
-    and leaves them marked Running when it goes."""
+    and leaves them marked Running when it goes. A worker exits after 10 s idle, the first one cleaning the
+    queue as it goes; in a full `make test` on 2 cores one took over 120 s."""
     deadline = time.monotonic() + timeout_s
     pid_files = (copy / ".dvc/tmp/exps/celery").glob("dvc-exp-worker-*.pid")
     for pid in {int(text) for path in pid_files if (text := path.read_text().strip()).isdigit()}:
