@@ -21,6 +21,7 @@ from asrflow.tracking.metric_log import MetricLog
 from asrflow.tracking.naming import param_value
 from asrflow.tracking.run import LOGGED_THROUGH_TAG, REOPENED_END_STATUS_TAG, MlflowRun
 from asrflow.tracking.store import (
+    build_store_in_background,
     create_whole_sqlite_store,
     default_artifact_location,
     default_tracking_uri,
@@ -246,6 +247,37 @@ def test_a_store_is_made_whole_on_a_filesystem_without_hard_links(tmp_path, monk
     create_whole_sqlite_store(uri)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mlflow.db"]
     tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
+    tracker.end()
+    assert only_run(MlflowClient(tracking_uri=uri)).info.status == "FINISHED"
+
+
+def test_a_new_store_is_made_in_a_child_process_that_the_run_waits_for(tmp_path):
+    """The training starts a missing store's migrations in a child process (they would hold its GIL beside the
+    training loop); the run's opening waits for that child and opens the store it made."""
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    builder = build_store_in_background(uri)
+    assert builder is not None and builder.pid != os.getpid()
+    assert build_store_in_background(uri) is None  # already being made
+    tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
+    assert builder.returncode == 0  # waited for, and it made the store
+    tracker.end()
+    assert only_run(MlflowClient(tracking_uri=uri)).info.status == "FINISHED"
+    assert list(tmp_path.glob(".mlflow.db.*.building")) == []
+
+
+def test_no_child_for_a_store_that_exists_or_a_server(tmp_path):
+    assert build_store_in_background(fresh_mlflow_store(tmp_path)) is None
+    assert build_store_in_background("http://127.0.0.1:9") is None
+
+
+def test_a_child_that_fails_leaves_the_store_to_the_run(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setattr(sys, "executable", "false")  # a child that exits 1 before making anything
+    builder = build_store_in_background(uri)
+    monkeypatch.undo()
+    tracker = MlflowRun.start(tracking_uri=uri, run_name="train")
+    assert builder.returncode == 1
     tracker.end()
     assert only_run(MlflowClient(tracking_uri=uri)).info.status == "FINISHED"
 

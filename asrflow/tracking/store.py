@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -14,6 +16,8 @@ from asrflow.errors import AsrflowError, first_line
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow 3's default
 _SQLITE = "sqlite:///"
+#: Child processes making a missing SQLite store whole, by the store's resolved path.
+_BUILDERS: dict[Path, subprocess.Popen] = {}
 
 
 def default_tracking_uri() -> str:
@@ -86,6 +90,8 @@ def create_whole_sqlite_store(tracking_uri: str) -> None:
     stores are left as they are.
     """
     db = sqlite_path(tracking_uri)
+    if db is not None and (builder := _BUILDERS.pop(db.resolve(), None)) is not None:
+        builder.wait()  # if it failed, the store is still missing: made below, where its error shows
     if db is None or db.exists():
         return
     from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
@@ -107,6 +113,22 @@ def create_whole_sqlite_store(tracking_uri: str) -> None:
         building.unlink(missing_ok=True)
 
 
+def build_store_in_background(tracking_uri: str | None = None) -> subprocess.Popen | None:
+    """Start making a missing SQLite store whole (:func:`create_whole_sqlite_store`) in a child process; that
+    function waits for it. The child, or None for another URI, a store that exists, or one already being made.
+
+    A new store's migrations hold the Python interpreter for seconds. Run in the training process, beside a loop
+    that launches GPU kernels, they would hold its GIL: the loop's steps then wait for it. The child is left to
+    finish when its parent dies, so that the store is made whole.
+    """
+    db = sqlite_path(resolve_tracking_uri(tracking_uri or default_tracking_uri()))
+    if db is None or db.exists() or db.resolve() in _BUILDERS:
+        return None
+    command = [sys.executable, "-m", "asrflow.tracking.store", f"{_SQLITE}{db.resolve()}"]
+    _BUILDERS[db.resolve()] = builder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return builder
+
+
 def store_error(tracking_uri: str, error: BaseException) -> AsrflowError:
     """What to do about a SQLite store that MLflow cannot open: ``error`` named, and the two usual causes."""
     db = sqlite_path(tracking_uri)
@@ -126,3 +148,7 @@ def runs_page(tracking_uri: str, experiment_id: str) -> str:
         f"{base}/#/experiments/{experiment_id}/runs{hint} (a fresh browser may open the GenAI view: "
         "switch it to model training at the top of the page)"
     )
+
+
+if __name__ == "__main__":
+    create_whole_sqlite_store(sys.argv[1])

@@ -23,6 +23,7 @@ from asrflow.data.loading.workers import unpack_batch
 from asrflow.logs import TerminalProgress
 from asrflow.model.conformer_ctc import build_model, count_parameters
 from asrflow.tracking.run import MlflowRun, NullTracker, start_training_run
+from asrflow.tracking.store import build_store_in_background
 from asrflow.training.checkpoint import content_digest
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.config import TrainConfig, TrainPaths
@@ -73,6 +74,8 @@ class Trainer:
         self.tracker: MlflowRun | NullTracker = NullTracker()
         self.terminal_progress: TerminalProgress | None = None  # rank 0's, once the run starts
         self.dist = init_distributed(run.dist_timeout_s)
+        if self.dist.is_main:  # a new store is made while the data and model are built
+            build_store_in_background(tracking_uri)
         self.device = torch.device(f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu")
         seed_everything(seed)
         self.data = TrainData.build(
