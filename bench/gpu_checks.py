@@ -134,9 +134,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             common = [*quick, "--workdir", str(work)]
             return keep(probe(kind, data, *options, *common, timeout=min(cap, left() - 10), log=log))
 
-        # As the Trainer runs the preset (rel_pos attention), frames padded to 64 too, and without positions: what
-        # rel_pos costs on a GPU.
+        # As the Trainer runs the preset (rel_pos attention), frames padded to 64 too, without positions (what
+        # rel_pos costs on a GPU), and with expandable allocator segments (whether a new shape's cost is the
+        # allocator's).
         variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "no-positions": ["--attention", "none"]}
+        variants["expandable"] = ["--cuda-alloc-conf", "expandable_segments:True"]
         bare = {name: run("bare", "--steps", steps, *options, cap=90) for name, options in variants.items()}
         sizes = ["--sizes", *(["60", "120"] if args.quick else ["600", "1200", "2400", "4800", "9600"])]
         out += [*(r for records in bare.values() for r in records)]

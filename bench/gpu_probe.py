@@ -18,13 +18,16 @@ costs, the batch sizes that train, data wait.
 ``--pad-frames-to`` sets ``train.data.pad_frames_to``; ``--no-cudnn`` turns cuDNN off for the whole process;
 ``--cudnn-attention`` lets attention use cuDNN's kernel (the Trainer's process does not; ``rel_pos`` attention uses
 no fused kernel); ``--attention`` sets ``train.model.attention`` (default: the preset's);
-``--old-norm`` restores the (C, F) LayerNorm call of ConvFrameNorm that PyTorch's CUDA backward breaks on.
+``--old-norm`` restores the (C, F) LayerNorm call of ConvFrameNorm that PyTorch's CUDA backward breaks on;
+``--cuda-alloc-conf`` sets ``PYTORCH_CUDA_ALLOC_CONF`` before the first CUDA allocation (e.g.
+``expandable_segments:True``: whether growing the caching allocator's segments is what a new batch shape costs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -286,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cudnn-attention", action="store_true", help="bare, sizes, profile: cuDNN's SDPA too")
     parser.add_argument("--attention", choices=ATTENTION_KINDS, help="train.model.attention (default: the preset's)")
     parser.add_argument("--old-norm", action="store_true")
+    parser.add_argument("--cuda-alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for this process")
     parser.add_argument("--on-the-fly", action="store_true", help="trainer: fbank and speed perturbation on the fly")
     parser.add_argument("--num-workers", help="trainer: run.num_workers (auto or an integer)")
     parser.add_argument("--sizes", type=float, nargs="+", default=[600.0, 1200.0, 2400.0, 4800.0])
@@ -294,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-seconds", type=float, default=200.0, help="decode: evaluate.max_batch_duration_s")
     parser.add_argument("--quick", action="store_true", help="the tiny model (a CPU check of the probe)")
     args = parser.parse_args(argv)
+    if args.cuda_alloc_conf:  # read when CUDA's caching allocator starts, at the first allocation
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.cuda_alloc_conf
     if args.no_cudnn:
         torch.backends.cudnn.enabled = False
     if args.old_norm:
@@ -301,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variant = {"pad_frames_to": args.pad_frames_to, "cudnn": not args.no_cudnn, "old_norm": args.old_norm}
     variant |= {"cudnn_attention": args.cudnn_attention, "attention": args.attention or "preset"}
+    variant |= {"cuda_alloc_conf": args.cuda_alloc_conf} if args.cuda_alloc_conf else {}
     kinds = {"bare": bare, "trainer": trainer, "sizes": sizes, "profile": profile, "decode": decode}
     found = kinds[args.kind](args.data, args, device)
     for record in found if isinstance(found, list) else [found]:
