@@ -66,10 +66,11 @@ ONEDNN_CACHE_CAPACITY = 64
 #: requires it; ``system`` keeps the C library's.
 ALLOCATORS = ("auto", "jemalloc", "system")
 #: ``train.optim.precision`` values that ``auto`` trains under jemalloc. In bf16 on a CPU glibc's heap creeps
-#: around oneDNN's per-shape primitives and jemalloc is level and faster; in fp32 both are level and glibc's
-#: (with its thresholds fixed) is the faster: jemalloc hands the large activations' pages back and faults them in
-#: anew at every step (bench/RESULTS.md, "The shipped train stage under jemalloc"). ``auto`` is fp32 on every
-#: CPU, and on a GPU the host's malloc serves little of a step.
+#: around oneDNN's per-shape primitives and jemalloc is level and faster. In fp32 glibc's (with its thresholds
+#: fixed) is the faster, since jemalloc hands the large activations' pages back and faults them in anew at every
+#: step; it is level with the frame axis padded, as the real-corpus preset trains, and creeps unpadded, where
+#: ``run.allocator: jemalloc`` is the choice for long runs (bench/RESULTS.md, "The shipped fp32 path").
+#: ``auto`` is fp32 on every CPU, and on a GPU the host's malloc serves little of a step.
 JEMALLOC_PRECISIONS = ("bf16",)
 #: Set in the environment of a process re-executed by :func:`use_allocator`, so that it never re-executes twice
 #: (a preload the dynamic loader refused leaves the process on the C library's malloc).
