@@ -2,8 +2,9 @@
 
 ``python -m bench.gpu_checks [--quick] [--workdir DIR] [--utterances N] [--steps N] [--budget S] [--out DIR]``.
 Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measured bf16 peak), ``gpu_bare`` per
-batch-shape variant (as the Trainer runs, frames padded to 64, and the preset's model without position terms in
-its attention: the first pass over new shapes against the second), ``gpu_sizes`` (audio-s/s, MFU and peak memory
+batch-shape variant (as the Trainer runs, frames padded to 64, the preset's model without position terms in its
+attention, and with expandable CUDA allocator segments: the first pass over new shapes against the second),
+``gpu_sizes`` (audio-s/s, MFU and peak memory
 by batch size), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on
 the fly with ``auto`` workers), ``peer_speed`` with ``loop: whole`` (asrflow's Trainer against
 SpeechBrain's own Brain and data pipeline, :func:`peer_whole_loop`), ``gpu_decode`` (the evaluate stage's decoding
