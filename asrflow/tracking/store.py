@@ -122,10 +122,10 @@ def build_store_in_background(tracking_uri: str | None = None) -> subprocess.Pop
     finish when its parent dies, so that the store is made whole.
     """
     db = sqlite_path(resolve_tracking_uri(tracking_uri or default_tracking_uri()))
-    if db is None or db.exists() or db.resolve() in _BUILDERS:
+    if db is None or db.exists() or (db := db.resolve()) in _BUILDERS:
         return None
-    command = [sys.executable, "-m", "asrflow.tracking.store", f"{_SQLITE}{db.resolve()}"]
-    _BUILDERS[db.resolve()] = builder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "asrflow.tracking.store", f"{_SQLITE}{db}"]
+    _BUILDERS[db] = builder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return builder
 
 

@@ -26,7 +26,7 @@ from asrflow.model.conformer_ctc import HEAD_PREFIX, ModelConfig, config_from_re
 from asrflow.params import check_at_least, check_positive, param_error
 from asrflow.serving.bundle import read_bundle
 from asrflow.tokenizer import Tokenizer
-from asrflow.tracking.store import check_tracking_uri
+from asrflow.tracking.store import check_tracking_uri, create_whole_sqlite_store
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ def _download(uri: str, tracking_uri: str | None, folder: Path) -> Path:
     from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
     store = check_tracking_uri(tracking_uri)  # an unreachable server is named before MLflow retries it
+    create_whole_sqlite_store(store)  # never half-made by MLflow, nor beside the Trainer's child making it
     try:
         with _use_tracking_uri(store):  # models:/ URIs are looked up in the process-wide registry
             local = Path(
