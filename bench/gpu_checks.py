@@ -4,15 +4,14 @@
 Records (``checks.jsonl`` in ``--out``, and stdout): ``gpu_matmul`` (the measured bf16 peak), ``gpu_bare`` per
 batch-shape variant (as the Trainer runs, frames padded to 64, the preset's model without position terms in its
 attention, and with expandable CUDA allocator segments: the first pass over new shapes against the second),
-``gpu_sizes`` (audio-s/s, MFU and peak memory
-by batch size), ``gpu_trainer`` (the Trainer's first 200 steps against a warm pass, precomputed features; then on
-the fly with ``auto`` workers), ``peer_speed`` with ``loop: whole`` (asrflow's Trainer against
-SpeechBrain's own Brain and data pipeline, :func:`peer_whole_loop`), ``gpu_decode`` (the evaluate stage's decoding
-on the CPU and the GPU: real-time factors, the same transcripts), ``host_cpu_tune`` (the machine tuner on the host
-CPU, ``host-cpu-preset.yaml``), ``gpu_profile`` (host time by operator over the first 5 steps, ``profile.txt``), in
-that order. Checks that would not finish inside ``--budget`` are recorded as skipped. On a lent machine, which
-reaches no registry, the packages its image lacks (SpeechBrain among them) travel as wheels: ``python -m
-bench.gpu_wheels`` fetches them into ``.whl``.
+``gpu_sizes`` (audio-s/s, MFU and peak memory by batch size), ``gpu_trainer`` (the Trainer's first 200 steps against
+a warm pass, precomputed features; then on the fly with ``auto`` workers), ``peer_speed`` with ``loop: whole``
+(asrflow's Trainer against SpeechBrain's own Brain and data pipeline, :func:`peer_whole_loop`), ``gpu_decode`` (the
+evaluate stage's decoding on the CPU and the GPU: real-time factors, the same transcripts), ``host_cpu_tune`` (the
+machine tuner on the host CPU, ``host-cpu-preset.yaml``), ``gpu_profile`` (host time by operator over the first 5
+steps, ``profile.txt``), in that order. Checks that would not finish inside ``--budget`` are recorded as skipped. On
+a lent machine, which reaches no registry, the packages its image lacks (SpeechBrain among them) travel as wheels:
+``python -m bench.gpu_wheels`` fetches them into ``.whl``.
 """
 
 from __future__ import annotations
@@ -138,8 +137,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # As the Trainer runs the preset (rel_pos attention), frames padded to 64 too, without positions (what
         # rel_pos costs on a GPU), and with expandable allocator segments (whether a new shape's cost is the
         # allocator's).
-        variants = {"default": [], "pad64": ["--pad-frames-to", "64"], "no-positions": ["--attention", "none"]}
-        variants["expandable"] = ["--cuda-alloc-conf", "expandable_segments:True"]
+        variants = {
+            "default": [],
+            "pad64": ["--pad-frames-to", "64"],
+            "no-positions": ["--attention", "none"],
+            "expandable": ["--cuda-alloc-conf", "expandable_segments:True"],
+        }
         bare = {name: run("bare", "--steps", steps, *options, cap=90) for name, options in variants.items()}
         sizes = ["--sizes", *(["60", "120"] if args.quick else ["600", "1200", "2400", "4800", "9600"])]
         out += [*(r for records in bare.values() for r in records)]
