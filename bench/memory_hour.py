@@ -27,6 +27,7 @@ import yaml
 
 from asrflow.params import flatten, with_overrides
 from asrflow.testing.corpora import params_for, yesno_data
+from asrflow.testing.processes import MemoryReading
 from asrflow.testing.repo import repo_params
 from bench.common import emit, load_average, machine, parse_args, workdir
 from bench.stage_scale import by_minute
@@ -96,10 +97,10 @@ def levelled(rows: list[list]) -> dict:
     }
 
 
-def rss_by_step(samples: list[tuple[float, int, int]], stamps: list[tuple[float, int]]) -> list[tuple[int, float]]:
-    """``(last step logged, tree RSS MB)`` of every memory reading ``(s, rss, pss)``, from steps' times."""
+def rss_by_step(samples: list[MemoryReading], stamps: list[tuple[float, int]]) -> list[tuple[int, float]]:
+    """``(last step logged, tree RSS MB)`` of every memory reading, from steps' times ``(s, step)``."""
     found, index, step = [], 0, 0
-    for at, rss, _ in samples:
+    for at, rss, *_ in samples:
         while index < len(stamps) and stamps[index][0] <= at:
             step, index = stamps[index][1], index + 1
         found.append((step, rss / 2**20))

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from asrflow.testing import corpora
+from asrflow.testing.processes import MemoryReading
 from asrflow.testing.repo import REPO, copy_repo, repo_params
 from asrflow.testing.stage_memory import stage_peaks
 from bench.common import (
@@ -125,11 +126,11 @@ def bundle_from_checkpoint(root: Path, data: Path | None = None, made_by: str = 
     return write_bundle(root / "exp" / "model.pt", data or root, params, state["model"], made_by=made_by)
 
 
-def by_minute(samples: list[tuple[float, int, int]], stamps: list[tuple[float, int]]) -> list[list]:
+def by_minute(samples: list[MemoryReading], stamps: list[tuple[float, int]]) -> list[list]:
     """``[minute, last step logged by its end, highest tree RSS MB, highest tree PSS MB]`` per minute of the run,
-    from memory readings ``(s, rss, pss)`` and steps' times ``(s, step)``."""
+    from memory readings and steps' times ``(s, step)``."""
     rows: dict[int, list] = {}
-    for at, rss, pss in samples:
+    for at, rss, pss, _ in samples:
         minute, top = int(at // 60), rows.get(int(at // 60), [0, 0, 0.0, 0.0])
         step = max([0] + [step for t, step in stamps if t <= at])
         rows[minute] = [minute, step, max(top[2], rss / 2**20), max(top[3], pss / 2**20)]

@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -39,26 +40,48 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """Summed resident and proportional set sizes (RSS, PSS) in bytes of ``pid`` and its descendants.
+class MemoryReading(NamedTuple):
+    """One reading of a process tree's memory, in bytes, ``at_s`` seconds after its start.
 
-    PSS splits shared pages between the processes sharing them: what the machine must hold.
+    ``pss`` splits shared pages between the processes sharing them: what the machine must hold. ``anon_pss`` is
+    its anonymous part (heap, tensors, what forked workers still share with their parent): the memory the tree
+    made. Libraries' file pages are left out of it: their share falls as other programs on the machine map the
+    same libraries, so a figure that holds them depends on what else runs.
     """
-    rss = pss = 0
+
+    at_s: float
+    rss: int
+    pss: int
+    anon_pss: int
+
+
+def _rollup(pid: int) -> dict[str, int]:
+    """``pid``'s ``/proc/<pid>/smaps_rollup`` as ``{field: bytes}``."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        name, value, *_ = line.split()
+        fields[name.rstrip(":")] = int(value) * 1024
+    return fields
+
+
+def tree_memory(pid: int, at_s: float = 0.0) -> MemoryReading:
+    """The summed memory of ``pid`` and its descendants (kernels without ``Pss_Anon``: ``anon_pss`` is ``pss``)."""
+    rss = pss = anon_pss = 0
     for process in tree(pid):
-        with contextlib.suppress(psutil.Error):  # a worker that just ended
-            info = process.memory_full_info()
-            rss, pss = rss + info.rss, pss + info.pss
-    return rss, pss
+        with contextlib.suppress(OSError, psutil.Error):  # a worker that just ended
+            fields = _rollup(process.pid)
+            rss, pss = rss + fields["Rss"], pss + fields["Pss"]
+            anon_pss += fields.get("Pss_Anon", fields["Pss"]) + fields.get("Pss_Shmem", 0)
+    return MemoryReading(at_s, rss, pss, anon_pss)
 
 
 class ChildProcess:
     """``command`` in a session of its own (a signal reaches it and its workers), output to ``log_path``.
 
-    With ``memory_poll_s``, a thread reads the tree's memory that often: :attr:`peak_rss` and
-    :attr:`peak_pss` (bytes; spikes shorter than the interval may be missed), and every reading in
-    :attr:`memory_samples` as ``(seconds since start, rss, pss)``. Reading PSS costs CPU (each
-    process's smaps), so poll no faster than the figure needs.
+    With ``memory_poll_s``, a thread reads the tree's memory that often: :attr:`peak_rss` and :attr:`peak_pss`
+    (bytes; spikes shorter than the interval may be missed), and every reading in :attr:`memory_samples`
+    (:class:`MemoryReading`). Reading PSS costs CPU (each process's smaps), so poll
+    no faster than the figure needs.
     """
 
     def __init__(
@@ -73,7 +96,7 @@ class ChildProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.peak_rss = self.peak_pss = 0
-        self.memory_samples: list[tuple[float, int, int]] = []
+        self.memory_samples: list[MemoryReading] = []
         self.started = time.time()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -97,9 +120,9 @@ class ChildProcess:
 
     def _poll(self, every_s: float) -> None:
         while not self._done.is_set() and self.process.poll() is None:
-            rss, pss = tree_memory(self.process.pid)
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-            self.memory_samples.append((time.time() - self.started, rss, pss))
+            reading = tree_memory(self.process.pid, time.time() - self.started)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, reading.rss), max(self.peak_pss, reading.pss)
+            self.memory_samples.append(reading)
             self._done.wait(every_s)
 
     def log(self) -> str:

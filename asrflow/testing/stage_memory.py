@@ -23,8 +23,9 @@ def stage_peaks(
 ) -> dict:
     """``python -m module argv`` run from ``repo`` (default: this checkout) as the pipeline runs a stage, wrapped:
     ``peak_rss_mb`` (its ``VmHWM`` before interpreter shutdown, which would raise it), ``peak_tree_pss_mb`` and
-    ``peak_tree_rss_mb`` (it and its workers, read every ``poll_s`` seconds: a shorter spike may be missed) and
-    ``elapsed_s``. A stage that fails raises ``RuntimeError`` with its log's tail."""
+    ``peak_tree_rss_mb`` (it and its workers, read every ``poll_s`` seconds: a shorter spike may be missed),
+    ``peak_tree_anon_pss_mb`` (the anonymous part of its PSS: :class:`~asrflow.testing.processes.MemoryReading`)
+    and ``elapsed_s``. A stage that fails raises ``RuntimeError`` with its log's tail."""
     from asrflow.testing.processes import ChildProcess
     from asrflow.testing.repo import REPO
 
@@ -39,7 +40,9 @@ def stage_peaks(
     if code != 0 or not report.is_file():
         raise RuntimeError(f"python -m {module} exited {code}; log {log_path}:\n{process.tail(15)}")
     found = {"elapsed_s": elapsed, "peak_rss_mb": json.loads(report.read_text())["vm_hwm_kb"] / 1024}
-    return found | {f"peak_tree_{kind}_mb": getattr(process, f"peak_{kind}") / 2**20 or None for kind in ("pss", "rss")}
+    peaks = {f"peak_tree_{kind}_mb": getattr(process, f"peak_{kind}") / 2**20 or None for kind in ("pss", "rss")}
+    anon = max((reading.anon_pss for reading in process.memory_samples), default=0)
+    return found | peaks | {"peak_tree_anon_pss_mb": anon / 2**20 or None}
 
 
 def _stage_child(report: Path, module: str, argv: list[str]) -> None:
