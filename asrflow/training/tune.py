@@ -256,6 +256,13 @@ def resolved_precision(requested: str) -> str:
     return precision_for(requested, torch.device("cuda" if torch.cuda.is_available() else "cpu")).name
 
 
+def chosen_precision(by_precision: dict[str, float], current: str) -> str:
+    """The fastest of ``by_precision`` (audio-s/s by precision) when it beats ``current`` by :data:`MIN_GAIN`,
+    else ``current``."""
+    best = max(by_precision, key=by_precision.get)
+    return best if by_precision[best] >= MIN_GAIN * by_precision[current] else current
+
+
 def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> dict[str, Any]:
     """Every figure :func:`choose` decides from; ``seconds`` is spent on each speed measurement."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -270,13 +277,15 @@ def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> d
     }
     figures["precision_audio_s_per_s"] = by_precision = compare(runners, seconds * len(runners))
     logger.info("at %d thread(s): %s", threads, _figures(by_precision))
-    fastest = max(by_precision, key=by_precision.get)
-    if device.type == "cpu":
+    if device.type == "cpu":  # threads in the precision the preset will train in
+        precision = chosen_precision(by_precision, resolved_precision(settings.train.optim.precision))
         runners = {
-            t: StepRunner(settings, fastest, batch, vocab_size=vocab_size, threads=t) for t in thread_candidates(cores)
+            t: StepRunner(settings, precision, batch, vocab_size=vocab_size, threads=t)
+            for t in thread_candidates(cores)
         }
         figures["threads_audio_s_per_s"] = compare(runners, seconds * len(runners))
-        logger.info("%s by threads: %s", fastest, _figures(figures["threads_audio_s_per_s"]))
+        figures["threads_precision"] = precision
+        logger.info("%s by threads: %s", precision, _figures(figures["threads_audio_s_per_s"]))
         torch.set_num_threads(threads)
     if settings.features.on_the_fly:
         figures["worker_audio_s_per_s"] = worker_rate(settings, seconds=seconds / 2)
@@ -290,9 +299,8 @@ def choose(settings: TrainingSettings, figures: dict[str, Any], *, cores: int) -
     optim, chosen = settings.train.optim, {}
     by_precision = figures["precision_audio_s_per_s"]
     current = resolved_precision(optim.precision)
-    best = max(by_precision, key=by_precision.get)
-    if best != current and by_precision[best] >= MIN_GAIN * by_precision[current]:
-        chosen["train.optim.precision"] = best
+    if (precision := chosen_precision(by_precision, current)) != current:
+        chosen["train.optim.precision"] = precision
     by_threads = figures["threads_audio_s_per_s"]
     if by_threads:
         threads = max(by_threads, key=by_threads.get)
@@ -327,7 +335,9 @@ def preset_text(chosen: dict[str, Any], machine: Machine, figures: dict[str, Any
         f"#   by precision: {_figures(figures['precision_audio_s_per_s'])}",
     ]
     if figures["threads_audio_s_per_s"]:
-        header.append(f"#   by torch threads: {_figures(figures['threads_audio_s_per_s'])}")
+        header.append(
+            f"#   by torch threads, {figures['threads_precision']}: {_figures(figures['threads_audio_s_per_s'])}"
+        )
     if "worker_audio_s_per_s" in figures:
         header.append(f"#   one data worker's fbank: {figures['worker_audio_s_per_s']:.0f}")
     header.append(f"#   largest batch that fits: {figures['largest_batch_s']:.0f} s of audio")
