@@ -3,7 +3,8 @@
 The defaults in params.yaml were chosen on some machines; the best precision, thread count and number of
 data workers differ by CPU model (a CPU's bf16 kernels may be faster or slower than its fp32 ones for this
 model's shapes) and by GPU. In a minute or two this command trains a few real optimizer steps of
-params.yaml's model on synthetic batches, in each candidate setting, and writes the winners::
+params.yaml's model on synthetic batches of many shapes (as length-bucketed training meets them: a CPU's bf16
+kernels are set up anew for each), in each candidate setting, and writes the winners::
 
     python -m asrflow.training.tune [--params params.yaml] [--out presets/machine-<cpu>.yaml] [--seconds 60]
     python -m asrflow.presets presets/machine-<cpu>.yaml      # apply it; commit both to keep the choice
@@ -34,6 +35,7 @@ from typing import Any
 import psutil
 import torch
 
+from asrflow.allocator import limit_onednn_cache
 from asrflow.cores import available_cores
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
@@ -48,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds of audio per synthetic utterance: a typical sentence.
 UTTERANCE_S = 8.0
+#: Batch shapes a speed measurement steps through in turn. Length-bucketed training rarely repeats a shape, and
+#: a CPU's bf16 kernels (oneDNN's, on AMX too) are set up for each new one: one repeated shape would time bf16
+#: without that cost.
+SHAPES = 48
 #: Largest batch (seconds of audio) a speed measurement uses: ratios between settings hold at any batch,
 #: and a preset's 600 s batch would take minutes a step on a CPU.
 SPEED_BATCH_S = 32.0
@@ -92,18 +98,25 @@ class Machine:
 
 
 def synthetic_batch(
-    batch_s: float, settings: TrainingSettings, vocab_size: int, *, device: torch.device | None = None
+    batch_s: float,
+    settings: TrainingSettings,
+    vocab_size: int,
+    *,
+    device: torch.device | None = None,
+    utterance_s: float = UTTERANCE_S,
 ) -> dict:
-    """A padded batch of ``batch_s`` seconds of random fbank in utterances of :data:`UTTERANCE_S`, with random
-    transcripts short enough for CTC: what :func:`~asrflow.training.step.train_step` takes."""
+    """A padded batch of ``batch_s`` seconds of random fbank in utterances of ``utterance_s``, their frames
+    padded to a multiple of ``train.data.pad_frames_to`` as training pads them, with random transcripts short
+    enough for CTC: what :func:`~asrflow.training.step.train_step` takes."""
     features = settings.features
-    frames = int(min(UTTERANCE_S, batch_s) / features.frame_shift_s)
-    count = max(1, int(batch_s // UTTERANCE_S))
-    generator = torch.Generator().manual_seed(settings.seed)
+    frames = int(min(utterance_s, batch_s) / features.frame_shift_s)
+    padded = -(-frames // settings.train.data.pad_frames_to) * settings.train.data.pad_frames_to
+    count = max(1, int(batch_s // utterance_s))
+    generator = torch.Generator().manual_seed(settings.seed + frames)
     out_frames = int(subsampled_lengths(torch.tensor(frames)))
     tokens = max(1, out_frames // 4)
     batch = {
-        "features": torch.randn(count, frames, features.num_mel_bins, generator=generator),
+        "features": torch.randn(count, padded, features.num_mel_bins, generator=generator),
         "feature_lens": torch.full((count,), frames, dtype=torch.int64),
         "targets": torch.randint(1, vocab_size, (count, tokens), generator=generator),
         "target_lens": torch.full((count,), tokens, dtype=torch.int64),
@@ -113,15 +126,26 @@ def synthetic_batch(
     return {key: value.to(device) if torch.is_tensor(value) and device else value for key, value in batch.items()}
 
 
-class StepRunner:
-    """Real optimizer steps (forward, CTC, backward, clipping, AdamW) of ``settings``' model on ``batch`` in
-    ``precision`` at ``threads`` torch threads (None: as set)."""
+def synthetic_batches(
+    batch_s: float, settings: TrainingSettings, vocab_size: int, *, device: torch.device | None = None
+) -> list[dict]:
+    """:data:`SHAPES` batches of :func:`synthetic_batch`, their utterances spread evenly over 0.75-1.25 x
+    :data:`UTTERANCE_S`: as many batch shapes as training meets in a few hundred steps."""
+    lengths = [UTTERANCE_S * (0.75 + 0.5 * index / (SHAPES - 1)) for index in range(SHAPES)]
+    return [synthetic_batch(batch_s, settings, vocab_size, device=device, utterance_s=length) for length in lengths]
 
-    def __init__(self, settings: TrainingSettings, precision: str, batch: dict, *, vocab_size: int, threads=None):
-        device = batch["features"].device
+
+class StepRunner:
+    """Real optimizer steps (forward, CTC, backward, clipping, AdamW) of ``settings``' model on ``batches`` in
+    turn, in ``precision`` at ``threads`` torch threads (None: as set)."""
+
+    def __init__(
+        self, settings: TrainingSettings, precision: str, batches: list[dict], *, vocab_size: int, threads=None
+    ):
+        device = batches[0]["features"].device
         torch.manual_seed(settings.seed)
-        model = build_model(settings.train.model, input_dim=batch["features"].shape[-1], vocab_size=vocab_size)
-        self.model, self.batch, self.threads = model.to(device).train(), batch, threads
+        model = build_model(settings.train.model, input_dim=batches[0]["features"].shape[-1], vocab_size=vocab_size)
+        self.model, self.batches, self.steps, self.threads = model.to(device).train(), batches, 0, threads
         optim, policy = settings.train.optim, precision_for(precision, device)
         self.context = StepContext(
             optimizer=build_optimizer(self.model, lr=optim.lr, weight_decay=optim.weight_decay),
@@ -131,16 +155,17 @@ class StepRunner:
             dist=DistInfo(),
             device=device,
         )
-        self.tokens = int(batch["target_lens"].sum())
         self.step()  # warm-up: kernels chosen, memory mapped
 
     def step(self) -> tuple[float, float]:
-        """One step: its audio seconds and wall seconds."""
+        """One step on the next batch: its audio seconds and wall seconds."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
+        batch = self.batches[self.steps % len(self.batches)]
+        self.steps += 1
         began = time.perf_counter()
-        result = train_step(self.model, [self.batch], self.context, step_tokens=self.tokens)
-        if self.batch["features"].is_cuda:
+        result = train_step(self.model, [batch], self.context, step_tokens=int(batch["target_lens"].sum()))
+        if batch["features"].is_cuda:
             torch.cuda.synchronize()
         return result.audio_seconds, time.perf_counter() - began
 
@@ -183,7 +208,7 @@ def _peak_mb(settings: TrainingSettings, vocab_size: int, batch_s: float) -> flo
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    StepRunner(settings, settings.train.optim.precision, batch, vocab_size=vocab_size)  # one step
+    StepRunner(settings, settings.train.optim.precision, [batch], vocab_size=vocab_size)  # one step
     if cuda:
         return torch.cuda.max_memory_allocated() / 2**20
     # VmHWM, not ru_maxrss: the latter is kept across the exec that started this process, so it would
@@ -266,13 +291,14 @@ def chosen_precision(by_precision: dict[str, float], current: str) -> str:
 def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> dict[str, Any]:
     """Every figure :func:`choose` decides from; ``seconds`` is spent on each speed measurement."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    limit_onednn_cache()  # as the train stage keeps it: which primitives survive a new shape
     batch_s = min(settings.train.data.max_duration_s, SPEED_BATCH_S)
-    batch = synthetic_batch(batch_s, settings, vocab_size, device=device)
+    batches = synthetic_batches(batch_s, settings, vocab_size, device=device)
     cores = available_cores()
     figures: dict[str, Any] = {"speed_batch_s": batch_s, "precision_audio_s_per_s": {}, "threads_audio_s_per_s": {}}
     threads = settings.train.optim.num_threads
     runners = {
-        p: StepRunner(settings, p, batch, vocab_size=vocab_size, threads=threads)
+        p: StepRunner(settings, p, batches, vocab_size=vocab_size, threads=threads)
         for p in precision_candidates(settings.train.optim.precision)
     }
     figures["precision_audio_s_per_s"] = by_precision = compare(runners, seconds * len(runners))
@@ -280,7 +306,7 @@ def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> d
     if device.type == "cpu":  # threads in the precision the preset will train in
         precision = chosen_precision(by_precision, resolved_precision(settings.train.optim.precision))
         runners = {
-            t: StepRunner(settings, precision, batch, vocab_size=vocab_size, threads=t)
+            t: StepRunner(settings, precision, batches, vocab_size=vocab_size, threads=t)
             for t in thread_candidates(cores)
         }
         figures["threads_audio_s_per_s"] = compare(runners, seconds * len(runners))
@@ -331,7 +357,7 @@ def preset_text(chosen: dict[str, Any], machine: Machine, figures: dict[str, Any
         f"# (torch {torch.__version__}): {machine.cpu}; flags {' '.join(machine.flags) or 'none of note'};",
         f"# {machine.usable_cores} usable cores, {machine.memory_gib:.0f} GiB; GPU {machine.gpu or 'none'}.",
         "# Apply it: python -m asrflow.presets <this file>.",
-        f"# Figures, audio-s/s of training steps on a {figures['speed_batch_s']:g} s batch:",
+        f"# Figures, audio-s/s of training steps on {figures['speed_batch_s']:g} s batches of {SHAPES} shapes:",
         f"#   by precision: {_figures(figures['precision_audio_s_per_s'])}",
     ]
     if figures["threads_audio_s_per_s"]:

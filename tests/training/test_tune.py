@@ -7,7 +7,7 @@ import yaml
 from asrflow.params import with_overrides
 from asrflow.testing.tiny_config import tiny_params, tiny_settings
 from asrflow.training.assemble import TrainingSettings
-from asrflow.training.tune import Machine, choose, chosen_precision, main
+from asrflow.training.tune import SHAPES, Machine, choose, chosen_precision, main, synthetic_batches
 
 
 def test_the_machine_is_read_from_cpuinfo(tmp_path):
@@ -44,11 +44,22 @@ def test_a_setting_replaces_params_yaml_s_only_when_clearly_faster():
 
 
 def test_threads_are_swept_in_the_precision_the_preset_keeps():
-    """measure() sweeps thread counts in chosen_precision's answer: a precision a hair faster (an Intel Xeon with
-    AMX: fp32 167.9, bf16 168.3 audio-s/s) is not trained, so its threads are not the ones to measure."""
-    assert chosen_precision({"fp32": 167.9, "bf16": 168.3}, "fp32") == "fp32"
+    """measure() sweeps thread counts in chosen_precision's answer: a precision a hair faster is not trained, so
+    its threads are not the ones to measure."""
+    assert chosen_precision({"fp32": 100.0, "bf16": 100.2}, "fp32") == "fp32"
     assert chosen_precision({"fp32": 100.0, "bf16": 150.0}, "fp32") == "bf16"
     assert chosen_precision({"fp32": 100.0, "bf16": 95.0}, "bf16") == "bf16"  # params.yaml's, unless clearly beaten
+
+
+def test_speed_is_timed_on_as_many_shapes_as_training_meets_padded_as_it_pads():
+    """A CPU's bf16 kernels are set up for each new batch shape (bench/RESULTS.md, "Precision by CPU"): one
+    repeated shape would time bf16 without that cost."""
+    unpadded = synthetic_batches(32.0, tiny_settings(), vocab_size=32)
+    assert len({batch["features"].shape[1] for batch in unpadded}) == SHAPES
+    padded = synthetic_batches(32.0, tiny_settings(overrides={"train.data.pad_frames_to": 64}), vocab_size=32)
+    frames = {batch["features"].shape[1] for batch in padded}
+    assert 1 < len(frames) < SHAPES and all(count % 64 == 0 for count in frames)
+    assert all((batch["feature_lens"] <= batch["features"].shape[1]).all() for batch in padded)
 
 
 def test_workers_keep_up_with_the_step_and_the_batch_is_only_lowered():
