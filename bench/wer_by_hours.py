@@ -1,7 +1,7 @@
 """How WER grows with data: the same model for the same wall time on more hours of one corpus, one test split.
 
 ``python -m bench.wer_by_hours --data RUN --hours 5 15 25 [--minutes 30] [--train JSON] [--plot PNG] [--quick]
-[--workdir W]``
+[--workdir W]``; ``--plot PNG --plot-records FILE ...`` draws the plot from records of runs made apart.
 
 ``RUN`` is a folder holding ``params.yaml``, ``fbank/`` and ``lang/``, as ``python -m bench.stage_scale`` leaves
 ``W/run-spoken-<hours>``; ``--quick`` uses the shipped yesno corpus for a few seconds per size. Per size ``H``, a
@@ -118,8 +118,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.add_argument("--train", type=json.loads, default={}, help="params overrides as JSON, dotted keys")
         parser.add_argument("--seed", type=int, default=0, help="seed of the draw of train utterances (default: 0)")
         parser.add_argument("--plot", type=Path, help="write test WER and CER against hours here (PNG)")
+        parser.add_argument(
+            "--plot-records",
+            type=Path,
+            nargs="+",
+            help="only draw --plot from these files' wer_by_hours records (sizes run apart, e.g. one a core)",
+        )
 
     args = parse_args(__doc__.splitlines()[0], argv, configure)
+    if args.plot_records:
+        if not args.plot:
+            raise SystemExit("bench.wer_by_hours: --plot-records draws --plot PNG; name it")
+        lines = [line for path in args.plot_records for line in path.read_text().splitlines() if line.startswith("{")]
+        sizes = sorted(
+            (r for r in map(json.loads, lines) if r["benchmark"] == "wer_by_hours"), key=lambda r: r["hours"]
+        )
+        plot(sizes, args.plot, f"{sizes[0]['minutes']:g} min of training per size")
+        return sizes
     if not args.quick and (args.data is None or not args.hours):
         raise SystemExit("bench.wer_by_hours: --data RUN and --hours H [H ...] are needed, or --quick")
     minutes = 0.3 if args.quick else args.minutes

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from lhotse import CutSet
 from lhotse.testing.dummies import dummy_cut
 
-from bench.wer_by_hours import TRAIN_CUTS, draw_hours, epochs_reached, plot
+from bench.wer_by_hours import TRAIN_CUTS, draw_hours, epochs_reached, main, plot
 
 
 @pytest.fixture
@@ -59,3 +61,13 @@ def test_the_plot_is_a_png_of_each_size(tmp_path):
     ]
     plot(sizes, tmp_path / "by_hours.png", "test")
     assert (tmp_path / "by_hours.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sizes_run_apart_are_drawn_from_their_records_in_order_of_hours(tmp_path):
+    records = {5: tmp_path / "five.jsonl", 15: tmp_path / "fifteen.jsonl"}
+    for hours, path in records.items():
+        size = {"benchmark": "wer_by_hours", "hours": hours, "hours_drawn": hours, "minutes": 30, "wer": 0.8}
+        path.write_text(json.dumps({"benchmark": "machine"}) + "\n" + json.dumps(size | {"cer": 0.2}) + "\n")
+    drawn = main(["--plot", str(tmp_path / "both.png"), "--plot-records", str(records[15]), str(records[5])])
+    assert [size["hours"] for size in drawn] == [5, 15]
+    assert (tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
