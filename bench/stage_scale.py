@@ -53,9 +53,10 @@ KINDS = {
 }
 VOCAB_SIZE = 300
 #: params.yaml overrides (dotted keys) of the spoken corpus: SIGTERM ends training, so epochs only has to outlast
-#: ``--steps``.
+#: ``--steps``; SpecAugment on, as for any corpus of hours (params.yaml has it off for yesno).
 TRAIN = {
     "train.optim.epochs": 1000,
+    "train.data.spec_augment": True,
     "train.data.max_duration_s": 120.0,
     "run.num_workers": 0,
     "train.checkpoint.validate_every_steps": 0,

@@ -14,12 +14,13 @@ TINY_MODEL = {
     "dropout": 0.1,
     "subsampling_channels": None,
 }
-#: What the tiny run changes in params.yaml: the model above, short epochs of small batches, frequent
-#: checkpoints that are all kept, and data loading in the training process.
+#: What the tiny run changes in params.yaml: the model above, short epochs of small batches with SpecAugment on
+#: (as a corpus of hours trains; params.yaml has it off for yesno), frequent checkpoints that are all kept, and
+#: data loading in the training process.
 TINY_OVERRIDES = {
     "train": {
         "model": TINY_MODEL,
-        "data": {"max_duration_s": 30.0, "num_buckets": 10},
+        "data": {"max_duration_s": 30.0, "num_buckets": 10, "spec_augment": True},
         "optim": {"epochs": 2, "warmup_steps": 5, "num_threads": 1, "average_last": 1},
         "checkpoint": {"checkpoint_every_steps": 4, "validate_every_steps": 4, "keep_last": 20},
     },

@@ -24,6 +24,7 @@ import argparse
 import logging
 import math
 import platform
+import random
 import re
 import sys
 import time
@@ -130,8 +131,10 @@ def synthetic_batches(
     batch_s: float, settings: TrainingSettings, vocab_size: int, *, device: torch.device | None = None
 ) -> list[dict]:
     """:data:`SHAPES` batches of :func:`synthetic_batch`, their utterances spread evenly over 0.75-1.25 x
-    :data:`UTTERANCE_S`: as many batch shapes as training meets in a few hundred steps."""
+    :data:`UTTERANCE_S`: as many batch shapes as training meets in a few hundred steps. In a seeded random order,
+    as a length-bucketed epoch draws them, so that the few steps of any round mix short and long batches."""
     lengths = [UTTERANCE_S * (0.75 + 0.5 * index / (SHAPES - 1)) for index in range(SHAPES)]
+    random.Random(settings.seed).shuffle(lengths)
     return [synthetic_batch(batch_s, settings, vocab_size, device=device, utterance_s=length) for length in lengths]
 
 
