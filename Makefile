@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export GIT_PYTHON_REFRESH := quiet
 
-.PHONY: setup run test test-fast bench lint mlflow-ui clean system-packages
+.PHONY: setup run test test-fast bench bench-test lint mlflow-ui clean system-packages
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ system-packages:
 	[ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q $$missing >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; }; }; } || \
 		echo "could not install" $$missing "(README: Install): without espeak-ng the spoken-corpus tests skip; without libjemalloc2 the train stage uses glibc's malloc"
+
+bench-test: $(STAMP)
+	. $(BIN)/activate && python -m pytest -q -m bench
 
 test-fast: $(STAMP)
 	. $(BIN)/activate && python -m pytest -q -m "not pipeline and not serve"

@@ -57,6 +57,7 @@ def test_speechbrain_gets_asrflows_settings_and_time_masks_of_the_mean_utterance
 
 
 @pytest.mark.pipeline
+@pytest.mark.bench
 def test_quick_run_trains_both_sides_for_the_same_minutes_and_scores_both(tmp_path):
     records = main(["--quick", "--workdir", str(tmp_path), "--precisions", "fp32"])
     (found,) = [record for record in records if record["benchmark"] == "peer_accuracy"]

@@ -67,6 +67,7 @@ def test_the_machine_record_names_the_environment_that_changes_speed_or_memory(m
 
 
 @pytest.mark.pipeline
+@pytest.mark.bench
 def test_run_all_quick_prints_every_benchmark(tmp_path):
     output = tmp_path / "results.json"
     env = {**os.environ, "GIT_PYTHON_REFRESH": "quiet"}

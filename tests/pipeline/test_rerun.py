@@ -151,9 +151,10 @@ def test_a_params_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run,
             FROM_FEATURES,
         ),
         ("stages/tokenizer.py", "stages/tokenizer.py", {"tokenizer"}, FROM_TOKENIZER),
-        ("asrflow/training/step.py", "asrflow/training", {"train"}, FROM_TRAIN),  # one file of a folder dep
+        ("asrflow/training/step.py", "asrflow/training/step.py", {"train"}, FROM_TRAIN),
         # train logs the model as an MLflow pyfunc that decodes with this code: it reads the folder too.
-        ("asrflow/decoding/ctc.py", "asrflow/decoding", {"train", "evaluate"}, FROM_TRAIN),
+        ("asrflow/decoding/ctc.py", "asrflow/decoding", {"train", "evaluate"}, FROM_TRAIN),  # one file of a folder dep
+        ("asrflow/training/tune.py", None, set(), set()),  # the tuner: beside training's code, never imported by it
     ],
 )
 def test_a_code_change_reruns_its_stage_and_downstream(snakemake_run, dvc_run, *, path, dep, readers, expected):
