@@ -206,7 +206,7 @@ def train_peak_pss_mb(run_dir: Path, fbank: Path, lang: Path, steps: int) -> flo
     env |= {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     process = ChildProcess(command, log_path=run_dir / "train.log", env=env, cwd=run_dir, memory_poll_s=POLL_S)
     process.wait_for(f"[asrflow.training.monitoring] step {steps} epoch", 300)
-    peak = max(reading.anon_pss for reading in list(process.memory_samples))  # the poller still appends
+    peak = process.peak_anon_pss  # read now: the poller goes on while the stage stops
     process.process.send_signal(signal.SIGTERM)
     assert process.wait(120) == 75, process.tail()
     return peak / MB

@@ -68,7 +68,7 @@ def tree_memory(pid: int, at_s: float = 0.0) -> MemoryReading:
     """The summed memory of ``pid`` and its descendants (kernels without ``Pss_Anon``: ``anon_pss`` is ``pss``)."""
     rss = pss = anon_pss = 0
     for process in tree(pid):
-        with contextlib.suppress(OSError, psutil.Error):  # a worker that just ended
+        with contextlib.suppress(OSError):  # a worker that just ended
             fields = _rollup(process.pid)
             rss, pss = rss + fields["Rss"], pss + fields["Pss"]
             anon_pss += fields.get("Pss_Anon", fields["Pss"]) + fields.get("Pss_Shmem", 0)
@@ -78,10 +78,10 @@ def tree_memory(pid: int, at_s: float = 0.0) -> MemoryReading:
 class ChildProcess:
     """``command`` in a session of its own (a signal reaches it and its workers), output to ``log_path``.
 
-    With ``memory_poll_s``, a thread reads the tree's memory that often: :attr:`peak_rss` and :attr:`peak_pss`
-    (bytes; spikes shorter than the interval may be missed), and every reading in :attr:`memory_samples`
-    (:class:`MemoryReading`). Reading PSS costs CPU (each process's smaps), so poll
-    no faster than the figure needs.
+    With ``memory_poll_s``, a thread reads the tree's memory that often: :attr:`peak_rss`, :attr:`peak_pss` and
+    :attr:`peak_anon_pss` (bytes; spikes shorter than the interval may be missed), and every reading in
+    :attr:`memory_samples` (:class:`MemoryReading`). Reading PSS costs CPU (each process's smaps), so poll no
+    faster than the figure needs.
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class ChildProcess:
     ):
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.peak_rss = self.peak_pss = 0
+        self.peak_rss = self.peak_pss = self.peak_anon_pss = 0
         self.memory_samples: list[MemoryReading] = []
         self.started = time.time()
         with open(self.log_path, "wb") as log:
@@ -122,6 +122,7 @@ class ChildProcess:
         while not self._done.is_set() and self.process.poll() is None:
             reading = tree_memory(self.process.pid, time.time() - self.started)
             self.peak_rss, self.peak_pss = max(self.peak_rss, reading.rss), max(self.peak_pss, reading.pss)
+            self.peak_anon_pss = max(self.peak_anon_pss, reading.anon_pss)
             self.memory_samples.append(reading)
             self._done.wait(every_s)
 

@@ -40,9 +40,8 @@ def stage_peaks(
     if code != 0 or not report.is_file():
         raise RuntimeError(f"python -m {module} exited {code}; log {log_path}:\n{process.tail(15)}")
     found = {"elapsed_s": elapsed, "peak_rss_mb": json.loads(report.read_text())["vm_hwm_kb"] / 1024}
-    peaks = {f"peak_tree_{kind}_mb": getattr(process, f"peak_{kind}") / 2**20 or None for kind in ("pss", "rss")}
-    anon = max((reading.anon_pss for reading in process.memory_samples), default=0)
-    return found | peaks | {"peak_tree_anon_pss_mb": anon / 2**20 or None}
+    kinds = ("pss", "rss", "anon_pss")
+    return found | {f"peak_tree_{kind}_mb": getattr(process, f"peak_{kind}") / 2**20 or None for kind in kinds}
 
 
 def _stage_child(report: Path, module: str, argv: list[str]) -> None:
