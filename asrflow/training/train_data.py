@@ -120,6 +120,8 @@ class TrainData:
             start_step=0,
             num_epochs=epochs,
             mix=corpus_mix(train_cuts, list_corpora(fbank_dir), config.corpus_weights),
+            pad_frames_to=config.pad_frames_to,
+            frame_shift_s=features.frame_shift_s,
         )
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
@@ -150,7 +152,7 @@ class TrainData:
                 extractor=extractor,
                 pad_frames_to=config.pad_frames_to,
             ),
-            dev_batches=dev_batches(dev_cuts, config.max_duration_s),
+            dev_batches=dev_batches(dev_cuts, config.max_duration_s, config.pad_frames_to, features.frame_shift_s),
             num_train=len(train_cuts),
             num_dev=len(dev_cuts),
             removed_for_ctc=len(removed),

@@ -10,7 +10,7 @@ from lhotse import CutSet
 from torch import nn
 
 from asrflow.data.loading.dataset import AsrBatchDataset
-from asrflow.data.loading.planner import BatchItem
+from asrflow.data.loading.planner import FRAME_SHIFT_S, BatchItem, padded_seconds
 from asrflow.data.manifests import pack_by_duration
 from asrflow.training.distributed import DistInfo, all_reduce_sum
 from asrflow.training.precision import PrecisionPolicy
@@ -19,10 +19,17 @@ from asrflow.training.step import ctc_loss_sum
 logger = logging.getLogger(__name__)
 
 
-def dev_batches(cuts: CutSet, max_duration_s: float) -> list[tuple[str, ...]]:
-    """Dev cut ids sorted by duration, grouped into batches of at most ``max_duration_s`` seconds."""
+def dev_batches(
+    cuts: CutSet, max_duration_s: float, pad_frames_to: int = 1, frame_shift_s: float = FRAME_SHIFT_S
+) -> list[tuple[str, ...]]:
+    """Dev cut ids sorted by duration, grouped into batches of at most ``max_duration_s`` seconds, each cut
+    counted at its length once the frame axis is padded to ``pad_frames_to`` frames (:func:`padded_seconds`)."""
     ordered = sorted(cuts, key=lambda c: (c.duration, c.id))
-    return [tuple(cut.id for cut in batch) for batch in pack_by_duration(ordered, lambda c: c.duration, max_duration_s)]
+
+    def seconds(cut) -> float:
+        return float(padded_seconds(cut.duration, pad_frames_to=pad_frames_to, frame_shift_s=frame_shift_s))
+
+    return [tuple(cut.id for cut in batch) for batch in pack_by_duration(ordered, seconds, max_duration_s)]
 
 
 @torch.no_grad()

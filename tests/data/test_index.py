@@ -86,6 +86,21 @@ def test_plan_keeps_padding_low_and_batches_within_max_duration(big_index):
     assert all(len(b) * durations[b].max() <= 120.0 or len(b) == 1 for b in batches)
 
 
+def test_padded_frames_count_against_max_duration(big_index):
+    """With the frame axis padded to 64 frames (0.64 s), a batch of short cuts holds no more padded frames than
+    ``max_duration_s`` allows; unpadded plans are what they were."""
+    durations = big_index.durations
+    padded_s = np.ceil(np.rint(durations / 0.01) / 64) * 0.64
+    sizes = {"seed": 42, "max_duration_s": 120.0, "num_buckets": 30}
+    uncounted = plan_positions(durations, 0, **sizes)
+    assert max(len(b) * padded_s[b].max() for b in uncounted) > 125.0  # the padding the plan did not count
+    counted = plan_positions(durations, 0, **sizes, pad_frames_to=64, frame_shift_s=0.01)
+    assert all(len(b) * padded_s[b].max() <= 120.0 + 1e-6 or len(b) == 1 for b in counted)
+    assert sorted(np.concatenate(counted).tolist()) == list(range(len(durations)))
+    unpadded = plan_positions(durations, 0, **sizes, pad_frames_to=1)
+    assert all(np.array_equal(a, b) for a, b in zip(unpadded, uncounted, strict=True))
+
+
 def test_plan_does_not_depend_on_manifest_order_or_storage(tmp_path):
     """Item 2: the same cuts listed in another order (another job layout), with features
     stored elsewhere, give the same plan and the same content digest."""

@@ -9,8 +9,9 @@ cut ids):
    epoch])``: independent of the manifest's order on disk (so of ``features.num_jobs``);
 2. equal-count duration buckets (edges at the duration quantiles of the whole corpus);
 3. in each bucket, cuts in permutation order are packed greedily while ``cuts x longest
-   <= max_duration_s`` (the padded duration, Lhotse's ``TimeConstraint``); a cut longer
-   than ``max_duration_s`` is a batch of its own;
+   <= max_duration_s`` (the padded duration, Lhotse's ``TimeConstraint``), the longest cut counted at
+   its length once the frame axis is padded (``train.data.pad_frames_to``, :func:`padded_seconds`);
+   a cut longer than ``max_duration_s`` is a batch of its own;
 4. the last, partial batch of each bucket is joined to its neighbours' while the result
    still fits (a small corpus would otherwise be mostly partial batches);
 5. the batches of all buckets are put in an order drawn from the same generator.
@@ -46,6 +47,19 @@ logger = logging.getLogger(__name__)
 
 #: Cut ids joined at a time while a plan's digest is computed.
 DIGEST_CHUNK = 100_000
+#: Seconds per feature frame when a caller does not say (Lhotse's fbank default).
+FRAME_SHIFT_S = 0.01
+
+
+def padded_seconds(durations, *, pad_frames_to: int, frame_shift_s: float = FRAME_SHIFT_S):
+    """Seconds each cut fills in a batch whose frame axis is padded to a multiple of ``pad_frames_to`` frames of
+    ``frame_shift_s`` seconds: ``durations`` (seconds, a float or an array) itself when ``pad_frames_to`` is 1,
+    else each rounded up to whole padding units. Short cuts gain the most: a batch of them would otherwise hold
+    up to half as many frames again as ``max_duration_s`` allows."""
+    if pad_frames_to <= 1:
+        return durations
+    frames = np.rint(np.asarray(durations, dtype=np.float64) / frame_shift_s)
+    return np.ceil(frames / pad_frames_to) * pad_frames_to * frame_shift_s
 
 
 def bucket_of(durations: np.ndarray, num_buckets: int) -> np.ndarray:
@@ -57,7 +71,14 @@ def bucket_of(durations: np.ndarray, num_buckets: int) -> np.ndarray:
 
 
 def plan_positions(
-    durations: np.ndarray, epoch: int, *, seed: int, max_duration_s: float, num_buckets: int
+    durations: np.ndarray,
+    epoch: int,
+    *,
+    seed: int,
+    max_duration_s: float,
+    num_buckets: int,
+    pad_frames_to: int = 1,
+    frame_shift_s: float = FRAME_SHIFT_S,
 ) -> list[np.ndarray]:
     """The batches of ``epoch`` as arrays of positions into the id-sorted index.
 
@@ -66,6 +87,7 @@ def plan_positions(
         epoch, seed: what the permutation is drawn from.
         max_duration_s: a batch's cuts x its longest cut stays at or below this (seconds).
         num_buckets: duration buckets (capped at ``N // 2``, at least 1).
+        pad_frames_to, frame_shift_s: how the batches' frame axis is padded (:func:`padded_seconds`).
     Returns:
         Batches (int64 arrays), in the epoch's order; every position appears exactly once.
     """
@@ -77,7 +99,8 @@ def plan_positions(
     buckets = bucket_of(durations, min(num_buckets, max(1, count // 2)))
     order = order[np.argsort(buckets[order], kind="stable")]  # bucket by bucket, permuted inside
     bucket_sorted = buckets[order]
-    seconds = durations[order].tolist()
+    counted = padded_seconds(durations, pad_frames_to=pad_frames_to, frame_shift_s=frame_shift_s)
+    seconds = counted[order].tolist()
     edges = [0, *(np.flatnonzero(np.diff(bucket_sorted)) + 1).tolist(), count]
     starts = []
     for first, end in zip(edges[:-1], edges[1:], strict=True):  # one bucket at a time
@@ -92,7 +115,7 @@ def plan_positions(
                 starts.append(i)
                 size, longest = 1, duration
     batches = np.split(order, starts[1:])
-    batches = _merge_bucket_tails(batches, bucket_sorted[starts].tolist(), durations, max_duration_s)
+    batches = _merge_bucket_tails(batches, bucket_sorted[starts].tolist(), counted, max_duration_s)
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
@@ -229,19 +252,18 @@ def plan_epoch(
     max_duration_s: float,
     num_buckets: int,
     mix: CorpusMix | None = None,
+    pad_frames_to: int = 1,
+    frame_shift_s: float = FRAME_SHIFT_S,
 ) -> EpochPlan:
     """The global batches of ``epoch``: :func:`plan_positions` over the cuts (or over those ``mix``
     takes this epoch, :func:`mix_positions`); identical on every rank and for any order of ``cuts``."""
     index = as_index(cuts)
+    sizes = {"max_duration_s": max_duration_s, "num_buckets": num_buckets}
+    padding = {"pad_frames_to": pad_frames_to, "frame_shift_s": frame_shift_s}
     if mix is None:
-        batches = plan_positions(
-            index.durations, epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets
-        )
-        return EpochPlan.from_batches(index, batches)
+        return EpochPlan.from_batches(index, plan_positions(index.durations, epoch, seed=seed, **sizes, **padding))
     taken = mix_positions(mix, seed, epoch)
-    batches = plan_positions(
-        index.durations[taken], epoch, seed=seed, max_duration_s=max_duration_s, num_buckets=num_buckets
-    )
+    batches = plan_positions(index.durations[taken], epoch, seed=seed, **sizes, **padding)
     return EpochPlan.from_batches(index, [taken[batch] for batch in batches])
 
 
@@ -318,9 +340,13 @@ class TrainingBatches:
         start_step: int,
         num_epochs: int,
         mix: CorpusMix | None = None,
+        pad_frames_to: int = 1,
+        frame_shift_s: float = FRAME_SHIFT_S,
     ):
         self.cuts = as_index(cuts)
         self.mix = mix
+        self.pad_frames_to = pad_frames_to
+        self.frame_shift_s = frame_shift_s
         self.seed = seed
         self.max_duration_s = max_duration_s
         self.num_buckets = num_buckets
@@ -349,6 +375,8 @@ class TrainingBatches:
                 max_duration_s=self.max_duration_s,
                 num_buckets=self.num_buckets,
                 mix=self.mix,
+                pad_frames_to=self.pad_frames_to,
+                frame_shift_s=self.frame_shift_s,
             )
         return self._cached[epoch]
 
