@@ -38,6 +38,7 @@ import torch
 
 from asrflow.allocator import limit_onednn_cache
 from asrflow.cores import available_cores
+from asrflow.data.loading.planner import padded_frames
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
 from asrflow.model.conformer_ctc import build_model, subsampled_lengths
@@ -111,7 +112,7 @@ def synthetic_batch(
     enough for CTC: what :func:`~asrflow.training.step.train_step` takes."""
     features = settings.features
     frames = int(min(utterance_s, batch_s) / features.frame_shift_s)
-    padded = -(-frames // settings.train.data.pad_frames_to) * settings.train.data.pad_frames_to
+    padded = padded_frames(frames, settings.train.data.pad_frames_to)
     count = max(1, int(batch_s // utterance_s))
     generator = torch.Generator().manual_seed(settings.seed + frames)
     out_frames = int(subsampled_lengths(torch.tensor(frames)))

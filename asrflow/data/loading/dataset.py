@@ -24,7 +24,7 @@ from asrflow.data.audio import native_resampling
 from asrflow.data.loading.augment import spec_augment, waveform_augment
 from asrflow.data.loading.config import DataConfig
 from asrflow.data.loading.cut_index import CutIndex, as_index
-from asrflow.data.loading.planner import BatchItem
+from asrflow.data.loading.planner import BatchItem, padded_frames
 from asrflow.data.manifests import cut_text
 from asrflow.tokenizer import Tokenizer
 
@@ -36,7 +36,7 @@ def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
 
 def pad_frames(features: torch.Tensor, multiple: int) -> torch.Tensor:
     """``features`` (N, T, F) with zero frames appended up to the next multiple of ``multiple`` frames."""
-    extra = -features.size(1) % multiple
+    extra = padded_frames(features.size(1), multiple) - features.size(1)
     return torch.nn.functional.pad(features, (0, 0, 0, extra)) if extra else features
 
 

@@ -51,6 +51,12 @@ DIGEST_CHUNK = 100_000
 FRAME_SHIFT_S = 0.01
 
 
+def padded_frames(frames, pad_frames_to: int):
+    """``frames`` (a count, or an array of counts) rounded up to the next multiple of ``pad_frames_to``: the
+    length of a batch's frame axis once padded (``train.data.pad_frames_to``; 1 leaves it as it is)."""
+    return -(-frames // pad_frames_to) * pad_frames_to
+
+
 def padded_seconds(durations, *, pad_frames_to: int, frame_shift_s: float = FRAME_SHIFT_S):
     """Seconds each cut fills in a batch whose frame axis is padded to a multiple of ``pad_frames_to`` frames of
     ``frame_shift_s`` seconds: ``durations`` (seconds, a float or an array) itself when ``pad_frames_to`` is 1,
@@ -59,7 +65,7 @@ def padded_seconds(durations, *, pad_frames_to: int, frame_shift_s: float = FRAM
     if pad_frames_to <= 1:
         return durations
     frames = np.rint(np.asarray(durations, dtype=np.float64) / frame_shift_s)
-    return np.ceil(frames / pad_frames_to) * pad_frames_to * frame_shift_s
+    return padded_frames(frames, pad_frames_to) * frame_shift_s
 
 
 def bucket_of(durations: np.ndarray, num_buckets: int) -> np.ndarray:
