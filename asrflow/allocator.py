@@ -13,9 +13,9 @@ with the number of shapes seen (bench/RESULTS.md, "Trainer memory at scale"). He
   fixes the trim threshold, and caps the per-thread arenas;
 * :func:`release_free_memory` hands the heap's free pages back (``malloc_trim``); the
   training data loader calls it every few batches;
-* :func:`limit_onednn_cache` caps the oneDNN primitives kept for reuse. On the CPU, bf16
-  matrix products go through oneDNN, and each new batch shape adds primitives with their
-  own buffers to a cache of 1,024 by default.
+* :func:`limit_onednn_cache` caps the oneDNN primitives kept for reuse, in oneDNN's own cache and in
+  PyTorch's cache in front of it (ideep's). On the CPU, bf16 matrix products go through oneDNN, and each
+  new batch shape adds primitives with their own buffers to caches of 1,024 by default.
 
 Without glibc's malloc (musl, macOS, jemalloc or tcmalloc preloaded) the glibc settings do nothing.
 """
@@ -59,6 +59,11 @@ ARENA_MAX = 2
 #: keeps dead primitives and their buffers resident. 0 would rebuild every primitive within a step
 #: (bench/RESULTS.md, "Training memory against SpeechBrain, fp32 and bf16", item 2).
 ONEDNN_CACHE_CAPACITY = 64
+#: Primitives kept by PyTorch's own cache in front of oneDNN's (ideep's, which reads ``LRU_CACHE_CAPACITY``).
+#: With AMX each of its entries holds buffers sized to its batch shape, so at its default of 1,024 it grows
+#: with every shape an epoch brings; a hit here only saves a lookup in oneDNN's cache, so the same step's
+#: worth is enough (bench/RESULTS.md, "PyTorch's primitive cache").
+IDEEP_CACHE_CAPACITY = 64
 
 
 #: Accepted values of ``run.allocator``: ``auto`` preloads jemalloc for the precisions of
@@ -200,6 +205,9 @@ def release_free_memory() -> None:
 
 
 def limit_onednn_cache() -> None:
-    """Cap oneDNN's primitive cache at :data:`ONEDNN_CACHE_CAPACITY` unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
-    is set. oneDNN reads that variable when it builds its first primitive: call this before any model runs."""
+    """Cap oneDNN's primitive cache at :data:`ONEDNN_CACHE_CAPACITY` and PyTorch's in front of it at
+    :data:`IDEEP_CACHE_CAPACITY`, each unless its variable (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
+    ``LRU_CACHE_CAPACITY``) is set. Both are read when the first primitive is built: call this before any model
+    runs."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(IDEEP_CACHE_CAPACITY))

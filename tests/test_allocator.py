@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from asrflow.allocator import FP32_TRAINING_MMAP_THRESHOLD, MMAP_THRESHOLD, glibc_malloc, training_mmap_threshold
+from asrflow.training.tune import Machine
 
 pytestmark = pytest.mark.skipif(not glibc_malloc(), reason="the C library here is not glibc")
 
+#: The variables that size oneDNN's primitive cache and PyTorch's in front of it (asrflow.allocator.limit_onednn_cache).
+CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 #: The resident set in MB, put before each script below (each runs in a fresh interpreter).
 _RSS_MB = """
 def rss_mb():
@@ -49,25 +52,54 @@ tune_malloc()
 if sys.argv[1] == "limited":
     limit_onednn_cache()
 torch.set_num_threads(1)
-weight = torch.randn(256, 144, dtype=torch.bfloat16)
-torch.nn.functional.linear(torch.randn(1, 144, dtype=torch.bfloat16), weight)
+weight = torch.randn(576, 144, dtype=torch.bfloat16, requires_grad=sys.argv[2] == "backward")
+
+
+def step(frames):
+    product = torch.nn.functional.linear(torch.randn(frames, 144, dtype=torch.bfloat16), weight)
+    if weight.requires_grad:
+        product.sum().backward()
+
+
+step(1)
 before = rss_mb()
-for frames in range(1000, 1400):  # 400 batch shapes, as 400 steps of padded batches bring
-    torch.nn.functional.linear(torch.randn(frames, 144, dtype=torch.bfloat16), weight)
+for frames in range(1024, 1024 + 64 * int(sys.argv[3]), 64):  # as padded batches bring new shapes, step by step
+    step(frames)
 release_free_memory()
 print(rss_mb() - before)
 """
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-def test_onednn_cache_limit_keeps_memory_from_growing_with_batch_shapes():
-    """bf16 products over 400 new shapes leave oneDNN primitives behind: about 220 MB at oneDNN's default
-    cache of 1,024, about 120 MB at asrflow's 64."""
-    env = {key: value for key, value in os.environ.items() if key != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+def growth_over_shapes(passes: str, shapes: int, **environment: str) -> dict[str, float]:
+    """MB the resident set grows by over bf16 products of ``shapes`` new shapes (``passes``: ``forward`` or
+    ``backward``, a training step's), with oneDNN's caches at their defaults and capped by asrflow, in a fresh
+    interpreter each; ``environment`` is set in both."""
+    env = {key: value for key, value in os.environ.items() if key not in CACHE_VARIABLES} | environment
     growth = {}
     for mode in ("default", "limited"):
-        command = [sys.executable, "-c", _RSS_MB + _SHAPES, mode]
+        command = [sys.executable, "-c", _RSS_MB + _SHAPES, mode, passes, str(shapes)]
         growth[mode] = float(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
+    return growth
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 itself (AVX512-BF16 or AMX), so that PyTorch hands bf16 products to
+    oneDNN's bf16 kernels rather than converting them."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(Machine.here().flags))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_onednn_cache_limit_keeps_memory_from_growing_with_batch_shapes():
+    """bf16 products over 400 new shapes leave oneDNN primitives behind, fewer with asrflow's caps."""
+    growth = growth_over_shapes("forward", 400)
+    assert growth["default"] - growth["limited"] > 50, growth
+
+
+@pytest.mark.skipif(not native_bf16(), reason="this CPU has no bf16 instructions: oneDNN's bf16 kernels do not run")
+def test_pytorchs_own_primitive_cache_is_capped_too():
+    """Training steps (forward and backward) over 200 new shapes, with oneDNN's own cache already capped: what
+    PyTorch's cache in front of it keeps grows with the shapes unless asrflow caps it as well."""
+    growth = growth_over_shapes("backward", 200, ONEDNN_PRIMITIVE_CACHE_CAPACITY="64")
     assert growth["default"] - growth["limited"] > 50, growth
 
 
