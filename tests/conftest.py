@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +33,18 @@ def _restore_root_logging():
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_actions():
+    """The train stage's ``main()`` called in a test leaves SIGTERM and SIGINT ignored when it returns (as the
+    stage's process ends that way, see ``stages.train.run_trainer``); put back what the test found. A process
+    started later inherits ignored signals, so a pool of them could never be terminated."""
+    actions = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, action in actions.items():
+        if action is not None and signal.getsignal(sig) is not action:
+            signal.signal(sig, action)
 
 
 @pytest.fixture(autouse=True)

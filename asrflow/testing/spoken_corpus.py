@@ -280,6 +280,10 @@ def generate(
                 finished = target_samples is not None and total >= target_samples
             if finished or (utterances is not None and stop >= utterances):
                 break
+        # the workers end on their own: the block's terminate() ends them with SIGTERM, which they ignore
+        # when the process that started them does
+        pool.close()
+        pool.join()
 
     options = {"hours": hours, "voices": voices, "words": str(words or WORDS), "word_range": list(word_range)}
     info = _write_index(partial, kept, seed=seed, splits=splits, options=options)

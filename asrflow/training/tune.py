@@ -201,8 +201,12 @@ def peak_memory_mb(settings: TrainingSettings, *, vocab_size: int) -> dict[float
 
     # each batch size in a fresh process: its high-water mark is that step's alone
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        sizes = MEMORY_BATCHES_S
-        return dict(zip(sizes, pool.starmap(_peak_mb, [(settings, vocab_size, s) for s in sizes]), strict=True))
+        peaks = pool.starmap(_peak_mb, [(settings, vocab_size, batch_s) for batch_s in MEMORY_BATCHES_S])
+        # the workers end on their own: the block's terminate() ends them with SIGTERM, which they ignore
+        # when the process that started them does
+        pool.close()
+        pool.join()
+    return dict(zip(MEMORY_BATCHES_S, peaks, strict=True))
 
 
 def _peak_mb(settings: TrainingSettings, vocab_size: int, batch_s: float) -> float:
