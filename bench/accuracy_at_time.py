@@ -22,12 +22,12 @@ from pathlib import Path
 import yaml
 
 from asrflow.params import with_overrides
-from asrflow.testing.corpora import params_for, yesno_data
-from asrflow.testing.repo import repo_params
-from asrflow.testing.stage_memory import stage_peaks
 from bench.common import emit, load_average, machine, parse_args, workdir
 from bench.memory_hour import run_one
 from bench.stage_scale import bundle_from_checkpoint
+from tests.support.corpora import params_for, yesno_data
+from tests.support.repo import repo_params
+from tests.support.stage_memory import stage_peaks
 
 #: What ``--quick`` compares on yesno: the shipped model and one other, for a few seconds each.
 QUICK_VARIANTS = {"shipped": {}, "rel_pos": {"train.model.attention": "rel_pos"}}

@@ -135,7 +135,7 @@ def matmul_flops(size: int = 2048, repeat: int = 5, threads: int | None = None) 
     the best of ``repeat``, which stands for the peak the machine can give."""
     import torch
 
-    from asrflow.testing.corpora import torch_threads
+    from tests.support.corpora import torch_threads
 
     with torch_threads(threads):
         a, b = torch.randn(size, size), torch.randn(size, size)
@@ -150,12 +150,12 @@ def matmul_flops(size: int = 2048, repeat: int = 5, threads: int | None = None) 
 
 def train_settings(params: dict, *, quick: bool, data: Path | None = None, overrides: dict | None = None):
     """``params``' :class:`~asrflow.training.assemble.TrainingSettings` for one process, with
-    :data:`~asrflow.testing.tiny_config.TINY_MODEL` when ``quick``, the features ``data`` was computed with
+    :data:`~tests.support.tiny_config.TINY_MODEL` when ``quick``, the features ``data`` was computed with
     (when given) and ``overrides`` (dotted keys, ``{"train.optim.epochs": 1000}``)."""
     from asrflow.params import with_overrides
-    from asrflow.testing.corpora import params_for
-    from asrflow.testing.tiny_config import TINY_MODEL
     from asrflow.training.assemble import TrainingSettings
+    from tests.support.corpora import params_for
+    from tests.support.tiny_config import TINY_MODEL
 
     changes = {"run.nproc_per_node": 1, "run.nnodes": 1}
     changes |= {f"train.model.{key}": value for key, value in TINY_MODEL.items()} if quick else {}
@@ -215,9 +215,9 @@ def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None 
     from asrflow.data.features.cmvn import CMVN_FILE, cmvn_stats, load_cmvn
     from asrflow.model.conformer_ctc import build_model
     from asrflow.serving.bundle import save_bundle
-    from asrflow.testing.corpora import data_features
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
     from asrflow.training.config import load_train_config
+    from tests.support.corpora import data_features
 
     tokenizer, features = Tokenizer(data / "lang" / MODEL_FILE), data_features(data)
     torch.manual_seed(0)
@@ -251,7 +251,7 @@ IDLE = {
 def noop_runs(repo: Path, commands: dict[str, list[str]], repeats: int, *, version: bool = False) -> list[dict]:
     """Each tool's ``command`` run ``repeats`` times in ``repo`` (a built pipeline, so nothing to do), with
     its ``--version`` interleaved when ``version``: median and every ``noop_s``, ``startup_s`` and their ratio."""
-    from asrflow.testing.repo import tool_env
+    from tests.support.repo import tool_env
 
     env, records = tool_env(repo), []
     for name, command in commands.items():

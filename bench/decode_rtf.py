@@ -13,9 +13,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.testing.corpora import yesno_data
-from asrflow.testing.repo import REPO, repo_params
 from bench.common import emit, parse_args, ratio, run_trainer, train_settings, workdir, write_bundle
+from tests.support.corpora import yesno_data
+from tests.support.repo import REPO, repo_params
 
 REPEATS = {"full": 3, "quick": 1}
 #: Epochs of the fallback model (when exp/model.pt is missing), full mode.

@@ -13,9 +13,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from asrflow.testing.corpora import folder_corpus, generate_corpus, torch_threads
-from asrflow.testing.repo import repo_params
 from bench.common import emit, parse_args, ratio, workdir
+from tests.support.corpora import folder_corpus, generate_corpus, torch_threads
+from tests.support.repo import repo_params
 
 #: Utterances of the generated corpus per mode (1-15 s each: about 32 and 2 minutes).
 UTTERANCES = {"full": 240, "quick": 15}

@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from asrflow.testing.corpora import generated_data
-from asrflow.testing.repo import REPO
 from bench.common import emit, machine, parse_args, workdir
+from tests.support.corpora import generated_data
+from tests.support.repo import REPO
 
 
 def bf16_peak(size: int = 8192, repeat: int = 10) -> float:

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from asrflow.model.positions import ATTENTION_KINDS
-from asrflow.testing.repo import REPO, repo_params
 from bench.common import on_device
+from tests.support.repo import REPO, repo_params
 
 #: The model and batches measured: the real-corpus preset in bf16, steps only (no checkpoint or validation).
 FIXED = {

@@ -22,8 +22,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from asrflow.testing.repo import REPO
 from bench.peer.install import PEER_VERSION
+from tests.support.repo import REPO
 
 #: What the GPU checks import that the image lacks, tracking aside.
 DATA = ("lhotse", "lilcom", "soundfile", "kaldialign", "orjson", "ruamel.yaml")

@@ -26,12 +26,12 @@ from pathlib import Path
 import yaml
 
 from asrflow.params import flatten, with_overrides
-from asrflow.testing.corpora import params_for, yesno_data
-from asrflow.testing.processes import MemoryReading
-from asrflow.testing.repo import repo_params
 from bench.common import emit, load_average, machine, parse_args, workdir
 from bench.stage_scale import by_minute
 from bench.startup import launch, metric_points
+from tests.support.corpora import params_for, yesno_data
+from tests.support.processes import MemoryReading
+from tests.support.repo import repo_params
 
 #: The run settings put back from the repository's params.yaml: what a user's run has.
 USER_SETTINGS = ("train.checkpoint.validate_every_steps", "train.optim.num_threads")

@@ -31,12 +31,12 @@ import yaml
 from asrflow.data.manifests import cut_text, list_test_sets, load_cuts
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.params import with_overrides
-from asrflow.testing.corpora import params_for, yesno_data
-from asrflow.testing.repo import repo_params
 from bench.accuracy_at_time import evaluate, train_for
 from bench.common import emit, load_average, machine, parse_args, ratio, workdir
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
 from bench.peer.side import audio_rate, run_child
+from tests.support.corpora import params_for, yesno_data
+from tests.support.repo import repo_params
 
 CSV_COLUMNS = ("ID", "duration", "wav", "start", "stop", "sample_rate", "wrd")
 SIDES = ("asrflow", "speechbrain")

@@ -18,8 +18,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from asrflow.testing.corpora import generated_data, yesno_data
-from asrflow.testing.repo import REPO
 from bench.common import emit, machine, parse_args, ratio, train_settings, workdir
 from bench.peer.batches import cached_batches, dump_batches
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
@@ -27,6 +25,8 @@ from bench.peer.side import audio_rate, run_child
 from bench.peer.sweep import SWEEP_STEPS, median_step_rate, sweep
 from bench.peer_accuracy import speechbrain_inputs, speechbrain_options
 from bench.startup import log_marks
+from tests.support.corpora import generated_data, yesno_data
+from tests.support.repo import REPO
 
 #: Utterances of the generated corpus (2 % of them dev), per mode.
 GENERATED = {"full": 2000, "quick": 60}
@@ -86,7 +86,7 @@ def measure(
 ):
     """One corpus: the record to print, and the settings used (from the sweep, when one ran)."""
     from asrflow.presets import preset_params
-    from asrflow.testing.repo import repo_params
+    from tests.support.repo import repo_params
 
     params = preset_params(repo_params(), params_file)  # a whole params file, or a preset of the keys it changes
     fixed = {"train.optim.epochs": epochs, "train.optim.precision": precision, "train.optim.average_last": 1}

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import shutil
 
-from asrflow.testing.repo import copy_repo, tool_env, write_shipped_params
-from asrflow.testing.tiny_config import TINY_MODEL
 from bench.common import emit, noop_runs, parse_args, rounded, timed_run, workdir
+from tests.support.repo import copy_repo, tool_env, write_shipped_params
+from tests.support.tiny_config import TINY_MODEL
 
 #: params.yaml changes (dotted keys) that make the copy's pipeline quick to build, with the tiny model.
 TRAIN = {

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import psutil
 
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import copy_repo, tool_env
 from bench.common import emit, load_average, machine, parse_args, ratio, workdir
+from tests.support.processes import ChildProcess
+from tests.support.repo import copy_repo, tool_env
 
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")
 RULE_STARTED = re.compile(r"^(?:local)?rule (\w+):$", re.MULTILINE)

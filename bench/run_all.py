@@ -14,8 +14,8 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from asrflow.testing.repo import REPO
 from bench.common import emit, load_average, machine, parse_args, workdir
+from tests.support.repo import REPO
 
 #: In-process benchmarks, in the order they run: (name, module and its options).
 MODULES = [

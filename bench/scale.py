@@ -18,9 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-from asrflow.testing.corpora import cut_entry, generated_data, yesno_data
-from asrflow.testing.repo import repo_params
 from bench.common import emit, parse_args, ratio, workdir
+from tests.support.corpora import cut_entry, generated_data, yesno_data
+from tests.support.repo import repo_params
 
 #: Cuts in the manifest, and eager Lhotse cuts for the baselines, per mode.
 CUTS, LHOTSE_CUTS = {"full": 1_000_000, "quick": 20_000}, {"full": 60_000, "quick": 5_000}

@@ -27,10 +27,6 @@ from pathlib import Path
 
 import yaml
 
-from asrflow.testing import corpora
-from asrflow.testing.processes import MemoryReading
-from asrflow.testing.repo import REPO, copy_repo, repo_params
-from asrflow.testing.stage_memory import stage_peaks
 from bench.common import (
     emit,
     load_average,
@@ -43,6 +39,10 @@ from bench.common import (
     write_bundle,
 )
 from bench.startup import STEP_LINE, launch, metric_points
+from tests.support import corpora
+from tests.support.processes import MemoryReading
+from tests.support.repo import REPO, copy_repo, repo_params
+from tests.support.stage_memory import stage_peaks
 
 #: Per corpus: (sizes, quick sizes, the stages run).
 KINDS = {
@@ -66,7 +66,7 @@ TRAIN = {
 def corpus(kind: str, size: float, work: Path, args) -> tuple[Path, dict]:
     """The corpus (``segments``: its manifests) of ``size``, built once into ``work``; its utterances and audio."""
     if kind == "spoken":
-        from asrflow.testing import spoken_corpus
+        from asrflow.generate import spoken_corpus
 
         words = hashlib.sha256(spoken_corpus.WORDS.read_bytes()).hexdigest()[:8]
         folder = work / f"spoken-{size:g}h-seed{args.seed}-voices{args.voices}-{words}"
@@ -216,7 +216,7 @@ EXP_OUTPUTS = ("model.pt", "checkpoints", "plots/train_loss.csv", "eval")
 def noop(work: Path, root: Path, size: float) -> list[dict]:
     """No-op ``snakemake --cores all`` and ``dvc repro`` of the whole pipeline (every stage) in a repository copy
     whose outputs are ``root``'s, hard-linked: both tools check every stage and must find nothing to do."""
-    from asrflow.testing.repo import tool_env
+    from tests.support.repo import tool_env
 
     repo = work / "noop-copy"
     shutil.rmtree(repo, ignore_errors=True)

@@ -25,11 +25,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from asrflow.testing.corpora import generated_data, params_for, yesno_data
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import REPO, repo_params
 from asrflow.training.outcome import Outcome, exit_code
 from bench.common import emit, load_average, parse_args, workdir
+from tests.support.corpora import generated_data, params_for, yesno_data
+from tests.support.processes import ChildProcess
+from tests.support.repo import REPO, repo_params
 
 #: Log markers of the breakdown: name -> (logger, text the message starts with or holds).
 MARKERS = {

@@ -18,8 +18,6 @@ import shutil
 import time
 from pathlib import Path
 
-from asrflow.testing.corpora import generated_data, yesno_data
-from asrflow.testing.repo import REPO, repo_params
 from bench.common import (
     emit,
     machine,
@@ -31,6 +29,8 @@ from bench.common import (
     train_settings,
     workdir,
 )
+from tests.support.corpora import generated_data, yesno_data
+from tests.support.repo import REPO, repo_params
 
 #: Utterances of the generated corpus, per mode (the yesno corpus is fixed).
 GENERATED = {"full": 2000, "quick": 200}

@@ -7,7 +7,7 @@
 ``W/run-spoken-<hours>``; ``--quick`` uses the shipped yesno corpus for a few seconds per size. Per size ``H``, a
 run folder ``W/hours-<H>`` whose ``fbank/`` holds a seeded random draw of ``RUN``'s train utterances adding up to
 ``H`` hours (whole utterances, drawn from every training voice, as the smaller corpora of
-``asrflow.testing.spoken_corpus`` have every voice too) and links to every other file of ``RUN``'s ``fbank/``: the
+``asrflow.generate.spoken_corpus`` have every voice too) and links to every other file of ``RUN``'s ``fbank/``: the
 stored features, the dev and test splits and the CMVN statistics. The tokenizer is ``RUN``'s. So the sizes differ in
 the train utterances alone. Each size is trained by the train stage as users run it for ``--minutes``
 (:mod:`bench.accuracy_at_time`, ``RUN``'s params with ``--train`` on top), one after another, then scored on
@@ -28,10 +28,10 @@ from pathlib import Path
 import yaml
 
 from asrflow.params import with_overrides
-from asrflow.testing.corpora import params_for, yesno_data
-from asrflow.testing.repo import repo_params
 from bench.accuracy_at_time import evaluate, train_for
 from bench.common import emit, load_average, machine, parse_args, workdir
+from tests.support.corpora import params_for, yesno_data
+from tests.support.repo import repo_params
 
 TRAIN_CUTS = "train_cuts.jsonl.gz"
 #: The sizes ``--quick`` draws from yesno's train split (about 3 minutes of audio), in hours.

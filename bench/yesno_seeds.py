@@ -18,10 +18,10 @@ import yaml
 
 from asrflow.errors import AsrflowError
 from asrflow.params import with_overrides
-from asrflow.testing.corpora import yesno_data
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import REPO
 from bench.common import emit, machine, parse_args, rounded, workdir
+from tests.support.corpora import yesno_data
+from tests.support.processes import ChildProcess
+from tests.support.repo import REPO
 
 #: A step line of asrflow.training.monitoring: "step 40 epoch 3: loss 0.9709 ...".
 STEP_LINE = re.compile(r"step (\d+) epoch \d+: loss ([0-9.]+|nan|inf)")

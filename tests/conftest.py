@@ -1,4 +1,4 @@
-"""Shared fixtures: an MLflow store, the prepared yesno data, a trained yesno model; helpers live in asrflow.testing."""
+"""Shared fixtures: an MLflow store, the prepared yesno data, a trained yesno model; helpers live in tests.support."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from asrflow.testing.corpora import prepare_yesno
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.repo import REPO
-from asrflow.testing.trained_model import NoYesnoModel, train_yesno_model
+from tests.support.corpora import prepare_yesno
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.repo import REPO
+from tests.support.trained_model import NoYesnoModel, train_yesno_model
 
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
@@ -81,7 +81,7 @@ def yesno_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def yesno_model(yesno_data: Path, tmp_path_factory) -> Path:
     """Path of a model bundle trained on the yesno train split that transcribes its dev split, trained once
-    per session (:func:`asrflow.testing.trained_model.train_yesno_model`)."""
+    per session (:func:`tests.support.trained_model.train_yesno_model`)."""
     try:
         return train_yesno_model(yesno_data, tmp_path_factory.mktemp("yesno_model"))
     except NoYesnoModel as error:

@@ -15,7 +15,7 @@ import yaml
 import asrflow.allocator
 from asrflow.allocator import REEXECUTED_FLAG, environment_with_jemalloc, find_jemalloc, jemalloc_to_preload
 from asrflow.errors import AsrflowError
-from asrflow.testing.repo import REPO, repo_params
+from tests.support.repo import REPO, repo_params
 
 needs_jemalloc = pytest.mark.skipif(
     find_jemalloc() is None, reason="no jemalloc installed (Debian: apt install libjemalloc2; make test does)"

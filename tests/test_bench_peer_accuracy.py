@@ -8,9 +8,9 @@ import pytest
 from lhotse import MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
 
-from asrflow.testing.repo import repo_params
 from bench.common import ratio
 from bench.peer_accuracy import main, speechbrain_options, write_csv
+from tests.support.repo import repo_params
 
 
 def cut_of(source: AudioSource, *, start: float = 0.0, duration: float = 1.0, text: str = "YES NO") -> MonoCut:

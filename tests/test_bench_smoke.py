@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from asrflow.testing.repo import REPO
 from bench.common import PERFORMANCE_ENVIRONMENT, machine
+from tests.support.repo import REPO
 
 FIGURES = {
     "machine": ["cpu_count", "usable_cores"],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from asrflow.testing.repo import REPO
 from bench.yesno_seeds import seeded_params
+from tests.support.repo import REPO
 
 
 def test_seeded_params_set_the_seed_and_overrides_and_refuse_unknown_keys():

@@ -12,7 +12,7 @@ import tomllib
 import pytest
 
 from asrflow.errors import AsrflowError, require_extra
-from asrflow.testing.repo import REPO
+from tests.support.repo import REPO
 
 
 def imported_top_levels(folder) -> set[str]:

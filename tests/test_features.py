@@ -13,8 +13,8 @@ from asrflow.data.features.config import check_same_features
 from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
-from asrflow.testing.corpora import feature_config
-from asrflow.testing.repo import write_shipped_params
+from tests.support.corpora import feature_config
+from tests.support.repo import write_shipped_params
 
 
 def test_yesno_features_are_80_dim_at_the_target_rate(yesno_data):

@@ -29,10 +29,10 @@ from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.pyfunc import NO_KNOWN_COLUMN, log_bundle
-from asrflow.testing.processes import free_port
-from asrflow.testing.servers import stop
-from asrflow.testing.trained_model import split_files
 from asrflow.tracking.run import MlflowRun
+from tests.support.processes import free_port
+from tests.support.servers import stop
+from tests.support.trained_model import split_files
 
 MAX_WER = 0.05
 SERVE_TIMEOUT_S = 180

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from asrflow.params import flatten
-from asrflow.testing.processes import free_port
-from asrflow.testing.servers import api, http, stop, wait_healthy
 from asrflow.tracking.run import MlflowRun
+from tests.support.processes import free_port
+from tests.support.servers import api, http, stop, wait_healthy
 
 
 def test_mlflow_ui_shows_run_metrics_and_artifacts(tmp_path, monkeypatch):

@@ -12,9 +12,9 @@ import yaml
 from asrflow.errors import AsrflowError
 from asrflow.launch.multinode import ENDPOINT_ENV, NNODES_ENV, rendezvous_from_environment
 from asrflow.params import with_overrides
-from asrflow.testing.processes import free_port
-from asrflow.testing.repo import REPO, repo_params
 from asrflow.training.run_config import RunConfig
+from tests.support.processes import free_port
+from tests.support.repo import REPO, repo_params
 
 
 def test_nothing_set_changes_nothing():

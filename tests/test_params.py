@@ -18,7 +18,7 @@ import yaml
 
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.params import read_seed
-from asrflow.testing.repo import write_shipped_params
+from tests.support.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -231,8 +231,8 @@ def test_node_rank_from_the_command_line_is_checked_like_the_param(tmp_path, cap
 def test_subsampling_channels_must_be_two_positive_integers(bad):
     from asrflow.model.conformer_ctc import build_model
     from asrflow.params import with_overrides
-    from asrflow.testing.repo import repo_params
     from asrflow.training.config import load_train_config
+    from tests.support.repo import repo_params
 
     def channels(value):
         return load_train_config(with_overrides(repo_params(), {"train.model.subsampling_channels": value}, "test"))
@@ -247,14 +247,14 @@ def test_subsampling_channels_must_be_two_positive_integers(bad):
 def test_num_workers_auto_loads_in_process_with_precomputed_features(yesno_data):
     from dataclasses import replace
 
-    from asrflow.testing.repo import repo_params
-    from asrflow.testing.tiny_config import tiny_train_data
     from asrflow.training.config import load_run_config
     from asrflow.training.run_config import (
         AUTO_WORKERS_GPU_STORED,
         AUTO_WORKERS_ON_THE_FLY,
         AUTO_WORKERS_ON_THE_FLY_MOST,
     )
+    from tests.support.repo import repo_params
+    from tests.support.tiny_config import tiny_train_data
 
     run = load_run_config(repo_params())
     assert run.num_workers == "auto"  # the shipped value

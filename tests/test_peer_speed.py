@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from asrflow.testing.repo import REPO
 from bench.peer.side import flops_by_part
+from tests.support.repo import REPO
 
 
 def test_flops_are_split_by_model_part():

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from asrflow.logs import PROGRESS_LOGGER, TerminalFilter, TerminalProgress, format_duration
-from asrflow.testing.repo import REPO, copy_repo
+from tests.support.repo import REPO, copy_repo
 
 CHILD = r"""
 import logging

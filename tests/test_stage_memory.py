@@ -1,5 +1,5 @@
 """Every stage's memory, read from outside as the machine sees it: the peak PSS of the stage's process tree
-(the stage and its workers; :func:`asrflow.testing.stage_memory.stage_peaks`), on a small input and on one
+(the stage and its workers; :func:`tests.support.stage_memory.stage_peaks`), on a small input and on one
 several times larger. A stage that held its split (cuts, features, results) would grow by far more than the
 bound; what each may grow by, and why, is in each test. The bounds hold the tree's anonymous PSS, the memory it
 made: the share of the libraries' file pages moves with whatever else on the machine maps them (the Slurm tests
@@ -28,11 +28,11 @@ from asrflow.data.manifests import cuts_path, load_cuts
 from asrflow.data.prepare.config import PrepareConfig
 from asrflow.data.prepare.corpus import prepare_corpus
 from asrflow.evaluation.evaluate import SORT_WINDOW
-from asrflow.testing.corpora import copied_folder_corpus, feature_config, params_for, write_segment_manifests
-from asrflow.testing.processes import ChildProcess, tree_memory
-from asrflow.testing.repo import REPO, repo_params
-from asrflow.testing.spoken_corpus import WORDS
-from asrflow.testing.stage_memory import stage_peaks
+from asrflow.generate.spoken_corpus import WORDS
+from tests.support.corpora import copied_folder_corpus, feature_config, params_for, write_segment_manifests
+from tests.support.processes import ChildProcess, tree_memory
+from tests.support.repo import REPO, repo_params
+from tests.support.stage_memory import stage_peaks
 
 MB = 2**20
 #: How often the tree's memory is read: fast enough for the peaks of stages that run for seconds.

@@ -7,8 +7,8 @@ import pickle
 import pytest
 
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import tokenizer_config
 from asrflow.tokenizer import BLANK, BLANK_ID, UNK_ID, Tokenizer, train_tokenizer
+from tests.support.corpora import tokenizer_config
 
 TEXTS = ["YES NO YES NO", "NO NO YES YES", "YES YES YES NO"]
 

@@ -16,7 +16,6 @@ from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
 from asrflow.params import flatten
-from asrflow.testing.mlflow_store import fresh_mlflow_store
 from asrflow.tracking.metric_log import MetricLog
 from asrflow.tracking.naming import param_value
 from asrflow.tracking.run import LOGGED_THROUGH_TAG, REOPENED_END_STATUS_TAG, MlflowRun
@@ -27,6 +26,7 @@ from asrflow.tracking.store import (
     default_tracking_uri,
     resolve_tracking_uri,
 )
+from tests.support.mlflow_store import fresh_mlflow_store
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("train/loss", "train/lr")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from asrflow.testing.processes import free_port
-from asrflow.testing.servers import stop, wait_healthy
 from asrflow.tracking.run import LOGGED_THROUGH_TAG, MlflowRun
+from tests.support.processes import free_port
+from tests.support.servers import stop, wait_healthy
 
 pytestmark = pytest.mark.serve
 

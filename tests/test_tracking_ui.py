@@ -20,7 +20,6 @@ from mlflow.tracking import MlflowClient
 from asrflow.data.loading.index_store import combined_digest, manifest_facts
 from asrflow.errors import AsrflowError
 from asrflow.params import committed_params
-from asrflow.testing.processes import free_port
 from asrflow.tracking.naming import (
     DVC_EXP_TAG,
     NOTE_TAG,
@@ -33,6 +32,7 @@ from asrflow.tracking.naming import (
 )
 from asrflow.tracking.run import DATA_DIGEST_TAG, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MlflowRun, start_training_run
 from asrflow.tracking.store import check_tracking_uri, runs_page
+from tests.support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = {"seed": 42, "train": {"lr": 0.001, "epochs": 40, "d_model": 144}, "evaluate": {"decoder": "greedy"}}

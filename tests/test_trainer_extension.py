@@ -1,7 +1,7 @@
 """Tests and benchmarks extend the trainer only through its public observers and ``request_stop()``, and
 train what users run.
 
-No file under tests/, bench/ or asrflow/testing/ (the helpers they share) subclasses ``Trainer``, reads or
+No file under tests/, bench/ or tests/support/ (the helpers they share) subclasses ``Trainer``, reads or
 writes a private attribute of a trainer object, or monkeypatches the class; none constructs a ``Trainer``
 itself: a run is assembled by :func:`asrflow.training.assemble.build_trainer`, as the train stage's is.
 """
@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FILES = sorted(
     path
-    for folder in ("tests", "bench", "asrflow/testing")
+    for folder in ("tests", "bench", "tests/support")
     for path in (REPO / folder).rglob("*.py")
     if not any(part.startswith(".") for part in path.relative_to(REPO).parts)  # bench/.peer: SpeechBrain's install
 )

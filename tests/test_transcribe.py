@@ -1,4 +1,4 @@
-"""``asrflow transcribe`` on a yesno model trained in this session (``yesno_model``, asrflow.testing.trained_model).
+"""``asrflow transcribe`` on a yesno model trained in this session (``yesno_model``, tests.support.trained_model).
 
 The model and the audio are copied to a temporary folder that is also the working
 directory, so these tests also show that a bundle works outside the repository.
@@ -22,7 +22,7 @@ import torchaudio.functional as AF
 
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.serving.cli import main
-from asrflow.testing.trained_model import split_files
+from tests.support.trained_model import split_files
 
 #: Files of each split copied into the working folder.
 NUM_FILES = 5

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from asrflow.testing.repo import REPO
+from tests.support.repo import REPO
 
 PEER_VERSION = "1.1.2"
 #: ``ASRFLOW_PEER_REQUIREMENT`` replaces the pinned requirement (the tests name one that cannot install).

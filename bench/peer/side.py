@@ -71,8 +71,8 @@ def run_child(module: str, options: dict, log: Path, env: dict[str, str]) -> dic
     """
     import time
 
-    from asrflow.testing.processes import ChildProcess
-    from asrflow.testing.repo import REPO
+    from tests.support.processes import ChildProcess
+    from tests.support.repo import REPO
 
     report_path = log.with_suffix(".json")
     report_path.unlink(missing_ok=True)

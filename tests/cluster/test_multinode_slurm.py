@@ -1,6 +1,6 @@
 """Multi-node training under Slurm: the README's recipe, ``sbatch workflow/slurm/multinode.sbatch``,
 on a local cluster of two Slurm nodes (two ``slurmd`` with their own names and ports on this
-host, see asrflow.testing.slurm_cluster), one gloo process per node on the CPU. The model is, weight for
+host, see tests.support.slurm_cluster), one gloo process per node on the CPU. The model is, weight for
 weight, the one ``run.nproc_per_node: 2`` trains on one machine.
 
 Select with ``pytest -m slurm``; skipped like tests/cluster/test_slurm.py where Slurm cannot run.
@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from asrflow.testing.pipeline_tools import run, tail
-from asrflow.testing.processes import free_port
-from asrflow.testing.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, slurm_env
+from tests.support.pipeline_tools import run, tail
+from tests.support.processes import free_port
+from tests.support.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, slurm_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
 
@@ -31,7 +31,7 @@ def static_rendezvous() -> bool:
     for static rdzv_backend") and ranks nodes by (host name, pid), so rank 0, which alone writes
     checkpoints and the model, can land on any node."""
     from asrflow.launch.torchrun import torchrun_command
-    from asrflow.testing.tiny_config import tiny_settings
+    from tests.support.tiny_config import tiny_settings
 
     run = tiny_settings(overrides={"run.nnodes": 2, "run.rdzv_endpoint": "head:29500"}).run
     return "--rdzv-backend=static" in torchrun_command(run, [])

@@ -1,4 +1,4 @@
-"""The whole pipeline on a real Slurm cluster (one node on localhost, see asrflow.testing.slurm_cluster),
+"""The whole pipeline on a real Slurm cluster (one node on localhost, see tests.support.slurm_cluster),
 submitted by ``snakemake --executor slurm --profile workflow/profiles/slurm``.
 
 Every stage runs as a Slurm job; the model is, weight for weight, the one ``snakemake --cores
@@ -23,11 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asrflow.testing.pipeline_tools import ToolError, run, tail
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import tool_env
-from asrflow.testing.slurm_cluster import PARTITION, LocalSlurm
-from asrflow.testing.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, slurm_env
+from tests.support.pipeline_tools import ToolError, run, tail
+from tests.support.processes import ChildProcess
+from tests.support.repo import tool_env
+from tests.support.slurm_cluster import PARTITION, LocalSlurm
+from tests.support.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, slurm_env
 
 # End to end: also `pipeline`, so `make test-fast` (-m "not pipeline") leaves them out.
 pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from asrflow.testing.slurm_cluster import SYSTEM_CONF, LocalSlurm, install
-from asrflow.testing.slurm_pipeline import slurm_impossible_here, start_cluster
+from tests.support.slurm_cluster import SYSTEM_CONF, LocalSlurm, install
+from tests.support.slurm_pipeline import slurm_impossible_here, start_cluster
 
 pytestmark = pytest.mark.slurm
 

@@ -26,9 +26,9 @@ from asrflow.data.loading.noise import load_noise_cuts
 from asrflow.data.loading.planner import BatchItem
 from asrflow.data.loading.workers import init_worker, pack_batch, unpack_batch
 from asrflow.data.manifests import load_cuts
-from asrflow.testing.corpora import feature_config
-from asrflow.testing.repo import repo_config
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
+from tests.support.corpora import feature_config
+from tests.support.repo import repo_config
 
 SEED = 42
 SPEEDS = (0.9, 1.0, 1.1)

@@ -17,15 +17,15 @@ from asrflow.data.loading.planner import CorpusMix, TrainingBatches, mix_positio
 from asrflow.data.manifests import cuts_path, list_corpora, list_test_sets, load_cuts
 from asrflow.data.prepare.config import PrepareConfig
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import (
+from asrflow.training.train_data import TrainData, corpus_mix
+from tests.support.corpora import (
     feature_config,
     generate_corpus,
     prepare_features_tokenizer,
     tokenizer_config,
     torch_threads,
 )
-from asrflow.testing.tiny_config import tiny_settings, tiny_train_data
-from asrflow.training.train_data import TrainData, corpus_mix
+from tests.support.tiny_config import tiny_settings, tiny_train_data
 
 SEED = 42
 #: Utterances generated per corpus (train, dev and test TSVs of :func:`generate_corpus`).
@@ -170,8 +170,8 @@ def test_a_few_steps_train_on_both_and_evaluate_scores_each_test_set(two_corpora
     from mlflow.tracking import MlflowClient
 
     from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
-    from asrflow.testing.mlflow_store import fresh_mlflow_store
-    from asrflow.testing.tiny_config import tiny_trainer
+    from tests.support.mlflow_store import fresh_mlflow_store
+    from tests.support.tiny_config import tiny_trainer
 
     overrides = {**BATCHING, "train.data.corpus_weights": {"published": 2.0}, "train.optim.epochs": 1}
     uri = fresh_mlflow_store(tmp_path)
@@ -206,8 +206,8 @@ def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_
     epoch and run again, ends with the same weights and the same loss at every step as an uninterrupted run."""
     import torch
 
-    from asrflow.testing.train_entry import TrainingProcess, run_training
     from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
+    from tests.support.train_entry import TrainingProcess, run_training
 
     overrides = {
         **BATCHING,
@@ -242,8 +242,8 @@ def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_
 
 def test_the_corpus_listing_lists_every_corpus_folder(tmp_path):
     """prepare's dependency: the listing of each entry's corpus_dir (the section's for an entry without one)."""
-    from asrflow.testing.repo import write_shipped_params
     from stages import corpus_listing
+    from tests.support.repo import write_shipped_params
 
     for name in ("first", "second"):
         (tmp_path / name).mkdir()

@@ -18,8 +18,8 @@ from asrflow.data.features.disk_space import SplitScan, check_disk_space, estima
 from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import feature_config, write_segment_manifests
-from asrflow.testing.repo import REPO
+from tests.support.corpora import feature_config, write_segment_manifests
+from tests.support.repo import REPO
 
 
 def manifests(root, train: int, **options):

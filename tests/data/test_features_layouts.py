@@ -13,7 +13,7 @@ from asrflow.data.manifests import load_cuts
 from asrflow.data.prepare.config import PrepareConfig
 from asrflow.data.prepare.corpus import prepare_corpus
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import feature_config
+from tests.support.corpora import feature_config
 
 #: (file name, sampling rate, channels, soundfile format and subtype)
 LAYOUTS = [

@@ -22,7 +22,7 @@ from asrflow.data.prepare.importers.folder import import_folder
 from asrflow.data.prepare.importers.kaldi import import_kaldi
 from asrflow.data.prepare.importers.recipes import find_recipe, run_recipe
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import feature_config
+from tests.support.corpora import feature_config
 
 YESNO = Path(__file__).resolve().parents[2] / "data" / "corpora" / "yesno"
 

@@ -23,7 +23,7 @@ from asrflow.data.loading.cut_index import CutIndex
 from asrflow.data.loading.index_store import STORE_PREFIX, manifest_facts, shared_index
 from asrflow.data.loading.planner import TrainingBatches, plan_digest, plan_epoch, plan_positions
 from asrflow.errors import AsrflowError
-from asrflow.testing.corpora import cut_entry
+from tests.support.corpora import cut_entry
 
 
 def _entries(count: int, seed: int = 0, *, storage: str = "fbank/feats.lca") -> list[dict]:

@@ -14,8 +14,8 @@ from asrflow.data.loading.dataset import AsrBatchDataset
 from asrflow.data.loading.planner import TrainingBatches
 from asrflow.data.loading.workers import pack_batch, unpack_batch
 from asrflow.data.manifests import cuts_path, load_cuts
-from asrflow.testing.repo import repo_config
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
+from tests.support.repo import repo_config
 
 
 def augment_config(**changes) -> DataConfig:

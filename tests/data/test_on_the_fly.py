@@ -17,8 +17,8 @@ from asrflow.data.features.extract import compute_features
 from asrflow.data.manifests import SPLITS, cuts_path, load_cuts
 from asrflow.errors import AsrflowError
 from asrflow.serving.bundle import load_bundle
-from asrflow.testing.corpora import feature_config
-from asrflow.testing.tiny_config import tiny_train_data, tiny_trainer
+from tests.support.corpora import feature_config
+from tests.support.tiny_config import tiny_train_data, tiny_trainer
 
 SUBSET = {"train": 12, "dev": 2, "test": 2}
 OTF = feature_config(on_the_fly=True, num_jobs=1)

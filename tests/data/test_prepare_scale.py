@@ -23,7 +23,7 @@ from asrflow.data.prepare.corpus import prepare_corpus
 from asrflow.data.prepare.item_checks import open_recording
 from asrflow.data.prepare.split_writer import cut_dict, recording_dict, utterance_cut
 from asrflow.data.prepare.spool import SortedSpool
-from asrflow.testing.corpora import copied_folder_corpus
+from tests.support.corpora import copied_folder_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 

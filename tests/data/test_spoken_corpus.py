@@ -11,8 +11,8 @@ import pytest
 import soundfile as sf
 
 from asrflow.errors import AsrflowError
-from asrflow.testing import spoken_corpus
-from asrflow.testing.repo import write_shipped_params
+from asrflow.generate import spoken_corpus
+from tests.support.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[2]
 MISSING = spoken_corpus.espeak_missing()

@@ -29,9 +29,9 @@ from asrflow.evaluation.evaluate import (
 from asrflow.serving.bundle import load_bundle
 from asrflow.serving.device import resolve_device
 from asrflow.serving.inference import cut_features, log_probs
-from asrflow.testing.corpora import feature_config, write_folder_corpus
-from asrflow.testing.trained_model import split_files
 from asrflow.tokenizer import BLANK_ID
+from tests.support.corpora import feature_config, write_folder_corpus
+from tests.support.trained_model import split_files
 
 
 def test_evaluate_writes_report_and_logs_to_the_training_run(yesno_model, yesno_data, tmp_path):  # noqa: F811

@@ -201,8 +201,8 @@ def test_bundles_without_subsampling_channels_load_with_the_old_front_end(yesno_
     """Bundles written before the fields existed had d_model channels in both convolutions, no norm (and no
     attention dropout, a drawn blank bias, no position information)."""
     from asrflow.serving.bundle import load_bundle, save_bundle
-    from asrflow.testing.corpora import feature_config
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
+    from tests.support.corpora import feature_config
 
     tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
     torch.manual_seed(0)

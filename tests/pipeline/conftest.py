@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from asrflow.testing.pipeline_tools import dvc_init, git_init, output_files, read_metrics, run
-from asrflow.testing.repo import copy_repo
+from tests.support.pipeline_tools import dvc_init, git_init, output_files, read_metrics, run
+from tests.support.repo import copy_repo
 
 # A bound that only a hung tool reaches: one run takes 1-2 minutes on 2 idle cores.
 FULL_RUN_TIMEOUT_S = 1800

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from asrflow.testing.pipeline_tools import IDENTITY, run
+from tests.support.pipeline_tools import IDENTITY, run
 
 pytestmark = pytest.mark.pipeline
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from asrflow.testing.pipeline_tools import (
+from tests.support.pipeline_tools import (
     LISTING,
     ToolError,
     dvc_ran_stages,
@@ -32,8 +32,8 @@ from asrflow.testing.pipeline_tools import (
     snakemake_jobs,
     tail,
 )
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import tool_env
+from tests.support.processes import ChildProcess
+from tests.support.repo import tool_env
 
 pytestmark = pytest.mark.pipeline
 

@@ -17,8 +17,8 @@ import time
 import psutil
 import pytest
 
-from asrflow.testing.pipeline_tools import run, tail
 from bench.random_kill import STAGES, Kill, fresh_copy, kill_status, killed_run, measure
+from tests.support.pipeline_tools import run, tail
 
 pytestmark = pytest.mark.pipeline
 

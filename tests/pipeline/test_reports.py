@@ -16,7 +16,7 @@ import pytest
 
 from asrflow.data.manifests import cut_text, load_cuts
 from asrflow.evaluation.metrics import score_corpus
-from asrflow.testing.pipeline_tools import VENV_BIN, dvc_json, read_metrics, run
+from tests.support.pipeline_tools import VENV_BIN, dvc_json, read_metrics, run
 
 pytestmark = pytest.mark.pipeline
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asrflow.testing.pipeline_tools import (
+from tests.support.pipeline_tools import (
     LISTING,
     LISTING_FILE,
     STAGES,
@@ -32,7 +32,7 @@ from asrflow.testing.pipeline_tools import (
     run,
     snakemake_dry_run,
 )
-from asrflow.testing.repo import tool_env
+from tests.support.repo import tool_env
 
 pytestmark = pytest.mark.pipeline
 

@@ -17,11 +17,11 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from asrflow.params import set_param
-from asrflow.testing.pipeline_tools import IDENTITY, run
-from asrflow.testing.processes import running
-from asrflow.testing.repo import tool_env
 from asrflow.tracking.naming import DVC_EXP_TAG, NOTE_TAG
 from asrflow.training.sweep import SWEEP_DIR, sweep_key
+from tests.support.pipeline_tools import IDENTITY, run
+from tests.support.processes import running
+from tests.support.repo import tool_env
 
 pytestmark = pytest.mark.pipeline
 

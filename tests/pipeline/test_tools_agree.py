@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from asrflow.data.prepare.listing import corpus_listing
-from asrflow.testing.pipeline_tools import (
+from tests.support.pipeline_tools import (
     EXPECTED_OUTPUTS,
     LISTING,
     LISTING_FILE,

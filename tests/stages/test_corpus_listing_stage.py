@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from asrflow.errors import EXIT_USER_ERROR
-from asrflow.testing.repo import write_shipped_params
 from stages import corpus_listing
+from tests.support.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[2]
 

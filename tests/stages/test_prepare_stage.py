@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from asrflow.testing.repo import write_shipped_params
+from tests.support.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[2]
 

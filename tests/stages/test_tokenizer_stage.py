@@ -11,8 +11,8 @@ from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, Supervis
 
 from asrflow.data.manifests import cuts_path
 from asrflow.errors import EXIT_USER_ERROR
-from asrflow.testing.repo import write_shipped_params
 from stages.tokenizer import main
+from tests.support.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["YES NO YES", "NO NO YES", "YES YES NO"]

@@ -10,10 +10,10 @@ import yaml
 
 from asrflow.errors import EXIT_USER_ERROR
 from asrflow.serving.bundle import load_bundle
-from asrflow.testing.tiny_config import tiny_bundle, tiny_params
 from stages.train import main
+from tests.support.tiny_config import tiny_bundle, tiny_params
 
-#: The tiny run (asrflow.testing.tiny_config) for one epoch of large batches, with no checkpoint or validation
+#: The tiny run (tests.support.tiny_config) for one epoch of large batches, with no checkpoint or validation
 #: before the end: a few CPU-seconds.
 STAGE_RUN = {
     "train.data.max_duration_s": 60.0,

@@ -15,10 +15,10 @@ import copy
 import pytest
 import torch
 
-from asrflow.testing.step_batches import NUM_UTTERANCES, TOKENS, small_model, split_batch, utterances
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
 from asrflow.training.step import StepContext, ctc_loss_sum, train_step
+from tests.support.step_batches import NUM_UTTERANCES, TOKENS, small_model, split_batch, utterances
 
 ATOL, RTOL = 1e-6, 1e-5
 

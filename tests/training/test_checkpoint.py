@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.run_state import capture_rng_state, restore_rng_state, seed_everything
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.train_entry import train_in_process
 
 
 def _state(value: float) -> dict:

@@ -1,7 +1,7 @@
 """torchrun / DDP on the CPU (gloo): same result as one process, exact resume, no hangs.
 
 Every job is ``torchrun --standalone --nproc-per-node 2`` (the command ``launch.py`` builds
-for the train stage) running ``asrflow.testing.train_entry``: the real ``Trainer`` on the prepared yesno
+for the train stage) running ``tests.support.train_entry``: the real ``Trainer`` on the prepared yesno
 data, two ranks on 127.0.0.1 (gloo on the loopback interface), tiny model with dropout and
 SpecAugment on. Every subprocess has a timeout, and every process a job started is
 SIGKILLed when a test ends, so no test can hang or leave processes behind.
@@ -31,14 +31,14 @@ import torch
 
 from asrflow.data.loading.planner import plan_epoch, steps_in_plan
 from asrflow.data.manifests import load_cuts
-from asrflow.testing.exit_observer import observed, rank_exits
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.tiny_config import tiny_settings, tiny_trainer
-from asrflow.testing.train_entry import TrainingProcess
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 from asrflow.training.monitoring import write_stacks
 from asrflow.training.outcome import DataWorkerDied, Outcome, PeerFailed, Stalled, exit_code
+from tests.support.exit_observer import observed, rank_exits
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.processes import ChildProcess
+from tests.support.tiny_config import tiny_settings, tiny_trainer
+from tests.support.train_entry import TrainingProcess
 
 SEED = 42
 #: One training job of 2 ranks unless ``ranks=`` says otherwise; ``env`` adds fault variables.
@@ -249,7 +249,7 @@ def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_pa
 #
 # Each job below has 2 gloo ranks; ``dist_timeout_s`` bounds every collective. Each fault case asserts
 # the exit code every rank documents (the table in asrflow.training.outcome, the README's) as the rank's
-# process ended with it (its observer's waitpid, asrflow.testing.exit_observer; never a log line), the
+# process ended with it (its observer's waitpid, tests.support.exit_observer; never a log line), the
 # same code wherever torchrun's failure summary lists the rank, torchrun's own exit code (1 when a rank
 # failed), that no process of the job is left (torchrun's session and each rank's, which holds its data
 # workers), and that the job ended within docs/distributed.md's bound: the configured timeout plus

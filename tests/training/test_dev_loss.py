@@ -13,11 +13,11 @@ from asrflow.data.features.cmvn import CMVN_FILE, load_cmvn
 from asrflow.data.loading.dataset import AsrBatchDataset
 from asrflow.data.manifests import load_cuts
 from asrflow.model.conformer_ctc import build_model
-from asrflow.testing.tiny_config import tiny_settings
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
 from asrflow.training.validation import dev_batches, dev_loss
+from tests.support.tiny_config import tiny_settings
 
 
 @pytest.fixture(scope="module")

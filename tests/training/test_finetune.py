@@ -17,15 +17,15 @@ import torch
 
 from asrflow.errors import AsrflowError
 from asrflow.model.conformer_ctc import HEAD_PREFIX
-from asrflow.testing.corpora import tokenizer_config
-from asrflow.testing.exact_resume import OVERRIDES, assert_identical, final_state, resumed_from
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_bundle, tiny_settings
-from asrflow.testing.train_entry import TrainingProcess, build_trainer, run_training, train_in_process
 from asrflow.tokenizer import MODEL_FILE, Tokenizer, train_tokenizer
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
 from asrflow.training.init_model import load_init_model
 from asrflow.training.observers import TrainObserver
+from tests.support.corpora import tokenizer_config
+from tests.support.exact_resume import OVERRIDES, assert_identical, final_state, resumed_from
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.tiny_config import tiny_bundle, tiny_settings
+from tests.support.train_entry import TrainingProcess, build_trainer, run_training, train_in_process
 
 STEPS = {
     "train.optim.epochs": 1,

@@ -1,9 +1,9 @@
 """Fine-tuning pays: a model pre-trained on a spoken corpus synthesized with espeak-ng, fine-tuned on yesno with
 its encoder frozen for the first steps, reaches yesno's dev WER goal (``MAX_DEV_WER`` of
-:mod:`asrflow.testing.trained_model`) in fewer steps than the same training from drawn weights.
+:mod:`tests.support.trained_model`) in fewer steps than the same training from drawn weights.
 
 Every run uses yesno's features (params.yaml), the tiny model, seed 42 and the schedule of
-:mod:`asrflow.testing.trained_model`; the spoken corpus has its own (char) tokenizer, so the fine-tuned run
+:mod:`tests.support.trained_model`; the spoken corpus has its own (char) tokenizer, so the fine-tuned run
 draws its CTC head. The step a yesno run first reaches the goal is read from its checkpoints (one per epoch).
 It synthesizes a corpus and trains three models (about two minutes on one core), so it is marked ``pipeline``
 with the suite's other slow runs.
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from asrflow.data.features.cmvn import CMVN_FILE, cmvn_stats, load_cmvn
+from asrflow.generate import spoken_corpus
 from asrflow.model.conformer_ctc import build_from_record
 from asrflow.serving.bundle import load_bundle, save_bundle
-from asrflow.testing import spoken_corpus
-from asrflow.testing.corpora import folder_corpus, prepare_from_params, torch_threads, yesno_data
-from asrflow.testing.repo import repo_params
-from asrflow.testing.tiny_config import tiny_trainer
-from asrflow.testing.trained_model import MAX_DEV_WER, TRAIN_OVERRIDES, dev_wer
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
+from tests.support.corpora import folder_corpus, prepare_from_params, torch_threads, yesno_data
+from tests.support.repo import repo_params
+from tests.support.tiny_config import tiny_trainer
+from tests.support.trained_model import MAX_DEV_WER, TRAIN_OVERRIDES, dev_wer
 
 MISSING = spoken_corpus.espeak_missing()
 pytestmark = [
@@ -41,7 +41,7 @@ FINETUNE = {"train.finetune.freeze_encoder_steps": 30}
 
 
 def train(data: Path, exp: Path, overrides: dict | None = None) -> Path:
-    """The tiny run of :mod:`asrflow.testing.trained_model` on ``data`` (its own features) with ``overrides``
+    """The tiny run of :mod:`tests.support.trained_model` on ``data`` (its own features) with ``overrides``
     (dotted keys), checkpointed every :data:`EVERY` steps."""
     schedule = {"train.checkpoint.checkpoint_every_steps": EVERY, "train.checkpoint.keep_last": 1000}
     overrides = {**TRAIN_OVERRIDES, **schedule, **(overrides or {})}

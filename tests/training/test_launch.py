@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 
 from asrflow.errors import AsrflowError
 from asrflow.launch.torchrun import check_launch
-from asrflow.testing.processes import free_port
-from asrflow.testing.repo import write_shipped_params
-from asrflow.testing.tiny_config import tiny_settings
 from asrflow.training.distributed import DistInfo, check_same_everywhere
 from stages import train as train_stage
+from tests.support.processes import free_port
+from tests.support.repo import write_shipped_params
+from tests.support.tiny_config import tiny_settings
 
 
 def test_more_processes_than_cores_is_refused_by_the_stage(tmp_path, monkeypatch, capsys):

@@ -14,9 +14,9 @@ import pytest  # noqa: F401
 import torch
 
 from asrflow.data.features.extract import compute_features
-from asrflow.testing.corpora import feature_config
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.train_entry import TrainingProcess, run_training
+from tests.support.corpora import feature_config
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.train_entry import TrainingProcess, run_training
 
 OVERRIDES = {"train.optim.epochs": 1, "run.num_workers": 0, "train.checkpoint.checkpoint_every_steps": 2}
 

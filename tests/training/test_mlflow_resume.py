@@ -1,6 +1,6 @@
 """MLflow through a crash: a training process SIGKILLed mid-run and resumed logs one clean run.
 
-Real training processes (``asrflow.testing.train_entry``) write to a real SQLite MLflow store given by
+Real training processes (``tests.support.train_entry``) write to a real SQLite MLflow store given by
 ``MLFLOW_TRACKING_URI``. After the kill, the points of the steps after the last checkpoint
 were never flushed; the resumed process re-runs those steps and must log each exactly once.
 """
@@ -15,10 +15,10 @@ import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
 
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.train_entry import TrainingProcess, run_training
 from asrflow.tracking.run import LOGGED_THROUGH_TAG
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.train_entry import TrainingProcess, run_training
 
 OVERRIDES = {
     "train.optim.epochs": 2,

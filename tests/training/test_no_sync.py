@@ -19,10 +19,10 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from asrflow.testing.step_batches import NUM_UTTERANCES, TOKENS, small_model, split_batch, utterances
 from asrflow.training.distributed import DistInfo
 from asrflow.training.precision import resolve_precision
 from asrflow.training.step import StepContext, train_step
+from tests.support.step_batches import NUM_UTTERANCES, TOKENS, small_model, split_batch, utterances
 
 WORLD_SIZE = 2
 STEPS = 3

@@ -1,6 +1,6 @@
 """Non-finite guard: a NaN step is skipped and logged; persistent NaNs roll back, then stop.
 
-NaNs are injected with :class:`asrflow.testing.faults.NonFiniteSteps` (the step's batches
+NaNs are injected with :class:`tests.support.faults.NonFiniteSteps` (the step's batches
 carry NaN features, so its loss is NaN). Runs use the real ``Trainer`` on the prepared yesno data.
 
 The WER check trains a tiny model that reaches a low test WER in six epochs (lr 0.01,
@@ -27,12 +27,12 @@ from asrflow.data.loading.planner import plan_epoch
 from asrflow.data.manifests import load_cuts
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.evaluation.evaluate import EvaluateConfig, evaluate
-from asrflow.testing.faults import NonFiniteSteps
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.repo import REPO
-from asrflow.testing.tiny_config import tiny_params, tiny_settings, tiny_trainer
 from asrflow.training.checkpoint import checkpoint_path, load_checkpoint
 from asrflow.training.step import warmup_factor
+from tests.support.faults import NonFiniteSteps
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.repo import REPO
+from tests.support.tiny_config import tiny_params, tiny_settings, tiny_trainer
 
 SEED = 42
 
@@ -246,7 +246,7 @@ def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
         "GIT_PYTHON_REFRESH": "quiet",
     }
     stage = (  # the stage's own main, with the NaN steps as its one observer
-        "from asrflow.testing.faults import NonFiniteSteps; from stages.train import main; "
+        "from tests.support.faults import NonFiniteSteps; from stages.train import main; "
         f"main(['--params', 'params.yaml', '--exp', 'exp'], observers=[NonFiniteSteps({PERSISTENT_NAN_STEPS!r})])"
     )
     done = subprocess.run([sys.executable, "-c", stage], cwd=work, env=env, capture_output=True, text=True, timeout=300)

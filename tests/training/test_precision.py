@@ -18,10 +18,10 @@ import torch
 
 from asrflow.errors import AsrflowError
 from asrflow.model.conformer_ctc import build_model
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_model_config, tiny_trainer, train_paths
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint
 from asrflow.training.precision import resolve_precision
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.tiny_config import tiny_model_config, tiny_trainer, train_paths
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,12 @@ import sys
 
 import torch
 
-from asrflow.testing.repo import REPO
 from asrflow.training.assemble import use_shape_free_attention
+from tests.support.repo import REPO
 
 SCRIPT = """
 import torch
-from asrflow.testing.repo import repo_params
+from tests.support.repo import repo_params
 from asrflow.training.assemble import configure_process
 from asrflow.training.config import load_train_config
 

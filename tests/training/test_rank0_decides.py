@@ -17,13 +17,13 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from asrflow.errors import AsrflowError
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.processes import free_port
-from asrflow.testing.tiny_config import tiny_trainer
-from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.checkpoint_manager import CheckpointManager
 from asrflow.training.distributed import shutdown_distributed
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.processes import free_port
+from tests.support.tiny_config import tiny_trainer
+from tests.support.train_entry import train_in_process
 
 WORLD_SIZE = 2
 SEED = 42

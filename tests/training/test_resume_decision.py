@@ -15,13 +15,13 @@ import pytest
 
 from asrflow.errors import AsrflowError
 from asrflow.model.conformer_ctc import shape_record
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.repo import copy_repo
-from asrflow.testing.tiny_config import tiny_settings
-from asrflow.testing.train_entry import train_in_process
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.fingerprint import build_fingerprint, training_params
 from asrflow.training.resume import FRESH, RESUME, decide
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.repo import copy_repo
+from tests.support.tiny_config import tiny_settings
+from tests.support.train_entry import train_in_process
 
 CKPT_DIR = Path("exp/checkpoints")
 
@@ -223,7 +223,7 @@ def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_dat
             [
                 sys.executable,
                 "-m",
-                "asrflow.testing.train_entry",
+                "tests.support.train_entry",
                 "--data",
                 str(yesno_data),
                 "--exp",

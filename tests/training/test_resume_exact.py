@@ -1,6 +1,6 @@
 """Exact resume: a run killed (SIGKILL) or stopped (SIGTERM) and resumed ends bit-identical.
 
-Every run is a real training process (``asrflow.testing.train_entry``) on the prepared yesno data, with
+Every run is a real training process (``tests.support.train_entry``) on the prepared yesno data, with
 two data workers forked from a forkserver (the default), SpecAugment and dropout on. The reference run trains 3 epochs
 (9 steps each) without interruption; the others are interrupted and resumed by running the
 same command again, and must end with every tensor ``torch.equal`` to the reference and
@@ -13,11 +13,11 @@ import signal
 
 import pytest
 
-from asrflow.testing.exact_resume import OVERRIDES, assert_identical, final_state, resumed_from
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.train_entry import TrainingProcess, run_training
 from asrflow.training.checkpoint import list_checkpoints, load_checkpoint, step_of
 from asrflow.training.outcome import Outcome, exit_code
+from tests.support.exact_resume import OVERRIDES, assert_identical, final_state, resumed_from
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.train_entry import TrainingProcess, run_training
 
 
 @pytest.fixture(scope="module")

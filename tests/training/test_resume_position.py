@@ -16,8 +16,8 @@ from asrflow.data.loading.dataset import AsrBatchDataset
 from asrflow.data.loading.planner import BatchItem, TrainingBatches, plan_epoch
 from asrflow.data.loading.workers import pack_batch
 from asrflow.data.manifests import load_cuts
-from asrflow.testing.tiny_config import tiny_settings
 from asrflow.tokenizer import MODEL_FILE, Tokenizer
+from tests.support.tiny_config import tiny_settings
 
 SEED = 42
 MAX_DURATION_S = tiny_settings().train.data.max_duration_s

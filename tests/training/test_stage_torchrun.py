@@ -10,9 +10,9 @@ import sys
 
 import yaml
 
-from asrflow.testing.processes import free_port
-from asrflow.testing.repo import REPO
-from asrflow.testing.tiny_config import tiny_params
+from tests.support.processes import free_port
+from tests.support.repo import REPO
+from tests.support.tiny_config import tiny_params
 
 
 def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):

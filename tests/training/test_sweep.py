@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from asrflow.testing.repo import repo_params
 from asrflow.tracking.store import resolve_tracking_uri
 from asrflow.training.sweep import SWEEP_DIR, checkpoints_outside_temp_workspace, origin_repo, sweep_key
+from tests.support.repo import repo_params
 
 #: The train stage's persistent output, relative to the stage's folder.
 LINK = Path("exp/checkpoints")

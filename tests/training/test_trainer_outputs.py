@@ -19,11 +19,11 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from asrflow.errors import AsrflowError
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.tiny_config import tiny_params, tiny_trainer
 from asrflow.training import checkpoint as ckpt
 from asrflow.training.monitoring import LOSS_SCALE_FLOOR
 from asrflow.training.observers import TrainObserver
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.tiny_config import tiny_params, tiny_trainer
 
 SEED = 42
 EXPERIMENT = "outputs-test"

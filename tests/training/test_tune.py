@@ -5,9 +5,9 @@ from __future__ import annotations
 import yaml
 
 from asrflow.params import with_overrides
-from asrflow.testing.tiny_config import tiny_params, tiny_settings
 from asrflow.training.assemble import TrainingSettings
 from asrflow.training.tune import SHAPES, Machine, choose, chosen_precision, main, synthetic_batches
+from tests.support.tiny_config import tiny_params, tiny_settings
 
 
 def test_the_machine_is_read_from_cpuinfo(tmp_path):

@@ -12,8 +12,8 @@ import subprocess
 import sys
 import time
 
-from asrflow.testing.processes import running
-from asrflow.testing.repo import REPO
+from tests.support.processes import running
+from tests.support.repo import REPO
 
 #: Run in a fresh process (the forkserver is one per process): build the data, look for the server among
 #: this process's children, compare the first batches of forked and spawned workers, then SIGTERM the
@@ -22,7 +22,7 @@ from asrflow.testing.repo import REPO
 SCRIPT = """
 import json, os, signal, sys, time
 import psutil, torch
-from asrflow.testing.tiny_config import tiny_train_data
+from tests.support.tiny_config import tiny_train_data
 from asrflow.data.loading.workers import unpack_batch
 
 data = tiny_train_data(sys.argv[1], {"run.num_workers": 2, "run.mp_start_method": "forkserver"})

@@ -1,4 +1,4 @@
-"""The pipeline on the local Slurm cluster of :mod:`asrflow.testing.slurm_cluster`, for the Slurm tests.
+"""The pipeline on the local Slurm cluster of :mod:`tests.support.slurm_cluster`, for the Slurm tests.
 
 :func:`local_cluster` starts a cluster for a test (or skips the test, saying why, only where Slurm cannot
 run at all: not root, or neither Slurm nor apt-get), :func:`fresh_copy` makes a copy of the repository
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from asrflow.testing.pipeline_tools import git_init, set_params
-from asrflow.testing.repo import copy_repo, tool_env
-from asrflow.testing.slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install
+from tests.support.pipeline_tools import git_init, set_params
+from tests.support.repo import copy_repo, tool_env
+from tests.support.slurm_cluster import PARTITION, LocalSlurm, SlurmUnavailable, binaries_missing, install
 
 #: Short training (8 epochs, ~80 steps on yesno), a checkpoint every 20 steps, no checkpoint averaging:
 #: the final weights do not depend on which extra checkpoints an interruption wrote.
@@ -85,7 +85,7 @@ def fresh_copy(tmp_path_factory, name: str, **params) -> Path:
 
 
 def slurm_env(cluster: LocalSlurm, copy: Path) -> dict[str, str]:
-    """The environment of a tool run in ``copy`` (:func:`asrflow.testing.repo.tool_env`) whose Slurm clients
+    """The environment of a tool run in ``copy`` (:func:`tests.support.repo.tool_env`) whose Slurm clients
     talk to ``cluster``."""
     return cluster.env(tool_env(copy))
 

@@ -1,6 +1,6 @@
 """A yesno model that transcribes, trained in a few seconds on one CPU core, for tests and benchmarks.
 
-:func:`train_yesno_model` trains it on the prepared yesno data (``asrflow.testing.corpora.prepare_yesno``);
+:func:`train_yesno_model` trains it on the prepared yesno data (``tests.support.corpora.prepare_yesno``);
 the tests get it once per session as the ``yesno_model`` fixture of tests/conftest.py. Its tokenizer is
 the one params.yaml sets (BPE with whole-word pieces for yesno), trained on the train split, not the
 prepared data's char tokenizer: with characters, a model this small now and then drops a word boundary
@@ -56,10 +56,10 @@ def train_yesno_model(yesno_data: Path, folder: Path) -> Path:
     """
     from asrflow.data.manifests import cut_text, load_cuts
     from asrflow.params import build_config, load_params
-    from asrflow.testing.repo import REPO
-    from asrflow.testing.tiny_config import tiny_settings, train_paths
     from asrflow.tokenizer import TokenizerConfig, train_tokenizer
     from asrflow.training.assemble import build_trainer
+    from tests.support.repo import REPO
+    from tests.support.tiny_config import tiny_settings, train_paths
 
     lang = Path(folder) / "lang"
     lang.mkdir(parents=True, exist_ok=True)

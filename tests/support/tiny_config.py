@@ -32,8 +32,8 @@ def tiny_params(data: Path | None = None, overrides: dict | None = None, *, seed
     """params.yaml with :data:`TINY_OVERRIDES`, the ``features`` section ``data`` was computed with (when
     given), ``seed``, and ``overrides`` (dotted keys such as ``{"train.optim.epochs": 3}``, or sections)."""
     from asrflow.params import with_overrides
-    from asrflow.testing.corpora import params_for
-    from asrflow.testing.repo import repo_params
+    from tests.support.corpora import params_for
+    from tests.support.repo import repo_params
 
     params = with_overrides(repo_params(), TINY_OVERRIDES, "the tiny run")
     if data is not None:

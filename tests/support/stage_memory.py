@@ -24,10 +24,10 @@ def stage_peaks(
     """``python -m module argv`` run from ``repo`` (default: this checkout) as the pipeline runs a stage, wrapped:
     ``peak_rss_mb`` (its ``VmHWM`` before interpreter shutdown, which would raise it), ``peak_tree_pss_mb`` and
     ``peak_tree_rss_mb`` (it and its workers, read every ``poll_s`` seconds: a shorter spike may be missed),
-    ``peak_tree_anon_pss_mb`` (the anonymous part of its PSS: :class:`~asrflow.testing.processes.MemoryReading`)
+    ``peak_tree_anon_pss_mb`` (the anonymous part of its PSS: :class:`~tests.support.processes.MemoryReading`)
     and ``elapsed_s``. A stage that fails raises ``RuntimeError`` with its log's tail."""
-    from asrflow.testing.processes import ChildProcess
-    from asrflow.testing.repo import REPO
+    from tests.support.processes import ChildProcess
+    from tests.support.repo import REPO
 
     repo = repo or REPO
     report = log_path.with_suffix(".memory.json")

@@ -24,7 +24,7 @@ same transcripts and the same audio. The folder appears whole (built beside it, 
 
 Command line::
 
-    python -m asrflow.testing.spoken_corpus --hours 5 --out data/corpora/spoken-5h --seed 0
+    python -m asrflow.generate.spoken_corpus --hours 5 --out data/corpora/spoken-5h --seed 0
 
 Synthesis runs in one process per core (``--jobs``); espeak-ng must be on the PATH
 (Debian/Ubuntu: ``apt-get install espeak-ng``).
@@ -335,7 +335,7 @@ def read_info(corpus: Path) -> CorpusInfo:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m asrflow.testing.spoken_corpus",
+        prog="python -m asrflow.generate.spoken_corpus",
         description="Synthesize a spoken corpus with espeak-ng (corpus: folder layout, 16 kHz FLAC, split by voice). "
         "For scale and robustness figures only: synthetic speech says nothing about a real corpus.",
     )

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asrflow.testing.repo import REPO, YESNO_DIR, repo_params
+from tests.support.repo import REPO, YESNO_DIR, repo_params
 
 if TYPE_CHECKING:
     from asrflow.data.features.config import FeatureConfig
@@ -283,8 +283,8 @@ def tokenizer_config(**changes) -> TokenizerConfig:
     """The ``TokenizerConfig`` the tests train: params.yaml's section as a char model of at most 32 pieces, with
     ``changes``. A char model's size is only an upper bound, so it trains on any of the tests' small texts
     (params.yaml's 13-piece BPE is sized for yesno's two words), and 32 holds every character they use."""
-    from asrflow.testing.repo import repo_config
     from asrflow.tokenizer import TokenizerConfig
+    from tests.support.repo import repo_config
 
     return repo_config(TokenizerConfig, "tokenizer", **{"model_type": "char", "vocab_size": 32, **changes})
 

@@ -3,12 +3,12 @@ interrupt, fault and resume training (one process, or several ranks under torchr
 
 Usage::
 
-    python -m asrflow.testing.train_entry --data DATA --exp EXP [--overrides JSON] [--seed N]
+    python -m tests.support.train_entry --data DATA --exp EXP [--overrides JSON] [--seed N]
         [--log-every-step] [--pause-after-step N] [--pause-in-step N]
-    python -m torch.distributed.run --standalone --nproc-per-node=2 -m asrflow.testing.train_entry ...
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m tests.support.train_entry ...
 
 ``DATA`` holds ``fbank/`` and ``lang/``; ``EXP`` receives the run's outputs and, from rank 0,
-``summary.json``. The params are :func:`~asrflow.testing.tiny_config.tiny_params` with ``--overrides``
+``summary.json``. The params are :func:`~tests.support.tiny_config.tiny_params` with ``--overrides``
 (dotted keys, ``{"train.optim.epochs": 3}``), assembled as the train stage assembles them; MLflow goes to
 ``$MLFLOW_TRACKING_URI`` (default ``sqlite:///EXP/mlflow.db``). The exit status is the train stage's
 (:func:`stages.train.run_trainer`); a user error exits 2 with one line.
@@ -27,7 +27,7 @@ Faults, from environment variables each ``rank:step`` or ``rank:batch``: ``ASRFL
 ``ASRFLOW_TEST_STALL_WORKER_AT_BATCH`` / ``ASRFLOW_TEST_KILL_WORKER_AT_BATCH`` (the data worker that
 builds that planned batch sleeps forever / SIGKILLs itself). Each rank prints ``asrflow.test.rank R
 pid P`` when its first step is next (for a reader of the log). :class:`TrainingProcess` runs each rank
-under torchrun through :mod:`~asrflow.testing.exit_observer`, which records how it ended.
+under torchrun through :mod:`~tests.support.exit_observer`, which records how it ended.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ import time
 from pathlib import Path
 
 from asrflow.allocator import environment_with_jemalloc, jemalloc_to_preload
-from asrflow.testing.exit_observer import RankExit, observed, rank_exits
-from asrflow.testing.faults import NonFiniteSteps
-from asrflow.testing.mlflow_store import fresh_mlflow_store
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import REPO
-from asrflow.testing.tiny_config import tiny_settings, tiny_trainer
 from asrflow.training.observers import TrainObserver
+from tests.support.exit_observer import RankExit, observed, rank_exits
+from tests.support.faults import NonFiniteSteps
+from tests.support.mlflow_store import fresh_mlflow_store
+from tests.support.processes import ChildProcess
+from tests.support.repo import REPO
+from tests.support.tiny_config import tiny_settings, tiny_trainer
 
 STEP_MARK = "asrflow.test.step"
 PAUSE_MARK = "asrflow.test.paused"
@@ -132,7 +132,7 @@ class Hooks(TrainObserver):
 
 def build_trainer(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, seed: int = 42, observers=()):
     """The tiny Trainer with ``overrides`` on ``data``, writing under ``exp``; ``nonfinite_steps`` and
-    ``nonfinite_ranks`` in ``overrides`` go to :class:`~asrflow.testing.faults.NonFiniteSteps`."""
+    ``nonfinite_ranks`` in ``overrides`` go to :class:`~tests.support.faults.NonFiniteSteps`."""
     overrides = dict(overrides)
     nonfinite = NonFiniteSteps(overrides.pop("nonfinite_steps", ()), overrides.pop("nonfinite_ranks", ()))
     return tiny_trainer(data, exp, overrides, seed=seed, tracking_uri=tracking_uri, observers=[*observers, nonfinite])
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 class TrainingProcess(ChildProcess):
     """This module run on ``data`` into ``exp`` (cwd), in a session of its own; ``ranks`` > 1 runs it
     under torchrun with gloo (and sets ``run.nproc_per_node`` to ``ranks`` unless ``overrides`` do), each
-    rank under :mod:`~asrflow.testing.exit_observer` recording into :attr:`exits` (:meth:`rank_exits`). Steps
+    rank under :mod:`~tests.support.exit_observer` recording into :attr:`exits` (:meth:`rank_exits`). Steps
     are always logged (:meth:`steps`). MLflow goes to ``tracking_uri``, else to ``EXP/mlflow.db`` (a fresh
     store when there is none yet)."""
 
@@ -204,7 +204,7 @@ class TrainingProcess(ChildProcess):
             args += ["--pause-after-step", str(pause_after_step)]
         if pause_in_step is not None:
             args += ["--pause-in-step", str(pause_in_step)]
-        module = ["-m", "asrflow.testing.train_entry", *args]
+        module = ["-m", "tests.support.train_entry", *args]
         started = time.monotonic_ns()
         #: This job's rank records (one folder per job: a rerun in ``exp`` starts with none).
         self.exits = self.exp / "exits" / str(started)

@@ -4,7 +4,7 @@ from the process that exited, never from a log line. Test harness only; the trai
 
 Usage (what :func:`observed` builds, in place of ``-m MODULE ARGS`` on torchrun's command line)::
 
-    python -m torch.distributed.run ... -m asrflow.testing.exit_observer --exits DIR -- python -m MODULE ARGS
+    python -m torch.distributed.run ... -m tests.support.exit_observer --exits DIR -- python -m MODULE ARGS
 
 The child is started in the observer's own session and process group (torchrun gives each rank one), so a
 signal torchrun sends to the rank's group reaches the child directly, a SIGKILL of the group kills both,

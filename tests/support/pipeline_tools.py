@@ -3,7 +3,7 @@
 Every command runs with a timeout, the virtual environment's tools first on PATH, and the
 copy's own MLflow store, so nothing hangs and nothing touches the working repository.
 The end-to-end tests (tests/pipeline/, tests/cluster/) use it; a copy comes from
-:func:`asrflow.testing.repo.copy_repo`.
+:func:`tests.support.repo.copy_repo`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from asrflow.testing.processes import ChildProcess
-from asrflow.testing.repo import tool_env
+from tests.support.processes import ChildProcess
+from tests.support.repo import tool_env
 
 VENV_BIN = Path(sys.executable).parent
 STAGES = ("prepare", "features", "tokenizer", "train", "evaluate")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from asrflow.model.conformer_ctc import build_model
-from asrflow.testing.tiny_config import tiny_model_config
+from tests.support.tiny_config import tiny_model_config
 
 #: Utterances in :func:`utterances`, their longest length (frames), mel bins, target tokens each, vocabulary.
 NUM_UTTERANCES, FRAMES, MEL_BINS, TOKENS, VOCAB = 4, 120, 80, 9, 8

@@ -1,0 +1,2 @@
+"""Corpora generated on this machine, for trying the pipeline where no corpus can be downloaded:
+``python -m asrflow.generate.spoken_corpus`` speaks sentences with espeak-ng into a folder corpus."""

@@ -1,9 +1,0 @@
-"""Helpers for tests and benchmarks that ship with the package, as Lhotse ships ``lhotse.testing``: import
-them from here, never from a test module. One module per job: generated corpora (``corpora``,
-``spoken_corpus``), the tiny config and training entry (``tiny_config``, ``train_entry``), a trained yesno
-model (``trained_model``), step-level batches (``step_batches``), exact-resume comparisons (``exact_resume``),
-faults on demand (``faults``), MLflow stores and servers (``mlflow_store``, ``servers``), child processes
-(``processes``) and the exit status of each torchrun rank (``exit_observer``), the repository and its tools
-(``repo``, ``pipeline_tools``), the local Slurm cluster (``slurm_cluster``, ``slurm_pipeline``). No module
-imports pytest at its top.
-"""
