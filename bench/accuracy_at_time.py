@@ -60,7 +60,7 @@ def train_for(run_dir: Path, data: Path, params: dict, minutes: float) -> dict:
     }
 
 
-def evaluate(run_dir: Path, data: Path) -> dict:
+def score_run(run_dir: Path, data: Path) -> dict:
     """The evaluate stage on ``data``'s test split with ``run_dir``'s newest checkpoint: WER, CER, parameters."""
     import torch
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_dir = work / f"accuracy-{name}"
             record = {"benchmark": "accuracy_at_time", "variant": name, "overrides": overrides, "minutes": minutes}
             record |= {"data": str(data), "load_before": load_average()}
-            record |= train_for(run_dir, data, params, minutes) | evaluate(run_dir, data)
+            record |= train_for(run_dir, data, params, minutes) | score_run(run_dir, data)
             records.append(emit(record | {"load_after": load_average()}))
     return records
 

@@ -153,7 +153,7 @@ def train_settings(params: dict, *, quick: bool, data: Path | None = None, overr
     :data:`~tests.support.tiny_config.TINY_MODEL` when ``quick``, the features ``data`` was computed with
     (when given) and ``overrides`` (dotted keys, ``{"train.optim.epochs": 1000}``)."""
     from asrflow.params import with_overrides
-    from asrflow.training.assemble import TrainingSettings
+    from asrflow.training.settings import TrainingSettings
     from tests.support.corpora import params_for
     from tests.support.tiny_config import TINY_MODEL
 
@@ -168,12 +168,11 @@ def on_device(batch: dict, device) -> dict:
     return {key: value.to(device) if hasattr(value, "to") else value for key, value in batch.items()}
 
 
-def run_trainer(data: Path, exp: Path, settings, *, after_step=None, uri=None):
+def train_until(data: Path, exp: Path, settings, *, after_step=None, uri=None):
     """The Trainer as the train stage assembles it for ``settings`` on ``data`` (``fbank/``, ``lang/``) into
-    ``exp``, MLflow store ``uri`` (default: ``exp/mlflow.db``); ``after_step(result)`` after each step, which
-    stops it when true. Returns it."""
+    ``exp``, MLflow store ``uri`` (default: ``exp/mlflow.db``), run until it finishes or ``after_step(result)``,
+    called after each step, returns true (the next step is then the last, with a checkpoint). Returns it."""
     from asrflow.training.assemble import build_trainer
-    from asrflow.training.config import TrainPaths
     from asrflow.training.observers import TrainObserver
 
     class AfterStep(TrainObserver):
@@ -181,30 +180,26 @@ def run_trainer(data: Path, exp: Path, settings, *, after_step=None, uri=None):
             if after_step is not None and after_step(result):
                 run.stop.request()  # the next step is the last one, then a checkpoint (as on SIGTERM)
 
-    paths = TrainPaths.under(exp, fbank_dir=data / "fbank", lang_dir=data / "lang")
     uri = uri or f"sqlite:///{exp / 'mlflow.db'}"
-    trainer = build_trainer(settings, paths, tracking_uri=uri, observers=[AfterStep()])
+    trainer = build_trainer(settings, data_paths(data, exp), tracking_uri=uri, observers=[AfterStep()])
     trainer.run()  # returns when finished or stopped
     return trainer
 
 
-def train_data(data: Path, settings, *, seed: int | None = None, accum_grad: int | None = None):
-    """The ``TrainData`` the Trainer builds for ``settings`` (TrainingSettings) on ``data`` (``fbank/``,
-    ``lang/``), built in this process as one rank; ``seed`` and ``accum_grad`` replace the settings' own."""
-    from asrflow.training.train_data import TrainData
+def data_paths(data: Path, exp: Path | None = None):
+    """``TrainPaths`` reading ``data`` (``fbank/``, ``lang/``) and writing under ``exp`` (default: ``data/exp``)."""
+    from asrflow.training.config import TrainPaths
 
-    optim, run, features = settings.train.optim, settings.run, settings.features
-    return TrainData.build(
-        settings.train.data,
-        features,
-        epochs=optim.epochs,
-        accum_grad=optim.accum_grad if accum_grad is None else accum_grad,
-        num_workers=run.data_workers(features.on_the_fly),
-        mp_start_method=run.mp_start_method,
-        seed=settings.seed if seed is None else seed,
-        fbank_dir=data / "fbank",
-        lang_dir=data / "lang",
-    )
+    return TrainPaths.under(exp or data / "exp", fbank_dir=data / "fbank", lang_dir=data / "lang")
+
+
+def bench_train_data(data: Path, settings, *, seed: int | None = None, accum_grad: int | None = None):
+    """The ``TrainData`` the Trainer builds for ``settings`` (TrainingSettings) on ``data`` (``fbank/``,
+    ``lang/``), as one rank on this machine's training device; ``seed`` and ``accum_grad`` replace the
+    settings' own."""
+    from asrflow.training.parts import RunPlace, build_train_data
+
+    return build_train_data(settings, data_paths(data), RunPlace.single(), seed=seed, accum_grad=accum_grad)
 
 
 def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None = None, **info) -> Path:
@@ -213,16 +208,16 @@ def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None 
     import torch
 
     from asrflow.data.features.cmvn import CMVN_FILE, cmvn_stats, load_cmvn
-    from asrflow.model.conformer_ctc import build_model
     from asrflow.serving.bundle import save_bundle
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
-    from asrflow.training.config import load_train_config
-    from tests.support.corpora import data_features
+    from asrflow.training.parts import build_run_model
+    from asrflow.training.settings import TrainingSettings
+    from tests.support.corpora import data_features, params_for
 
     tokenizer, features = Tokenizer(data / "lang" / MODEL_FILE), data_features(data)
     torch.manual_seed(0)
-    dims = {"input_dim": features.num_mel_bins, "vocab_size": tokenizer.vocab_size}
-    model = build_model(load_train_config(params).model, **dims)
+    settings = TrainingSettings.from_params(params_for(data, params))
+    model = build_run_model(settings, vocab_size=tokenizer.vocab_size)
     state = model_state if model_state is not None else model.state_dict()
     cmvn = cmvn_stats(load_cmvn(data / "fbank" / CMVN_FILE))
     bundle = {"model_shape": model.shape, "tokenizer": tokenizer, "features": features, "cmvn": cmvn, "run_id": None}

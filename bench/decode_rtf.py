@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.common import emit, parse_args, ratio, run_trainer, train_settings, workdir, write_bundle
+from bench.common import emit, parse_args, ratio, train_settings, train_until, workdir, write_bundle
 from tests.support.corpora import yesno_data
 from tests.support.repo import REPO, repo_params
 
@@ -40,7 +40,7 @@ def model_bundle(data: Path, work: Path, quick: bool) -> tuple[Path, str]:
     changes |= {"train.optim.average_last": 1}
     shutil.rmtree(work / "decode-exp", ignore_errors=True)
     settings = train_settings(params, quick=False, data=data, overrides=changes)
-    trainer = run_trainer(data, work / "decode-exp", settings)
+    trainer = train_until(data, work / "decode-exp", settings)
     return trainer.paths.model_path, f"trained here: {FALLBACK_EPOCHS} epochs on yesno (no exp/model.pt)"
 
 

@@ -147,7 +147,7 @@ def bare(data: Path, args, device) -> dict:
 
 def trainer(data: Path, args, device) -> dict:
     """The Trainer's first pass against a warm one (the same batches again, in the same process)."""
-    from bench.common import run_trainer
+    from bench.common import train_until
 
     settings = settings_for(data, args, **extra_overrides(args))
     record: dict = {"on_the_fly": args.on_the_fly, "num_workers": args.num_workers}
@@ -158,7 +158,7 @@ def trainer(data: Path, args, device) -> dict:
             results.append(result)
             return len(results) >= args.steps - 1 or sum(r.elapsed_s for r in results[1:]) > args.seconds
 
-        run_trainer(data, Path(args.workdir) / f"trainer-{name}-{time.time_ns()}", settings, after_step=stop)
+        train_until(data, Path(args.workdir) / f"trainer-{name}-{time.time_ns()}", settings, after_step=stop)
         timed = results[1:]
         elapsed = sum(r.elapsed_s for r in timed)
         record[f"{name}_steps"] = len(results)
@@ -245,11 +245,11 @@ def decode(data: Path, args, device) -> dict:
     from asrflow.data.manifests import load_cuts
     from asrflow.evaluation.evaluate import EvaluateConfig, decode_split
     from asrflow.serving.bundle import Bundle
-    from bench.common import train_data
+    from bench.common import bench_train_data
     from bench.train_throughput import build
 
     settings = settings_for(data, args)
-    built = train_data(data, settings, seed=0)
+    built = bench_train_data(data, settings, seed=0)
     model = build(settings.train, settings.features, 0, built.tokenizer.vocab_size)[0].eval()
     cuts = load_cuts(data / "fbank", "train").to_eager().subset(first=args.steps)
     config = EvaluateConfig(max_batch_duration_s=args.batch_seconds)

@@ -16,17 +16,18 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.common import (
+    bench_train_data,
     emit,
     machine,
     matmul_flops,
     parse_args,
     ratio,
-    run_trainer,
-    train_data,
     train_settings,
+    train_until,
     workdir,
 )
 from tests.support.corpora import generated_data, yesno_data
@@ -48,7 +49,7 @@ class PlannedBatches:
     TrainingSettings, at ``seed``), made in this process."""
 
     def __init__(self, data: Path, settings, seed: int):
-        built = train_data(data, settings, seed=seed)
+        built = bench_train_data(data, settings, seed=seed)
         self.tokenizer, self.dataset = built.tokenizer, built.dataset
         self.items = iter(built.batches)
         self.accum_grad = settings.train.optim.accum_grad
@@ -58,18 +59,17 @@ class PlannedBatches:
         return [self.dataset[next(self.items)] for _ in range(self.accum_grad)]
 
 
-def build(train, features, seed: int, vocab_size: int):
-    """The model and optimizer the Trainer builds for ``train`` (a TrainConfig: its whole ``train.model`` section,
-    ``train.optim``'s lr and weight decay) over ``features``, seeded the same way."""
-    from asrflow.model.conformer_ctc import build_model
-    from asrflow.training.run_state import seed_everything
-    from asrflow.training.step import build_optimizer
+def build(settings, vocab_size: int):
+    """The model and optimizer the Trainer builds for ``settings`` (TrainingSettings), through the same factory
+    and seeded the same way, in train mode."""
+    import torch
 
-    seed_everything(seed)
-    model = build_model(train.model, input_dim=features.num_mel_bins, vocab_size=vocab_size)
-    optim = train.optim
-    scale = train.finetune.encoder_lr_scale
-    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, encoder_lr_scale=scale)
+    from asrflow.training.parts import RunPlace, build_run_model, build_step_context
+    from asrflow.training.run_state import seed_everything
+
+    seed_everything(settings.seed)
+    model = build_run_model(settings, vocab_size=vocab_size)
+    optimizer = build_step_context(settings, model, RunPlace.single(torch.device("cpu"))).optimizer
     model.train()
     return model, optimizer
 
@@ -108,7 +108,7 @@ def run_paired(data: Path, exp: Path, *, tracking_uri, settings, max_steps, budg
     """The Trainer of ``settings`` (TrainingSettings), with a bare step after each of its steps; per-step records,
     and FLOPs/audio s."""
     planned = PlannedBatches(data, settings, settings.seed)
-    bare_model, bare_optimizer = build(settings.train, settings.features, settings.seed, planned.tokenizer.vocab_size)
+    bare_model, bare_optimizer = build(settings, planned.tokenizer.vocab_size)
     first = planned.next_step()
     flops_per_audio_s = model_flops(bare_model, first[0]) / float(first[0]["durations"].sum())
     pending, records, started = [first], [], []
@@ -127,7 +127,7 @@ def run_paired(data: Path, exp: Path, *, tracking_uri, settings, max_steps, budg
         steps, spent = result.step, time.perf_counter() - started[0]
         return steps >= max_steps - 1 or (steps >= MIN_STEPS - 1 and spent / (steps - 1) * steps > budget_s)
 
-    run_trainer(data, exp, settings, after_step=paired, uri=tracking_uri)
+    train_until(data, exp, settings, after_step=paired, uri=tracking_uri)
     return records, flops_per_audio_s
 
 
@@ -215,10 +215,9 @@ def measure_precisions(name: str, data: Path, settings, *, timed: int, threads: 
     from asrflow.training.precision import resolve_precision
 
     torch.set_num_threads(threads)  # no Trainer here: bare steps only
-    train, features = settings.train, settings.features
     planned = PlannedBatches(data, settings, seed=0)
-    vocab = planned.tokenizer.vocab_size
-    runs = {p: (resolve_precision(p, "cpu", None), *build(train, features, 0, vocab)) for p in PRECISIONS}
+    vocab, seeded = planned.tokenizer.vocab_size, replace(settings, seed=0)
+    runs = {p: (resolve_precision(p, "cpu", None), *build(seeded, vocab)) for p in PRECISIONS}
     seconds, audio_s = dict.fromkeys(PRECISIONS, 0.0), 0.0
     for index in range(timed + 1):  # the first is a warm-up
         batches = planned.next_step()
@@ -244,8 +243,8 @@ def measure_compile(data: Path, settings, *, steps: int, threads: int) -> list[d
     for dynamic in (True, False):
         planned = PlannedBatches(data, settings, seed=0)
         vocab = planned.tokenizer.vocab_size
-        eager, eager_optimizer = build(settings.train, settings.features, 0, vocab)
-        model, optimizer = build(settings.train, settings.features, 0, vocab)
+        eager, eager_optimizer = build(replace(settings, seed=0), vocab)
+        model, optimizer = build(replace(settings, seed=0), vocab)
         compiled = torch.compile(model, dynamic=dynamic)
         common = {"benchmark": "cpu_compile", "dynamic": dynamic, "threads": threads, "torch": torch.__version__}
         for step in range(steps):

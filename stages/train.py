@@ -120,9 +120,10 @@ def main(
         flat = flatten(params)
         use_allocator(flat.get("run.allocator", "auto"), flat.get("train.optim.precision", "auto"))
     # Imported only now: torch takes seconds to import, which a re-execution above would have paid twice.
-    from asrflow.training.assemble import TrainingSettings, build_trainer
+    from asrflow.training.assemble import build_trainer
     from asrflow.training.config import TrainPaths
     from asrflow.training.init_model import check_declared
+    from asrflow.training.settings import TrainingSettings
 
     logger.info("train stage started (pid %d, malloc: %s)", os.getpid(), malloc_in_use())  # bench.startup's mark
     overrides = rendezvous_from_environment()  # a cluster job's allocation, for that job only

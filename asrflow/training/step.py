@@ -202,13 +202,8 @@ def train_step(
     all-reduce, which also sums the loss for logging. ``stop_requested`` is read right
     before that all-reduce, so a signal that arrives during this step makes it the last one.
     """
-    optimizer, scaler, precision, dist, device = (
-        context.optimizer,
-        context.scaler,
-        context.precision,
-        context.dist,
-        context.device,
-    )
+    optimizer, scaler, precision = context.optimizer, context.scaler, context.precision
+    dist, device = context.dist, context.device
     optimizer.zero_grad(set_to_none=True)
     local_loss = 0.0
     scale = dist.world_size / max(step_tokens, 1)

@@ -1,7 +1,7 @@
-"""Everything training reads, built once from the config: the one place that assembles it.
+"""Everything training reads: the tokenizer, CMVN, CTC-feasible cuts, batch plan, datasets and data loader.
 
-The trainer, the benchmarks and the tests all get their tokenizer, CMVN, CTC-feasible cuts,
-batch plan, datasets and data loader from :meth:`TrainData.build`.
+Built from a run's settings by :func:`asrflow.training.parts.build_train_data`, which the Trainer, the
+benchmarks and the tests all call.
 """
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ class TrainData:
         """Read the features and tokenizer stages' outputs and make this rank's data: ``config`` is the
         ``train.data`` section, ``epochs`` and ``accum_grad`` are ``train.optim``'s, ``num_workers`` data-loading
         processes started with ``mp_start_method``."""
-        _check_options(config, features)
         check_same_features(features, fbank_dir)
         tokenizer_path = Path(lang_dir) / MODEL_FILE
         if not tokenizer_path.is_file():
@@ -97,61 +96,24 @@ class TrainData:
         tokenizer = Tokenizer(tokenizer_path)
         cmvn_path = Path(fbank_dir) / CMVN_FILE
         mvn = load_cmvn(cmvn_path)
-        max_speed = max(SPEED_FACTORS) if config.speed_perturb else 1.0
-        # The train cuts as a compact index (ids, durations, offsets into the node's one uncompressed copy of
-        # the manifest, shared by its ranks and runs): no process, data workers included, holds every cut.
-        full_index = shared_index(cuts_path(fbank_dir, "train"))
-        train_cuts, removed = filter_ctc_feasible_index(
-            full_index, tokenizer, features.frame_shift_s, max_speed, cache_key=file_digest(tokenizer_path)
-        )
-        train_cuts.store_owner = full_index.store_owner  # the store stays held as long as the index that reads it
-        if len(train_cuts) == 0:
-            raise AsrflowError("no train utterance is long enough for its transcript; check the data")
+        full_index, train_cuts, removed = _train_cuts(config, features, fbank_dir, tokenizer, tokenizer_path)
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
-        batches = TrainingBatches(
-            train_cuts,
-            seed=seed,
-            max_duration_s=config.max_duration_s,
-            num_buckets=config.num_buckets,
-            accum_grad=accum_grad,
-            world_size=(dist or DistInfo()).world_size,
-            rank=(dist or DistInfo()).rank,
-            start_epoch=0,
-            start_step=0,
-            num_epochs=epochs,
-            mix=corpus_mix(train_cuts, list_corpora(fbank_dir), config.corpus_weights),
-            pad_frames_to=config.pad_frames_to,
-            frame_shift_s=features.frame_shift_s,
-        )
+        dist = dist or DistInfo()
+        plan = dict(seed=seed, accum_grad=accum_grad, world_size=dist.world_size, rank=dist.rank, num_epochs=epochs)
+        batches = _training_batches(train_cuts, config, features, fbank_dir, **plan)
         extractor = features.extractor() if features.on_the_fly else None
         noise = _noise_cuts(config, features)
         logger.info("train data ready: %d train cuts, %d dev cuts", len(train_cuts), len(dev_cuts))
         if num_workers and mp_start_method == "forkserver":
             start_worker_server()
+        datasets = dict(seed=seed, extractor=extractor, pad_frames_to=config.pad_frames_to)
         return cls(
             tokenizer=tokenizer,
             mvn=mvn,
             cmvn_path=cmvn_path,
             batches=batches,
-            dataset=AsrBatchDataset(
-                train_cuts,
-                tokenizer,
-                mvn,
-                seed=seed,
-                augment=config,
-                extractor=extractor,
-                noise_cuts=noise,
-                pad_frames_to=config.pad_frames_to,
-            ),
-            dev_dataset=AsrBatchDataset(
-                dev_cuts,
-                tokenizer,
-                mvn,
-                seed=seed,
-                augment=None,
-                extractor=extractor,
-                pad_frames_to=config.pad_frames_to,
-            ),
+            dataset=AsrBatchDataset(train_cuts, tokenizer, mvn, augment=config, noise_cuts=noise, **datasets),
+            dev_dataset=AsrBatchDataset(dev_cuts, tokenizer, mvn, augment=None, **datasets),
             dev_batches=dev_batches(dev_cuts, config.max_duration_s, config.pad_frames_to, features.frame_shift_s),
             num_train=len(train_cuts),
             num_dev=len(dev_cuts),
@@ -272,13 +234,39 @@ def corpus_mix(index: CutIndex, corpora: list[str], weights: dict[str, float]) -
     return mix
 
 
-def _check_options(config: DataConfig, features: FeatureConfig) -> None:
-    """Refuse option combinations that would be silently ignored."""
-    if config.speed_perturb and not features.on_the_fly:
-        raise AsrflowError(
-            "train.data.speed_perturb needs features.on_the_fly: true (speed perturbation changes the audio, "
-            "and precomputed features have none): set features.on_the_fly: true or train.data.speed_perturb: false"
-        )
+def _train_cuts(
+    config: DataConfig, features: FeatureConfig, fbank_dir: Path, tokenizer: Tokenizer, tokenizer_path: Path
+):
+    """The train cuts as a compact index (ids, durations, offsets into the node's one uncompressed copy of the
+    manifest, shared by its ranks and runs: no process, data workers included, holds every cut), before and
+    after dropping those too short for their transcript (at the fastest speed perturbation); and the dropped."""
+    max_speed = max(SPEED_FACTORS) if config.speed_perturb else 1.0
+    full_index = shared_index(cuts_path(fbank_dir, "train"))
+    train_cuts, removed = filter_ctc_feasible_index(
+        full_index, tokenizer, features.frame_shift_s, max_speed, cache_key=file_digest(tokenizer_path)
+    )
+    train_cuts.store_owner = full_index.store_owner  # the store stays held as long as the index that reads it
+    if len(train_cuts) == 0:
+        raise AsrflowError("no train utterance is long enough for its transcript; check the data")
+    return full_index, train_cuts, removed
+
+
+def _training_batches(
+    train_cuts: CutIndex, config: DataConfig, features: FeatureConfig, fbank_dir: Path, **plan
+) -> TrainingBatches:
+    """This rank's plan over every epoch (``plan``: seed, accum_grad, world_size, rank, num_epochs), bucketed
+    by duration as ``train.data`` asks, with the corpora mixed by ``train.data.corpus_weights``."""
+    return TrainingBatches(
+        train_cuts,
+        max_duration_s=config.max_duration_s,
+        num_buckets=config.num_buckets,
+        start_epoch=0,
+        start_step=0,
+        mix=corpus_mix(train_cuts, list_corpora(fbank_dir), config.corpus_weights),
+        pad_frames_to=config.pad_frames_to,
+        frame_shift_s=features.frame_shift_s,
+        **plan,
+    )
 
 
 def _noise_cuts(config: DataConfig, features: FeatureConfig):

@@ -13,125 +13,79 @@ import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from asrflow.code_digest import source_digest
-from asrflow.data.features.config import FeatureConfig
 from asrflow.data.loading.workers import unpack_batch
 from asrflow.logs import TerminalProgress
-from asrflow.model.conformer_ctc import build_model, count_parameters
+from asrflow.model.conformer_ctc import count_parameters
 from asrflow.tracking.run import MlflowRun, NullTracker, start_training_run
-from asrflow.tracking.store import build_store_in_background
-from asrflow.training.checkpoint import content_digest
-from asrflow.training.checkpoint_manager import CheckpointManager
-from asrflow.training.config import TrainConfig, TrainPaths
-from asrflow.training.distributed import check_same_everywhere, data_parallel, init_distributed, shutdown_distributed
+from asrflow.training.config import TrainPaths
+from asrflow.training.distributed import data_parallel, shutdown_distributed
 from asrflow.training.final_model import write_final_model
-from asrflow.training.fingerprint import build_fingerprint, training_params
-from asrflow.training.init_model import apply_init, check_compatible, encoder_parameters, load_init_model
+from asrflow.training.init_model import apply_init
 from asrflow.training.monitoring import StallWatchdog, report_step
-from asrflow.training.nonfinite import NonFiniteGuard, RollbackNeeded
+from asrflow.training.nonfinite import RollbackNeeded
 from asrflow.training.observers import ObservedRun, StopFlag, TrainObserver
 from asrflow.training.outcome import Outcome, TrainOutcome, as_failure
+from asrflow.training.parts import RunParts, RunPlace
 from asrflow.training.precision import precision_change_tags
-from asrflow.training.run_config import RunConfig
-from asrflow.training.run_state import LossHistory, PlanPosition, RandomState, RunCounters, seed_everything
-from asrflow.training.step import StepContext, StepResult, apply_lr_scale, build_scheduler, train_step
-from asrflow.training.train_data import TrainData
-from asrflow.training.validation import Validator
+from asrflow.training.run_state import LossHistory, PlanPosition, RandomState, RunCounters
+from asrflow.training.step import StepResult, apply_lr_scale, train_step
+
+if TYPE_CHECKING:
+    from asrflow.training.settings import TrainingSettings
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """One training run described by ``config``: constructing it joins the process group, reads the data and
-    builds the model and the stateful components; :meth:`run` trains (or resumes) and writes the model bundle.
+    """The loop of one training run over its built parts (:class:`~asrflow.training.parts.RunParts`): :meth:`run`
+    trains (or resumes) and writes the model bundle.
 
-    ``config``, ``run``, ``features`` and ``seed`` are the params' ``train:``, ``run:``, ``features:`` and ``seed``
-    (build them with :func:`~asrflow.training.assemble.build_trainer`, which also sets up the process);
-    ``all_params`` are logged to MLflow as the run's params; ``tracking_uri`` is the MLflow store (default:
+    Build it with :func:`~asrflow.training.assemble.build_trainer`, which sets up the process, starts the
+    process group and the tracking store, loads a start model, builds the parts and checks that every rank
+    agrees. ``settings`` are the run's params (:class:`~asrflow.training.assemble.TrainingSettings`; the whole
+    params are logged to MLflow); ``place`` its rank and device; ``tracking_uri`` the MLflow store (default:
     ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db``); ``observers``: :class:`~.observers.TrainObserver`.
+    Constructing it has no side effect.
     """
 
     def __init__(
         self,
-        config: TrainConfig,
-        run: RunConfig,
-        features: FeatureConfig,
+        settings: TrainingSettings,
+        parts: RunParts,
+        place: RunPlace,
         *,
-        seed: int,
-        all_params: dict | None = None,
-        paths: TrainPaths | None = None,
+        paths: TrainPaths,
         tracking_uri: str | None = None,
         observers: Sequence[TrainObserver] = (),
     ):
-        self.config, self.run_config, self.features, self.seed = config, run, features, seed
-        self.all_params, self.paths = all_params or {}, paths or TrainPaths()
+        self.config, self.run_config, self.features = settings.train, settings.run, settings.features
+        self.seed, self.all_params, self.paths = settings.seed, settings.params, paths
         self.tracking_uri, self.observers = tracking_uri, list(observers)
+        self.dist, self.device = place.dist, place.device
+        self.data, self.model, self.init_model, self.frozen = parts.data, parts.model, parts.init_model, parts.frozen
+        self.step_context, self.scheduler, self.guard = parts.step_context, parts.scheduler, parts.guard
+        self.optimizer, self.scaler = self.step_context.optimizer, self.step_context.scaler
+        self.precision = self.step_context.precision
+        self.validator, self.checkpoints, self.train_params = parts.validator, parts.checkpoints, parts.train_params
+        self.ddp_model: torch.nn.Module = self.model  # wrapped in DDP once the model is restored
         self.stop = StopFlag()
         self.tracker: MlflowRun | NullTracker = NullTracker()
         self.terminal_progress: TerminalProgress | None = None  # rank 0's, once the run starts
-        self.dist = init_distributed(run.dist_timeout_s)
-        if self.dist.is_main:  # a new store is made while the data and model are built
-            build_store_in_background(tracking_uri)
-        self.device = torch.device(f"cuda:{self.dist.local_rank}" if torch.cuda.is_available() else "cpu")
-        seed_everything(seed)
-        self.data = TrainData.build(
-            config.data,
-            features,
-            epochs=config.optim.epochs,
-            accum_grad=config.optim.accum_grad,
-            num_workers=run.data_workers(features.on_the_fly, gpu=self.device.type == "cuda"),
-            mp_start_method=run.mp_start_method,
-            seed=seed,
-            fbank_dir=self.paths.fbank_dir,
-            lang_dir=self.paths.lang_dir,
-            dist=self.dist,
-        )
-        dims = {"input_dim": features.num_mel_bins, "vocab_size": self.data.tokenizer.vocab_size}
-        self.model = build_model(config.model, **dims).to(self.device)
-        finetune = config.finetune
-        self.init_model = load_init_model(finetune.init_from, tracking_uri=tracking_uri) if finetune.init_from else None
-        if self.init_model is not None:  # refused before any step: a shape or feature that differs
-            check_compatible(self.init_model, config.model, features)
-        self.frozen = encoder_parameters(self.model) if finetune.freeze_encoder_steps else []
-        self.ddp_model: torch.nn.Module = self.model  # wrapped in DDP once the model is restored
-        self.step_context = StepContext.for_run(
-            self.model,
-            config.optim,
-            encoder_lr_scale=finetune.encoder_lr_scale,
-            dist=self.dist,
-            device=self.device,
-            seed=seed,
-        )
-        self.optimizer, self.scaler = self.step_context.optimizer, self.step_context.scaler
-        self.precision = self.step_context.precision
-        self.scheduler = build_scheduler(self.optimizer, config.optim.warmup_steps)
-        self.guard = NonFiniteGuard.for_run(config.nonfinite, self.paths.bad_batches, writes_records=self.dist.is_main)
         self.counters, self.history = RunCounters(), LossHistory()
         self.position = PlanPosition(self.data.batches, self.dist.world_size)
-        dev_loss = functools.partial(self.data.dev_loss, precision=self.precision, dist=self.dist, device=self.device)
-        self.validator = Validator(config.checkpoint.validate_every_steps, dev_loss if self.data.dev_batches else None)
-        shapes, digest = (self.model.shape, asdict(features)), self.data.digest
-        init = self.init_model.fingerprint() if self.init_model is not None else None
-        fingerprint = build_fingerprint(*shapes, data_digest=digest, seed=seed, config=config, init=init)
-        self.train_params = training_params(config, run, source_digest(__name__))
-        check_same_everywhere(self.dist, content_digest([fingerprint, self.train_params]), "params, code or data")
-        facts = {"fingerprint": fingerprint, "train_params": self.train_params, "precision": self.precision.name}
-        self.checkpoints = CheckpointManager.for_run(
-            config.checkpoint, self.paths.checkpoint_dir, dist=self.dist, facts=facts
-        )
         self.checkpoints.register(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         self.checkpoints.register(scaler=self.scaler, rng=RandomState(), counters=self.counters)
         self.checkpoints.register(position=self.position, history=self.history, guard=self.guard)
         self.observed = ObservedRun(dist=self.dist, data=self.data, scaler=self.scaler, stop=self.stop)
-        data, precision = self.data, self.precision
         logger.info(
-            f"model: {count_parameters(self.model)} parameters; {data.num_train} train / {data.num_dev} dev "
-            f"utterances ({data.removed_for_ctc} removed as too short for CTC); precision {precision.name} "
-            f"({precision.reason}); device {self.device}; world size {self.dist.world_size}"
+            f"model: {count_parameters(self.model)} parameters; {self.data.num_train} train / {self.data.num_dev} "
+            f"dev utterances ({self.data.removed_for_ctc} removed as too short for CTC); precision "
+            f"{self.precision.name} ({self.precision.reason}); device {self.device}; world size {self.dist.world_size}"
         )
 
     def request_stop(self) -> None:

@@ -23,12 +23,16 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import multiprocessing
+import os
 import platform
 import random
 import re
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,17 +40,19 @@ from typing import Any
 import psutil
 import torch
 
-from asrflow.allocator import limit_onednn_cache
+from asrflow.allocator import environment_with_jemalloc, jemalloc_to_preload, loaded_allocator
 from asrflow.cores import available_cores
-from asrflow.data.loading.planner import padded_frames
+from asrflow.data.loading.planner import BatchItem, padded_frames
 from asrflow.errors import exit_on_user_error
 from asrflow.logs import setup_logging
-from asrflow.model.conformer_ctc import build_model, subsampled_lengths
+from asrflow.model.conformer_ctc import subsampled_lengths
 from asrflow.params import load_params
-from asrflow.training.assemble import TrainingSettings
-from asrflow.training.distributed import DistInfo
+from asrflow.training.assemble import configure_process, process_report
+from asrflow.training.parts import RunPlace, build_run_model, build_step_context
 from asrflow.training.precision import precision_for
-from asrflow.training.step import StepContext, build_optimizer, train_step
+from asrflow.training.run_state import seed_everything
+from asrflow.training.settings import TrainingSettings
+from asrflow.training.step import train_step
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +112,12 @@ def synthetic_batch(
     *,
     device: torch.device | None = None,
     utterance_s: float = UTTERANCE_S,
+    index: int = 0,
 ) -> dict:
     """A padded batch of ``batch_s`` seconds of random fbank in utterances of ``utterance_s``, their frames
-    padded to a multiple of ``train.data.pad_frames_to`` as training pads them, with random transcripts short
-    enough for CTC: what :func:`~asrflow.training.step.train_step` takes."""
+        padded to a multiple of ``train.data.pad_frames_to`` as training pads them, with random transcripts short
+        enough for CTC: what :func:`~asrflow.training.step.train_step` takes, as the ``index``-th batch of an epoch
+    (which seeds its dropout)."""
     features = settings.features
     frames = int(min(utterance_s, batch_s) / features.frame_shift_s)
     padded = padded_frames(frames, settings.train.data.pad_frames_to)
@@ -123,8 +131,12 @@ def synthetic_batch(
         "targets": torch.randint(1, vocab_size, (count, tokens), generator=generator),
         "target_lens": torch.full((count,), tokens, dtype=torch.int64),
         "durations": torch.full((count,), frames * features.frame_shift_s),
-        "cut_ids": [f"synthetic-{index}" for index in range(count)],
+        "cut_ids": [f"synthetic-{utterance}" for utterance in range(count)],
     }
+    ids = tuple(batch["cut_ids"])
+    batch["item"] = BatchItem(
+        epoch=0, step_in_epoch=index, micro_index=0, batch_index=index, cut_ids=ids, step_cut_ids=ids
+    )
     return {key: value.to(device) if torch.is_tensor(value) and device else value for key, value in batch.items()}
 
 
@@ -136,35 +148,27 @@ def synthetic_batches(
     as a length-bucketed epoch draws them, so that the few steps of any round mix short and long batches."""
     lengths = [UTTERANCE_S * (0.75 + 0.5 * index / (SHAPES - 1)) for index in range(SHAPES)]
     random.Random(settings.seed).shuffle(lengths)
-    return [synthetic_batch(batch_s, settings, vocab_size, device=device, utterance_s=length) for length in lengths]
+    return [
+        synthetic_batch(batch_s, settings, vocab_size, device=device, utterance_s=length, index=index)
+        for index, length in enumerate(lengths)
+    ]
 
 
 class StepRunner:
-    """Real optimizer steps (forward, CTC, backward, clipping, AdamW) of ``settings``' model on ``batches`` in
-    turn, in ``precision`` at ``threads`` torch threads (None: as set)."""
+    """Real optimizer steps (forward, CTC, backward, clipping, AdamW, dropout seeded per batch) of ``settings``'
+    model on ``batches`` in turn, in ``precision``: the model and step context built by the run's factory
+    (:mod:`asrflow.training.parts`), seeded as a run is."""
 
-    def __init__(
-        self, settings: TrainingSettings, precision: str, batches: list[dict], *, vocab_size: int, threads=None
-    ):
-        device = batches[0]["features"].device
-        torch.manual_seed(settings.seed)
-        model = build_model(settings.train.model, input_dim=batches[0]["features"].shape[-1], vocab_size=vocab_size)
-        self.model, self.batches, self.steps, self.threads = model.to(device).train(), batches, 0, threads
-        optim, policy = settings.train.optim, precision_for(precision, device)
-        self.context = StepContext(
-            optimizer=build_optimizer(self.model, lr=optim.lr, weight_decay=optim.weight_decay),
-            scaler=policy.grad_scaler(),
-            precision=policy,
-            max_grad_norm=optim.max_grad_norm,
-            dist=DistInfo(),
-            device=device,
-        )
+    def __init__(self, settings: TrainingSettings, precision: str, batches: list[dict], *, vocab_size: int):
+        place = RunPlace.single(batches[0]["features"].device)
+        seed_everything(settings.seed)
+        self.model = build_run_model(settings, vocab_size=vocab_size, device=place.device).train()
+        self.context = build_step_context(settings, self.model, place, precision=precision)
+        self.batches, self.steps = batches, 0
         self.step()  # warm-up: kernels chosen, memory mapped
 
     def step(self) -> tuple[float, float]:
         """One step on the next batch: its audio seconds and wall seconds."""
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
         batch = self.batches[self.steps % len(self.batches)]
         self.steps += 1
         began = time.perf_counter()
@@ -173,19 +177,102 @@ class StepRunner:
             torch.cuda.synchronize()
         return result.audio_seconds, time.perf_counter() - began
 
+    def run_for(self, seconds: float) -> tuple[float, float]:
+        """Steps for about ``seconds`` (one at least): the audio seconds and wall seconds they took."""
+        audio = spent = 0.0
+        while spent < seconds or audio == 0.0:
+            step_audio, step_s = self.step()
+            audio, spent = audio + step_audio, spent + step_s
+        return audio, spent
 
-def compare(runners: dict[Any, StepRunner], seconds: float, rounds: int = 3) -> dict[Any, float]:
+
+class MeasuringProcess:
+    """A :class:`StepRunner` in a spawned process of its own, set up as the train stage sets itself up to train
+    ``settings`` in ``precision`` at ``threads`` torch threads (None: ``train.optim.num_threads``): the malloc
+    the stage would preload or tune for that precision (``run.allocator``), its threads and oneDNN's caches
+    (:func:`~asrflow.training.assemble.configure_process`). ``batch_s`` seconds of audio a batch."""
+
+    def __init__(self, settings: TrainingSettings, precision: str, *, batch_s: float, vocab_size: int, threads=None):
+        optim = replace(
+            settings.train.optim, precision=precision, num_threads=threads or settings.train.optim.num_threads
+        )
+        self.settings = replace(settings, train=replace(settings.train, optim=optim))
+        with stage_environment(self.settings):
+            context = multiprocessing.get_context("spawn")
+            self.pool = context.Pool(1, initializer=_start_runner, initargs=(self.settings, batch_s, vocab_size))
+
+    def run_for(self, seconds: float) -> tuple[float, float]:
+        """:meth:`StepRunner.run_for` in the process."""
+        return self.pool.apply(_run_for, (seconds,))
+
+    def report(self) -> dict[str, Any]:
+        """The process's settings, as :func:`~asrflow.training.assemble.process_report` gives them."""
+        return self.pool.apply(_report)
+
+    def close(self) -> None:
+        """End the process. Closed and joined, not terminated: a worker ignores SIGTERM when the process that
+        started it does."""
+        self.pool.close()
+        self.pool.join()
+
+
+@contextmanager
+def stage_environment(settings: TrainingSettings) -> Iterator[None]:
+    """This process's environment, while a child is started, as the train stage's would be for ``settings``:
+    jemalloc preloaded when the stage would re-execute with it (``run.allocator``, ``train.optim.precision``)."""
+    optim = settings.train.optim
+    library = jemalloc_to_preload(settings.run.allocator, optim.precision)
+    saved = dict(os.environ)
+    if library is not None and loaded_allocator() is None:
+        os.environ.update(environment_with_jemalloc(os.environ, library))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+_RUNNER: StepRunner | None = None
+
+
+def _start_runner(settings: TrainingSettings, batch_s: float, vocab_size: int) -> None:
+    global _RUNNER
+    configure_process(settings.train.optim)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batches = synthetic_batches(batch_s, settings, vocab_size, device=device)
+    _RUNNER = StepRunner(settings, settings.train.optim.precision, batches, vocab_size=vocab_size)
+
+
+def _run_for(seconds: float) -> tuple[float, float]:
+    return _RUNNER.run_for(seconds)
+
+
+def _report() -> dict[str, Any]:
+    return process_report(_RUNNER.context.precision.name)
+
+
+def compare(runners: dict[Any, MeasuringProcess], seconds: float, rounds: int = 3) -> dict[Any, float]:
     """Each runner's audio seconds per second: steps taken in turns over ``rounds`` rounds of about
     ``seconds / rounds`` each, so that all see the same load; the best round counts (noise only slows)."""
     best = dict.fromkeys(runners, 0.0)
     for _ in range(rounds):
         for name, runner in runners.items():
-            audio = spent = 0.0
-            while spent < seconds / rounds or audio == 0.0:
-                step_audio, step_s = runner.step()
-                audio, spent = audio + step_audio, spent + step_s
+            audio, spent = runner.run_for(seconds / rounds)
             best[name] = max(best[name], audio / spent)
     return best
+
+
+def compare_in_processes(settings: TrainingSettings, cases: dict[Any, dict], seconds: float, **batches) -> dict:
+    """:func:`compare` of one :class:`MeasuringProcess` per case (``cases``: name to its ``precision`` and
+    ``threads``), each closed at the end; ``batches``: ``batch_s`` and ``vocab_size``."""
+    runners = {name: MeasuringProcess(settings, **case, **batches) for name, case in cases.items()}
+    try:
+        reports = {name: runner.report() for name, runner in runners.items()}
+        logger.info("measuring processes, set up as the train stage: %s", reports)
+        return compare(runners, seconds * len(runners))
+    finally:
+        for runner in runners.values():
+            runner.close()
 
 
 #: Batch sizes (seconds of audio) whose steps' peaks give the memory a batch second takes.
@@ -194,13 +281,12 @@ MEMORY_BATCHES_S = (SPEED_BATCH_S / 4, SPEED_BATCH_S, 2 * SPEED_BATCH_S)
 
 def peak_memory_mb(settings: TrainingSettings, *, vocab_size: int) -> dict[float, float]:
     """The peak memory (MB) of one training step at each of :data:`MEMORY_BATCHES_S`, in params.yaml's
-    precision: allocated memory on a GPU, the resident set's high-water mark of a fresh process on the CPU."""
+    precision: allocated memory on a GPU, the resident set's high-water mark of a fresh process, set up as the
+    train stage, on the CPU."""
     if torch.cuda.is_available():
         return {batch_s: _peak_mb(settings, vocab_size, batch_s) for batch_s in MEMORY_BATCHES_S}
-    import multiprocessing
-
     # each batch size in a fresh process: its high-water mark is that step's alone
-    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+    with stage_environment(settings), multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
         peaks = pool.starmap(_peak_mb, [(settings, vocab_size, batch_s) for batch_s in MEMORY_BATCHES_S])
         # the workers end on their own: the block's terminate() ends them with SIGTERM, which they ignore
         # when the process that started them does
@@ -211,7 +297,8 @@ def peak_memory_mb(settings: TrainingSettings, *, vocab_size: int) -> dict[float
 
 def _peak_mb(settings: TrainingSettings, vocab_size: int, batch_s: float) -> float:
     cuda = torch.cuda.is_available()
-    torch.set_num_threads(settings.train.optim.num_threads)
+    if not cuda:
+        configure_process(settings.train.optim)
     batch = synthetic_batch(batch_s, settings, vocab_size, device=torch.device("cuda" if cuda else "cpu"))
     if cuda:
         torch.cuda.empty_cache()
@@ -296,31 +383,21 @@ def chosen_precision(by_precision: dict[str, float], current: str) -> str:
     return best if by_precision[best] >= MIN_GAIN * by_precision[current] else current
 
 
-def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> dict[str, Any]:
+def measure_machine(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> dict[str, Any]:
     """Every figure :func:`choose` decides from; ``seconds`` is spent on each speed measurement."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    limit_onednn_cache()  # as the train stage keeps it: which primitives survive a new shape
     batch_s = min(settings.train.data.max_duration_s, SPEED_BATCH_S)
-    batches = synthetic_batches(batch_s, settings, vocab_size, device=device)
-    cores = available_cores()
+    batches = {"batch_s": batch_s, "vocab_size": vocab_size}
     figures: dict[str, Any] = {"speed_batch_s": batch_s, "precision_audio_s_per_s": {}, "threads_audio_s_per_s": {}}
     threads = settings.train.optim.num_threads
-    runners = {
-        p: StepRunner(settings, p, batches, vocab_size=vocab_size, threads=threads)
-        for p in precision_candidates(settings.train.optim.precision)
-    }
-    figures["precision_audio_s_per_s"] = by_precision = compare(runners, seconds * len(runners))
+    cases = {p: {"precision": p, "threads": threads} for p in precision_candidates(settings.train.optim.precision)}
+    figures["precision_audio_s_per_s"] = by_precision = compare_in_processes(settings, cases, seconds, **batches)
     logger.info("at %d thread(s): %s", threads, _figures(by_precision))
-    if device.type == "cpu":  # threads in the precision the preset will train in
+    if not torch.cuda.is_available():  # threads in the precision the preset will train in
         precision = chosen_precision(by_precision, resolved_precision(settings.train.optim.precision))
-        runners = {
-            t: StepRunner(settings, precision, batches, vocab_size=vocab_size, threads=t)
-            for t in thread_candidates(cores)
-        }
-        figures["threads_audio_s_per_s"] = compare(runners, seconds * len(runners))
+        cases = {t: {"precision": precision, "threads": t} for t in thread_candidates(available_cores())}
+        figures["threads_audio_s_per_s"] = compare_in_processes(settings, cases, seconds, **batches)
         figures["threads_precision"] = precision
         logger.info("%s by threads: %s", precision, _figures(figures["threads_audio_s_per_s"]))
-        torch.set_num_threads(threads)
     if settings.features.on_the_fly:
         figures["worker_audio_s_per_s"] = worker_rate(settings, seconds=seconds / 2)
     figures["largest_batch_s"], figures["memory"] = largest_batch_s(settings, vocab_size=vocab_size)
@@ -328,7 +405,7 @@ def measure(settings: TrainingSettings, *, vocab_size: int, seconds: float) -> d
 
 
 def choose(settings: TrainingSettings, figures: dict[str, Any], *, cores: int) -> dict[str, Any]:
-    """The overrides (dotted keys) of params.yaml that :func:`measure` found better on a machine of ``cores``
+    """The overrides (dotted keys) of params.yaml that :func:`measure_machine` found better on a machine of ``cores``
     usable cores."""
     optim, chosen = settings.train.optim, {}
     by_precision = figures["precision_audio_s_per_s"]
@@ -394,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab_size = int(settings.params.get("tokenizer", {}).get("vocab_size", 32))
     machine = Machine.here()
     logger.info("measuring %s (%d cores, GPU %s)", machine.cpu, machine.usable_cores, machine.gpu or "none")
-    figures = measure(settings, vocab_size=vocab_size, seconds=args.seconds)
+    figures = measure_machine(settings, vocab_size=vocab_size, seconds=args.seconds)
     chosen = choose(settings, figures, cores=machine.usable_cores)
     out = args.out or Path("presets") / f"machine-{machine.slug}.yaml"
     if not chosen:

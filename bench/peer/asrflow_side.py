@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import on_device, run_trainer
+from bench.common import on_device, train_until
 from bench.peer.side import report, run_as_child
 
 
@@ -13,8 +13,8 @@ def train(options: dict, launched: float) -> dict:
     import torch
 
     from asrflow.logs import setup_logging
-    from asrflow.training.assemble import TrainingSettings
     from asrflow.training.distributed import DistInfo
+    from asrflow.training.settings import TrainingSettings
     from asrflow.training.step import ctc_loss_sum
 
     setup_logging()  # the Trainer's stamped lines in the side's log: where its start goes (bench.startup.MARKERS)
@@ -25,7 +25,7 @@ def train(options: dict, launched: float) -> dict:
         steps.append({"t": time.time(), "audio_s": result.audio_seconds})
         return max_steps is not None and len(steps) >= max_steps - 1
 
-    trainer = run_trainer(data, exp, settings, after_step=timing)
+    trainer = train_until(data, exp, settings, after_step=timing)
     model, loss, device = trainer.model, None, trainer.device
     if options["dev"]:
         loss = trainer.data.dev_loss(model, precision=trainer.precision, dist=DistInfo(), device=device)

@@ -17,7 +17,7 @@ def dump_batches(data: Path, out: Path, settings, *, max_steps: int | None, writ
     import torch
 
     from asrflow.data.loading.planner import BatchItem
-    from bench.common import train_data as build_train_data
+    from bench.common import bench_train_data as build_train_data
 
     out.mkdir(parents=True, exist_ok=True)
     train_data = build_train_data(data, settings, accum_grad=1)

@@ -62,7 +62,7 @@ def datasets(options: dict, tokenizer):
     return train, test
 
 
-def spec_augment(data: dict):
+def speechbrain_spec_augment(data: dict):
     """Frequency and time masks as asrflow's ``train.data`` sets them (counts, widths), SpeechBrain's modules."""
     import torch
     from speechbrain.augment.freq_domain import SpectrogramDrop
@@ -124,7 +124,7 @@ def make_brain(options: dict, model, deadline: float):
             hop_length=options["frame_shift_s"] * 1000,  # SpeechBrain's unit: ms
             win_length=options["frame_length_s"] * 1000,
         ),
-        "augment": spec_augment(options["data"]),
+        "augment": speechbrain_spec_augment(options["data"]),
         "schedule": NoamScheduler(lr_initial=optim["lr"], n_warmup_steps=max(optim["warmup_steps"], 1)),
         "epochs": EpochCounter(limit=10**6),
     }

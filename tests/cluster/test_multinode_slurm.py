@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.pipeline_tools import run, tail
 from tests.support.processes import free_port
-from tests.support.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, slurm_env
+from tests.support.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, local_cluster, slurm_env, slurm_repo_copy
 
 pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
 
@@ -41,10 +41,10 @@ def test_two_slurm_nodes_train_the_model_of_two_local_processes(two_nodes, tmp_p
     """The job as shipped (2 nodes, 1 task each): task 0 runs the pipeline, whose train stage is
     node 0, on the first node; task 1 runs ``python -m stages.train --node-rank 1`` on the second."""
     assert static_rendezvous(), "asrflow/launch/torchrun.py must use --rdzv-backend=static for nnodes > 1"
-    local = fresh_copy(tmp_path_factory, "two-processes", **{"run.nproc_per_node": 2})
+    local = slurm_repo_copy(tmp_path_factory, "two-processes", **{"run.nproc_per_node": 2})
     run(local, "snakemake", "--cores", "all", timeout=RUN_TIMEOUT_S)
 
-    copy = fresh_copy(tmp_path_factory, "slurm-multinode")
+    copy = slurm_repo_copy(tmp_path_factory, "slurm-multinode")
     shipped_params = (copy / "params.yaml").read_bytes()
     port = free_port()
     env = {**slurm_env(two_nodes, copy), "ASRFLOW_RDZV_PORT": str(port)}

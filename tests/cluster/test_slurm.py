@@ -27,7 +27,7 @@ from tests.support.pipeline_tools import ToolError, run, tail
 from tests.support.processes import ChildProcess
 from tests.support.repo import tool_env
 from tests.support.slurm_cluster import PARTITION, LocalSlurm
-from tests.support.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, fresh_copy, local_cluster, slurm_env
+from tests.support.slurm_pipeline import RUN_TIMEOUT_S, assert_same_weights, local_cluster, slurm_env, slurm_repo_copy
 
 # End to end: also `pipeline`, so `make test-fast` (-m "not pipeline") leaves them out.
 pytestmark = [pytest.mark.slurm, pytest.mark.pipeline]
@@ -84,13 +84,13 @@ def submitted(output: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The same params run by ``snakemake --cores all``, no Slurm."""
-    copy = fresh_copy(tmp_path_factory, "local")
+    copy = slurm_repo_copy(tmp_path_factory, "local")
     run(copy, "snakemake", "--cores", "all", timeout=RUN_TIMEOUT_S)
     return copy
 
 
 def test_the_whole_pipeline_runs_as_slurm_jobs_and_trains_the_same_model(slurm, reference, tmp_path_factory):
-    copy = fresh_copy(tmp_path_factory, "slurm-run")
+    copy = slurm_repo_copy(tmp_path_factory, "slurm-run")
     result = run_on_slurm(slurm, copy)
     jobs = submitted(result.stdout)
     assert set(jobs) == {"prepare", "features", "tokenizer", "train", "evaluate"}, tail(result.stdout)
@@ -150,7 +150,7 @@ def cancel_train_during_training(cluster: LocalSlurm, copy: Path, *scancel_optio
 
 
 def test_preempted_and_cancelled_train_jobs_resume_to_the_same_model(slurm, reference, tmp_path_factory):
-    copy = fresh_copy(tmp_path_factory, "slurm-preempt")
+    copy = slurm_repo_copy(tmp_path_factory, "slurm-preempt")
 
     # Preemption: SIGTERM to the job's steps. The stage finishes its step, saves it, exits 75.
     preempted = cancel_train_during_training(slurm, copy, "--signal=TERM", after_step=0)
@@ -175,7 +175,7 @@ def test_preempted_and_cancelled_train_jobs_resume_to_the_same_model(slurm, refe
 
 
 def test_no_reachable_slurm_gets_one_message_before_any_submission(slurm, tmp_path_factory):
-    copy = fresh_copy(tmp_path_factory, "slurm-unreachable")
+    copy = slurm_repo_copy(tmp_path_factory, "slurm-unreachable")
     stopped = LocalSlurm(tmp_path_factory.mktemp("slurm-stopped"))
     stopped.write_config()  # a real config whose slurmctld is not running
     result = run(copy, *SLURM_COMMAND, timeout=300, check=False, env=stopped.env(tool_env(copy)))
@@ -186,7 +186,7 @@ def test_no_reachable_slurm_gets_one_message_before_any_submission(slurm, tmp_pa
 
 
 def test_a_partition_that_does_not_exist_is_named_before_any_submission(slurm, tmp_path_factory):
-    copy = fresh_copy(tmp_path_factory, "slurm-partition")
+    copy = slurm_repo_copy(tmp_path_factory, "slurm-partition")
     result = run_on_slurm(slurm, copy, "--set-resources", "train:slurm_partition=gpu", check=False, timeout_s=300)
     assert result.returncode != 0
     assert f"asrflow: no such Slurm partition: gpu (rules train). sinfo lists: {PARTITION}." in result.stdout, tail(
@@ -215,7 +215,7 @@ def test_a_train_job_over_its_time_limit_ends_timeout_and_the_rerun_resumes_to_t
     a job slower than its limit, on a machine of any speed) until Slurm's time limit ends the job.
     The state is TIMEOUT, asrflow's line says so and what to raise; the same command again
     resumes from the last checkpoint to the uninterrupted model."""
-    copy = fresh_copy(tmp_path_factory, "slurm-timeout")
+    copy = slurm_repo_copy(tmp_path_factory, "slurm-timeout")
     train_log = copy / "logs/train.log"
     console = copy.parent / "snakemake-timeout.log"
     command = [*SLURM_COMMAND, "--set-resources", "train:runtime=1"]
@@ -255,7 +255,7 @@ def test_a_train_job_over_its_time_limit_ends_timeout_and_the_rerun_resumes_to_t
 
 
 def test_a_job_over_its_memory_gets_one_message_with_the_job_the_stage_and_slurms_reason(slurm, tmp_path_factory):
-    copy = fresh_copy(tmp_path_factory, "slurm-oom")
+    copy = slurm_repo_copy(tmp_path_factory, "slurm-oom")
     result = run_on_slurm(slurm, copy, "--set-resources", "prepare:mem_mb=100", check=False, timeout_s=600)
     assert result.returncode != 0
     job = submitted(result.stdout)["prepare"]

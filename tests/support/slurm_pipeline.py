@@ -1,7 +1,7 @@
 """The pipeline on the local Slurm cluster of :mod:`tests.support.slurm_cluster`, for the Slurm tests.
 
 :func:`local_cluster` starts a cluster for a test (or skips the test, saying why, only where Slurm cannot
-run at all: not root, or neither Slurm nor apt-get), :func:`fresh_copy` makes a copy of the repository
+run at all: not root, or neither Slurm nor apt-get), :func:`slurm_repo_copy` makes a copy of the repository
 with a short training schedule, :func:`slurm_env` points a tool run in it at the cluster, and
 :func:`assert_same_weights` compares the models two copies trained. The parts that skip or fail a test
 import pytest only when called.
@@ -75,7 +75,7 @@ def local_cluster(tmp_path_factory, nodes: int = 1) -> Iterator[LocalSlurm]:
     cluster.stop()
 
 
-def fresh_copy(tmp_path_factory, name: str, **params) -> Path:
+def slurm_repo_copy(tmp_path_factory, name: str, **params) -> Path:
     """A git-committed copy of the repository whose params.yaml has :data:`PARAMS` and ``params``
     (``{"section.key": value}``)."""
     copy = copy_repo(tmp_path_factory.mktemp(name) / "repo")

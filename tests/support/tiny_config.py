@@ -55,7 +55,7 @@ def tiny_model_config(**changes):
 
 def tiny_settings(data: Path | None = None, overrides: dict | None = None, *, seed: int = 42):
     """The :class:`~asrflow.training.assemble.TrainingSettings` of :func:`tiny_params`."""
-    from asrflow.training.assemble import TrainingSettings
+    from asrflow.training.settings import TrainingSettings
 
     return TrainingSettings.from_params(tiny_params(data, overrides, seed=seed))
 
@@ -73,20 +73,10 @@ def tiny_trainer(data: Path, exp: Path, overrides: dict | None = None, *, seed: 
 def tiny_train_data(data: Path, overrides: dict | None = None, *, seed: int = 42):
     """The tiny run's :class:`~asrflow.training.train_data.TrainData` on ``data`` (``fbank/``, ``lang/``), built
     from :func:`tiny_settings` as the Trainer builds it (one process, no process group)."""
-    from asrflow.training.train_data import TrainData
+    from asrflow.training.parts import RunPlace, build_train_data
 
     settings = tiny_settings(data, overrides, seed=seed)
-    return TrainData.build(
-        settings.train.data,
-        settings.features,
-        epochs=settings.train.optim.epochs,
-        accum_grad=settings.train.optim.accum_grad,
-        num_workers=settings.run.data_workers(settings.features.on_the_fly),
-        mp_start_method=settings.run.mp_start_method,
-        seed=settings.seed,
-        fbank_dir=Path(data) / "fbank",
-        lang_dir=Path(data) / "lang",
-    )
+    return build_train_data(settings, train_paths(data, Path(data) / "exp"), RunPlace.single())
 
 
 def train_paths(data: Path, exp: Path):
@@ -102,16 +92,16 @@ def tiny_bundle(path: Path, lang: Path, *, seed: int, **model) -> dict:
     on ``DATA`` trains with): a start model for fine-tuning tests. Returns its weights."""
     import torch
 
-    from asrflow.model.conformer_ctc import build_model
     from asrflow.serving.bundle import save_bundle
     from asrflow.tokenizer import MODEL_FILE, Tokenizer
+    from asrflow.training.parts import build_run_model
 
     tokenizer = Tokenizer(Path(lang) / MODEL_FILE)
     overrides = {f"train.model.{key}": value for key, value in model.items()}
     settings = tiny_settings(Path(lang).parent, overrides)
     features = settings.features
     torch.manual_seed(seed)
-    built = build_model(settings.train.model, input_dim=features.num_mel_bins, vocab_size=tokenizer.vocab_size)
+    built = build_run_model(settings, vocab_size=tokenizer.vocab_size)
     save_bundle(
         path,
         model_state=built.state_dict(),

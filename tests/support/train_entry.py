@@ -130,7 +130,7 @@ class Hooks(TrainObserver):
                 time.sleep(1)
 
 
-def build_trainer(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, seed: int = 42, observers=()):
+def faulty_tiny_trainer(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, seed: int = 42, observers=()):
     """The tiny Trainer with ``overrides`` on ``data``, writing under ``exp``; ``nonfinite_steps`` and
     ``nonfinite_ranks`` in ``overrides`` go to :class:`~tests.support.faults.NonFiniteSteps`."""
     overrides = dict(overrides)
@@ -140,7 +140,7 @@ def build_trainer(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, 
 
 def train_in_process(data: Path, exp: Path, overrides: dict, tracking_uri: str, *, seed: int = 42) -> dict:
     """Run the tiny Trainer in this process (no data workers unless asked): for quick checks."""
-    return build_trainer(data, exp, overrides, tracking_uri, seed=seed).run().summary
+    return faulty_tiny_trainer(data, exp, overrides, tracking_uri, seed=seed).run().summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     args.exp.mkdir(parents=True, exist_ok=True)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(args.exp / 'mlflow.db').resolve()}"
     hooks = Hooks(args.log_every_step, args.pause_after_step, args.pause_in_step)
-    trainer = build_trainer(args.data, args.exp, json.loads(args.overrides), uri, seed=args.seed, observers=[hooks])
+    trainer = faulty_tiny_trainer(
+        args.data, args.exp, json.loads(args.overrides), uri, seed=args.seed, observers=[hooks]
+    )
     code, outcome = exit_on_user_error(run_trainer)(trainer)
     if outcome is not None and trainer.dist.is_main:
         (args.exp / "summary.json").write_text(json.dumps(outcome.summary))

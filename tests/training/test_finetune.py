@@ -25,7 +25,7 @@ from tests.support.corpora import tokenizer_config
 from tests.support.exact_resume import OVERRIDES, assert_identical, final_state, resumed_from
 from tests.support.mlflow_store import fresh_mlflow_store
 from tests.support.tiny_config import tiny_bundle, tiny_settings
-from tests.support.train_entry import TrainingProcess, build_trainer, run_training, train_in_process
+from tests.support.train_entry import TrainingProcess, faulty_tiny_trainer, run_training, train_in_process
 
 STEPS = {
     "train.optim.epochs": 1,
@@ -107,7 +107,7 @@ def test_frozen_encoder_stays_equal_for_its_steps_and_its_lr_is_scaled(yesno_dat
 def test_an_encoder_of_another_shape_is_refused_naming_it(yesno_data, tmp_path, uri, *, model, expected):
     tiny_bundle(tmp_path / "other.pt", yesno_data / "lang", seed=1, **model)
     with pytest.raises(AsrflowError, match="does not match params.yaml") as error:
-        build_trainer(yesno_data, tmp_path / "exp", {INIT_FROM: str(tmp_path / "other.pt")}, uri)
+        faulty_tiny_trainer(yesno_data, tmp_path / "exp", {INIT_FROM: str(tmp_path / "other.pt")}, uri)
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
@@ -163,10 +163,10 @@ def test_an_unfinished_run_refuses_a_changed_start_model(yesno_data, tmp_path, u
     path = tmp_path / "base.pt"
     tiny_bundle(path, yesno_data / "lang", seed=1)
     overrides = {**STEPS, INIT_FROM: str(path)}
-    build_trainer(yesno_data, tmp_path / "exp", overrides, uri, observers=[StopAfter(2)]).run()
+    faulty_tiny_trainer(yesno_data, tmp_path / "exp", overrides, uri, observers=[StopAfter(2)]).run()
     tiny_bundle(path, yesno_data / "lang", seed=2)  # same path, other weights
     with pytest.raises(AsrflowError, match="unfinished run .* init.digest"):
-        build_trainer(yesno_data, tmp_path / "exp", overrides, uri).run()
+        faulty_tiny_trainer(yesno_data, tmp_path / "exp", overrides, uri).run()
 
 
 def test_resume_with_a_start_model_is_bit_identical(yesno_data, start, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from asrflow.params import with_overrides
-from asrflow.training.assemble import TrainingSettings
+from asrflow.training.settings import TrainingSettings
 from asrflow.training.tune import SHAPES, Machine, choose, chosen_precision, main, synthetic_batches
 from tests.support.tiny_config import tiny_params, tiny_settings
 
@@ -44,7 +44,7 @@ def test_a_setting_replaces_params_yaml_s_only_when_clearly_faster():
 
 
 def test_threads_are_swept_in_the_precision_the_preset_keeps():
-    """measure() sweeps thread counts in chosen_precision's answer: a precision a hair faster is not trained, so
+    """measure_machine() sweeps thread counts in chosen_precision's answer: a precision a hair faster is not trained, so
     its threads are not the ones to measure."""
     assert chosen_precision({"fp32": 100.0, "bf16": 100.2}, "fp32") == "fp32"
     assert chosen_precision({"fp32": 100.0, "bf16": 150.0}, "fp32") == "bf16"
