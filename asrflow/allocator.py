@@ -4,11 +4,11 @@ glibc's settings, oneDNN's cache.
 Batches of varying shapes free and allocate blocks of ever-different sizes. glibc's default
 policy raises its ``mmap`` threshold each time a large block is freed, so later blocks of
 that size come from the heap, whose free holes it rarely gives back: the resident set creeps
-with the number of shapes seen (bench/RESULTS.md, "Trainer memory at scale"). Here:
+with the number of shapes seen (bench/RESULTS.md#malloc-creep). Here:
 
 * :func:`use_allocator` re-executes the process with jemalloc preloaded (``run.allocator``) to train
   in bf16: a malloc that returns freed pages on its own, where glibc's heap still grows around
-  oneDNN's per-shape primitives (bench/RESULTS.md, "bf16 with jemalloc against glibc's malloc");
+  oneDNN's per-shape primitives (bench/RESULTS.md#jemalloc);
 * without jemalloc, :func:`tune_malloc` fixes the threshold (blocks from it up are mapped and unmapped whole),
   fixes the trim threshold, and caps the per-thread arenas;
 * :func:`release_free_memory` hands the heap's free pages back (``malloc_trim``); the
@@ -42,13 +42,12 @@ M_ARENA_MAX = -8
 #: Blocks from this size up are mmapped, so freeing them returns their pages (bytes). A fixed threshold
 #: stops glibc from raising its own after each large free, which is what lets the heap's holes pile up
 #: with every new batch shape; a low one stops most of that growth in bf16 and fp16 training at no cost in
-#: step time (bench/RESULTS.md, "Training memory against SpeechBrain, fp32 and bf16", item 3; what bf16 still
-#: gains over an hour: "bf16 alone for an hour").
+#: step time (bench/RESULTS.md#mmap-threshold; what bf16 still gains over an hour: bench/RESULTS.md#jemalloc).
 MMAP_THRESHOLD = 1 << 20
 #: ... but fp32 activations are twice as large, so more of a step's blocks cross the low threshold and are
 #: mapped, faulted in and unmapped anew at every step, which costs step time. fp32 training takes 32 MiB,
-#: the ceiling of glibc's own moving threshold, and pays for the speed in resident memory (same section of
-#: bench/RESULTS.md, which also says what its long-run level has not yet shown).
+#: the ceiling of glibc's own moving threshold, and pays for the speed in resident memory
+#: (bench/RESULTS.md#mmap-threshold; its level over an hour: bench/RESULTS.md#memory-hour).
 FP32_TRAINING_MMAP_THRESHOLD = 32 << 20
 #: Free memory at the heap's top above this is returned at once (bytes).
 TRIM_THRESHOLD = 64 << 20
@@ -57,12 +56,12 @@ ARENA_MAX = 2
 #: oneDNN primitives kept for reuse. A step reuses its own (its layers share shapes), so the cache
 #: must hold one step's worth; padded batch shapes rarely repeat across steps, so more than that only
 #: keeps dead primitives and their buffers resident. 0 would rebuild every primitive within a step
-#: (bench/RESULTS.md, "Training memory against SpeechBrain, fp32 and bf16", item 2).
+#: (bench/RESULTS.md#onednn-cache).
 ONEDNN_CACHE_CAPACITY = 64
 #: Primitives kept by PyTorch's own cache in front of oneDNN's (ideep's, which reads ``LRU_CACHE_CAPACITY``).
 #: With AMX each of its entries holds buffers sized to its batch shape, so at its default of 1,024 it grows
 #: with every shape an epoch brings; a hit here only saves a lookup in oneDNN's cache, so the same step's
-#: worth is enough (bench/RESULTS.md, "PyTorch's primitive cache").
+#: worth is enough (bench/RESULTS.md#primitive-cache).
 IDEEP_CACHE_CAPACITY = 64
 
 
@@ -74,7 +73,7 @@ ALLOCATORS = ("auto", "jemalloc", "system")
 #: around oneDNN's per-shape primitives and jemalloc is level and faster. In fp32 glibc's (with its thresholds
 #: fixed) is the faster, since jemalloc hands the large activations' pages back and faults them in anew at every
 #: step; it is level with the frame axis padded, as the real-corpus preset trains, and creeps unpadded, where
-#: ``run.allocator: jemalloc`` is the choice for long runs (bench/RESULTS.md, "The shipped fp32 path").
+#: ``run.allocator: jemalloc`` is the choice for long runs (bench/RESULTS.md#memory-hour).
 #: ``auto`` is fp32 on every CPU, and on a GPU the host's malloc serves little of a step.
 JEMALLOC_PRECISIONS = ("bf16",)
 #: Set in the environment of a process re-executed by :func:`use_allocator`, so that it never re-executes twice

@@ -156,10 +156,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             out += keep([emit({"benchmark": "gpu_peer_whole_loop", "status": "skipped"})])
         else:
             out += keep(peer_whole_loop(work, quick=args.quick, timeout=min(200, left() - 20), log=log))
-        # 2 workers on the fly were measured in the fourth run (bench/RESULTS.md, "GPU"); `auto` is the default.
+        # 2 workers on the fly were measured before (bench/RESULTS.md#gpu-data-workers); `auto` is the default.
         options = ["--on-the-fly", "--num-workers", "auto", "--once", "--steps", trainer_steps, "--seconds", "25"]
         out += run("trainer", *options, *variants[best], cap=100)
-        # Measured in earlier runs (bench/RESULTS.md, "GPU"): last, so a short budget skips them first.
+        # Measured in earlier runs (bench/RESULTS.md#decode-gpu): last, so a short budget skips them first.
         decoded = ["--steps", "8" if args.quick else "300", "--batch-seconds", "60" if args.quick else "600"]
         out += run("decode", *decoded, cap=90)
         out += keep(host_cpu_tune(out_dir / "host-cpu-preset.yaml", timeout=min(HOST_TUNE_S, left() - 60)))

@@ -13,7 +13,7 @@ prepare here (CPU s).
 Records: ``stage_scale`` per stage and size (``elapsed_s``; ``peak_rss_mb``, the stage's ``VmHWM``;
 ``peak_tree_pss_mb``, it and its workers), ``stage_scale_baseline`` (the stage's ``--help``),
 ``stage_scale_growth`` (largest size against smallest), ``stage_scale_noop_pipeline`` (the data stages' alone,
-``stage_scale_noop``, are at commit 130738e). Method: bench/RESULTS.md.
+``stage_scale_noop``, are at commit 130738e). Method: bench/RESULTS.md#stages-at-size.
 """
 
 from __future__ import annotations

@@ -160,8 +160,7 @@ def with_sentences(folder: Path, split: str, seed: int) -> None:
 def test_tokenizer(tmp_path):
     """40x the transcripts (500 → 20,000 of about 60 characters): SentencePiece trains on every sentence in
     memory (their counts are its statistics), so the peak grows with the text, but by its size, not by cuts:
-    at most 2 kB per added transcript (the stage's peak also varies from run to run: bench/RESULTS.md, "Every
-    stage's memory in the tests")."""
+    at most 2 kB per added transcript (the stage's peak also varies from run to run: bench/RESULTS.md#stage-memory)."""
     params, peaks = repo_params(), {}
     params["tokenizer"] |= {"model_type": "bpe", "vocab_size": 100}
     argv = ["--params", write_params(tmp_path / "params.yaml", params)]
@@ -214,8 +213,8 @@ def train_peak_pss_mb(run_dir: Path, fbank: Path, lang: Path, steps: int) -> flo
 
 def test_train(tmp_path, yesno_data):
     """The train split 1,000x larger (27 → 27,000 cuts), the same 20 steps. The stage builds the split's cut
-    index in its process (the lines stay on disk) and an epoch's plan of indices (what it measured: bench/RESULTS.md,
-    "Every stage's memory in the tests"). It may not grow by 4 kB per added cut, where held Lhotse cuts would take
+    index in its process (the lines stay on disk) and an epoch's plan of indices (what it measured:
+    bench/RESULTS.md#stage-memory). It may not grow by 4 kB per added cut, where held Lhotse cuts would take
     several times that."""
     params = params_for(yesno_data)
     params["train"]["optim"] |= {"epochs": 1000}

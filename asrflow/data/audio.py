@@ -29,9 +29,9 @@ def native_resampling() -> Iterator[None]:
     Lhotse resamples with a strided 1-D convolution over the whole file. On the CPU, PyTorch gives that to
     oneDNN, which builds (and caches, with its buffers) a primitive for every input length it meets: files
     all differ in length, so a process that resamples a corpus grows with the number of files, and runs
-    slower than PyTorch's own convolution, which keeps nothing (bench/RESULTS.md, "Resampling without
-    oneDNN"). PyTorch's own kernels can round differently at another thread count, so the block runs at one,
-    as data workers do: the same audio gives the same samples in a worker and in the training process.
+    slower than PyTorch's own convolution, which keeps nothing (bench/RESULTS.md#resampling). PyTorch's own
+    kernels can round differently at another thread count, so the block runs at one, as data workers do: the
+    same audio gives the same samples in a worker and in the training process.
     Only the block is affected: a model run beside it keeps oneDNN and its threads.
     """
     enabled = torch.backends.mkldnn.enabled

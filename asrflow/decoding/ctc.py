@@ -150,8 +150,7 @@ def prefix_beam_search(
     prefixes differently (two frames with P(blank) = 0.6: it returns the empty output,
     0.36, where the exact search returns the one token, 0.64). The work per frame is
     small (``beam_size`` prefixes times at most ``max(beam_size, 2)`` tokens), so next to
-    the encoder's matrix products it adds little (bench/RESULTS.md, "Figures (full run)",
-    decoding RTF).
+    the encoder's matrix products it adds little (bench/RESULTS.md#decode-rtf).
     Utterances are independent, so a caller that needs more speed can split a batch
     across processes.
 

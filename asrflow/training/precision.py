@@ -5,8 +5,8 @@
 and fp32 on older GPUs (V100, T4: fp16's range of about +-65504 overflows in long runs).
 On the CPU it picks fp32. Whether bf16 is faster there depends on the CPU model and the
 model's shapes, not only on native bf16 instructions: oneDNN's bf16 kernels can be faster
-than fp32 on one CPU with ``avx512_bf16`` and slower on another with AMX (bench/RESULTS.md,
-"Precision by CPU"). So the CPU's choice is measured, not guessed: ``python -m
+than fp32 on one CPU with ``avx512_bf16`` and slower on another with AMX
+(bench/RESULTS.md#precision-by-cpu). So the CPU's choice is measured, not guessed: ``python -m
 asrflow.training.tune`` times both on the machine at hand and writes ``bf16`` into a preset
 where it wins. fp16 is never automatic and always runs with a dynamic gradient scaler.
 

@@ -15,10 +15,10 @@ START_METHODS = ("spawn", "forkserver", "fork")
 #: The fewest data workers ``num_workers: auto`` starts when features are computed on the fly.
 AUTO_WORKERS_ON_THE_FLY = 2
 #: ``auto``'s most workers for a GPU reading stored fbank: loading a batch is light, and each spawned worker
-#: imports torch again; the figures behind it are in bench/RESULTS.md ("GPU, fourth run").
+#: imports torch again; the figures behind it: bench/RESULTS.md#gpu-data-workers.
 AUTO_WORKERS_GPU_STORED = 4
 #: ``auto``'s most workers with features computed on the fly: enough to keep a GPU fed, where a machine's every
-#: core as a worker never delivered a first batch in time (bench/RESULTS.md, "GPU, fifth run").
+#: core as a worker never delivered a first batch in time (bench/RESULTS.md#gpu-data-workers).
 AUTO_WORKERS_ON_THE_FLY_MOST = 8
 #: Keys that must stay the same for a resume to continue the same run: the number of processes changes the
 #: batches each one trains on. The other keys are bookkeeping, parallel loading and time limits.

@@ -52,7 +52,7 @@ def test_threads_are_swept_in_the_precision_the_preset_keeps():
 
 
 def test_speed_is_timed_on_as_many_shapes_as_training_meets_padded_as_it_pads():
-    """A CPU's bf16 kernels are set up for each new batch shape (bench/RESULTS.md, "Precision by CPU"): one
+    """A CPU's bf16 kernels are set up for each new batch shape (bench/RESULTS.md#precision-by-cpu): one
     repeated shape would time bf16 without that cost."""
     unpadded = synthetic_batches(32.0, tiny_settings(), vocab_size=32)
     assert len({batch["features"].shape[1] for batch in unpadded}) == SHAPES

@@ -17,7 +17,7 @@ from asrflow.params import env_number
 
 logger = logging.getLogger(__name__)
 
-#: Bytes per stored feature value with ``LilcomChunkyWriter`` (log-mel fbank; measured in bench/RESULTS.md).
+#: Bytes per stored feature value with ``LilcomChunkyWriter`` (log-mel fbank; measured: bench/RESULTS.md#features-disk).
 LILCOM_BYTES_PER_VALUE = 1.0
 #: Bytes per cut of the written cut manifests (gzipped JSON lines), an upper bound.
 MANIFEST_BYTES_PER_CUT = 400

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 #: Seconds of audio in a split that justify one more feature-extraction process: a process's
 #: start (a fresh Python importing torch and Lhotse) must be small next to the time it then
-#: extracts for (bench/RESULTS.md, "What the figures say", 5: one process's rate and start).
+#: extracts for (one process's rate and start: bench/RESULTS.md#features-speed).
 AUDIO_S_PER_JOB = 3600.0
 #: Fewest mel bins the fbank extractor accepts (it asserts more than 3).
 MIN_MEL_BINS = 4
@@ -76,7 +76,7 @@ def compute_features(
 
     Extraction runs at one torch thread here as in the spawned workers: its operations
     (resampling, fbank of one utterance) are too small to share, and on a busy machine
-    two threads spin against each other (bench/RESULTS.md, "Scale and input rates").
+    two threads spin against each other (bench/RESULTS.md#features-speed).
 
     ``free_bytes`` stands for the free space of ``output_dir``'s disk (default: asked of the disk).
 

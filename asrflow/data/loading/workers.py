@@ -13,7 +13,7 @@ from asrflow.process_lifetime import die_with_parent
 #: Small per-utterance tensors of a batch, sent from a data worker as Python lists. Each
 #: tensor crosses the process boundary through its own shared-memory handle (a file descriptor
 #: passed and mapped on each side), a fixed cost that dwarfs a few bytes of data, while a short
-#: list travels inside the batch's pickle (bench/RESULTS.md, "What the figures say", item 3).
+#: list travels inside the batch's pickle (bench/RESULTS.md#data-wait).
 #: ``features`` stays a tensor: it is large, so shared memory saves the copy.
 SMALL_TENSORS = ("feature_lens", "targets", "target_lens", "durations")
 
