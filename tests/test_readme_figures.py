@@ -46,7 +46,6 @@ RESULTS_ANCHOR = re.compile(r"RESULTS\.md#(?P<anchor>[\w\-]+)")
 TITLE_CITATION = re.compile(r"RESULTS\.md\]?\)?,?\s*\(?\"")
 #: Files another change holds right now, which still cite RESULTS by a title; each must cite an anchor once it
 #: lands (see the commit that added this list), and then leaves it.
-PENDING_TITLE_CITATIONS = {"asrflow/training/assemble.py"}
 
 
 def flat(text: str) -> str:
@@ -174,8 +173,7 @@ def test_results_links_name_an_anchor_there():
         name = str(path.relative_to(REPO))
         links = RESULTS_ANCHOR.finditer(text)
         broken += [f"{name}: #{link['anchor']}" for link in links if link["anchor"] not in anchors]
-        if name not in PENDING_TITLE_CITATIONS:
-            titled += [f"{name}:{text[: m.start()].count(chr(10)) + 1}" for m in TITLE_CITATION.finditer(text)]
+        titled += [f"{name}:{text[: m.start()].count(chr(10)) + 1}" for m in TITLE_CITATION.finditer(text)]
     assert not broken, f"references to bench/RESULTS.md name no anchor there: {broken}"
     assert not titled, f"cite bench/RESULTS.md by its anchor (bench/RESULTS.md#name), not a section title: {titled}"
 

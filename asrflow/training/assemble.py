@@ -63,7 +63,7 @@ def process_report(precision: str) -> dict[str, Any]:
 def use_shape_free_attention() -> None:
     """Keep ``scaled_dot_product_attention`` off cuDNN's kernel. cuDNN builds an execution plan for every new
     (utterances, frames) shape of a batch, host time that every step of a first pass over length-bucketed
-    batches pays (bench/RESULTS.md, "GPU, third run"); the flash and memory-efficient kernels
+    batches pays (bench/RESULTS.md#gpu-first-pass); the flash and memory-efficient kernels
     need none. PyTorch picks among those left as before."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 

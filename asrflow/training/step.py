@@ -85,7 +85,7 @@ def build_optimizer(
     model: torch.nn.Module, *, lr: float, weight_decay: float, encoder_lr_scale: float = 1.0
 ) -> torch.optim.AdamW:
     """AdamW over ``model``'s parameters, in its fused kernel (CPU and CUDA): one pass over all
-    parameters instead of a loop of small ones (bench/RESULTS.md). With ``encoder_lr_scale`` other
+    parameters instead of a loop of small ones (bench/RESULTS.md#peer-speed). With ``encoder_lr_scale`` other
     than 1, the encoder (every parameter outside the CTC head) is a second group at ``lr * encoder_lr_scale``."""
     if encoder_lr_scale == 1.0:
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
