@@ -230,8 +230,25 @@ def evaluate(
         )
     loss_csv = Path(out_dir).parent / "plots" / "train_loss.csv"
     metrics = finish_report(out_dir, report, rtf=times.rtf(), loss_csv=loss_csv)
-    if len(sets) > 1:
-        for name, one in metrics[TEST_SETS_KEY].items():
+    _log_results(metrics, decoder=config.decoder)
+    if bundle.run_id:
+        _log_to_training_run(
+            bundle.run_id,
+            metrics,
+            wer_rows=report.buckets.rows(),
+            out_dir=out_dir,
+            tracking_uri=tracking_uri,
+            test_manifests={name: cuts_path(fbank_dir, name) for name in sets},
+        )
+    return metrics
+
+
+def _log_results(metrics: dict, *, decoder: str) -> None:
+    """Log the pooled WER and CER (fractions, logged as percentages) of ``metrics`` (as written to
+    ``metrics.json``), and each test set's when there are several."""
+    test_sets = metrics[TEST_SETS_KEY]
+    if len(test_sets) > 1:
+        for name, one in test_sets.items():
             logger.info(
                 "%s: WER %.2f%%, CER %.2f%% over %d utterances",
                 name,
@@ -244,19 +261,9 @@ def evaluate(
         100 * metrics["wer"],
         100 * metrics["cer"],
         metrics["num_utterances"],
-        len(sets),
-        config.decoder,
+        len(test_sets),
+        decoder,
     )
-    if bundle.run_id:
-        _log_to_training_run(
-            bundle.run_id,
-            metrics,
-            wer_rows=report.buckets.rows(),
-            out_dir=out_dir,
-            tracking_uri=tracking_uri,
-            test_manifests={name: cuts_path(fbank_dir, name) for name in sets},
-        )
-    return metrics
 
 
 def dataset_context(test_set: str) -> str:

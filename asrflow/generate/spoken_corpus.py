@@ -238,41 +238,71 @@ def generate(
     Raises:
         AsrflowError: bad options, ``out`` not empty, espeak-ng missing or failing.
     """
+    out = Path(out)
+    _check_options(out, hours=hours, utterances=utterances, word_range=word_range)
+    word_list = load_words(words)
+    all_voices = make_voices(voices, seed)
+    splits = split_of_voices(all_voices, seed)
+    plan = {"seed": seed, "voices": all_voices, "splits": splits, "words": word_list, "word_range": word_range}
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    jobs = jobs or len(os.sched_getaffinity(0))
+    kept = _synthesize_until(partial, plan, hours=hours, utterances=utterances, jobs=jobs, progress=progress)
+    options = {"hours": hours, "voices": voices, "words": str(words or WORDS), "word_range": list(word_range)}
+    info = _write_index(partial, kept, seed=seed, splits=splits, options=options)
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    return info
+
+
+def _check_options(out: Path, *, hours: float | None, utterances: int | None, word_range: tuple[int, int]) -> None:
+    """Refuse a size other than exactly one positive ``hours`` or ``utterances``, a bad ``word_range``,
+    a non-empty ``out``, or a machine where espeak-ng does not run.
+
+    Raises:
+        AsrflowError: naming the option to fix.
+    """
     if (hours is None) == (utterances is None):
         raise AsrflowError("give the corpus size as hours or as utterances, not both or neither")
     if (hours is not None and hours <= 0) or (utterances is not None and utterances < 1):
         raise AsrflowError(f"the corpus size must be positive (hours={hours}, utterances={utterances})")
     if not 1 <= word_range[0] <= word_range[1]:
         raise AsrflowError(f"word range {word_range}: give 1 <= fewest <= most")
-    out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise AsrflowError(f"{out} exists and is not empty; remove it or choose another --out")
     reason = espeak_missing()
     if reason:
         raise AsrflowError(reason)
-    word_list = load_words(words)
-    all_voices = make_voices(voices, seed)
-    splits = split_of_voices(all_voices, seed)
-    jobs = jobs or len(os.sched_getaffinity(0))
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
 
+
+def _synthesize_until(
+    root: Path, plan: dict, *, hours: float | None, utterances: int | None, jobs: int, progress: bool
+) -> list[tuple[Utterance, int]]:
+    """Synthesize utterances 0, 1, ... into ``root`` in ``jobs`` processes until there are ``utterances``
+    of them, or until their audio reaches ``hours`` hours (the utterance that crosses it is kept).
+
+    Utterances are planned by :func:`plan_utterance` (``plan``: its keyword arguments) and spoken
+    ``32 * jobs`` at a time; those of the last batch past the target are deleted.
+
+    Returns:
+        ``(utterance, length in samples at SAMPLING_RATE)`` of each kept utterance, in index order.
+    """
     target_samples = round(hours * 3600 * SAMPLING_RATE) if hours is not None else None
     kept: list[tuple[Utterance, int]] = []
     total = 0
     batch = 32 * jobs
     bar = _progress(hours * 3600 if hours is not None else utterances, "audio s" if hours else "utt", progress)
-    plan = {"seed": seed, "voices": all_voices, "splits": splits, "words": word_list, "word_range": word_range}
     with bar, multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for start in itertools.count(0, batch):
             stop = start + batch if utterances is None else min(start + batch, utterances)
             planned = [plan_utterance(i, **plan) for i in range(start, stop)]
-            lengths = pool.map(_Synthesizer(partial), planned, chunksize=4)
+            lengths = pool.map(_Synthesizer(root), planned, chunksize=4)
             finished = False
             for utterance, length in zip(planned, lengths, strict=True):
                 if finished:
-                    (partial / utterance.path).unlink()
+                    (root / utterance.path).unlink()
                     continue
                 kept.append((utterance, length))
                 total += length
@@ -284,13 +314,7 @@ def generate(
         # when the process that started them does
         pool.close()
         pool.join()
-
-    options = {"hours": hours, "voices": voices, "words": str(words or WORDS), "word_range": list(word_range)}
-    info = _write_index(partial, kept, seed=seed, splits=splits, options=options)
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
-    return info
+    return kept
 
 
 class _Synthesizer:

@@ -93,27 +93,64 @@ class MlflowRun:
     ) -> bool:
         """Open the run (a new one with MLflow's context tags); returns whether it is new. ``create_if_missing``:
         a ``run_id`` not in the store gets a new run; ``by_key``: continue the run tagged :attr:`run_key`, if any."""
-        from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as switch
-        from mlflow.exceptions import MlflowException
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-        from mlflow.tracking import MlflowClient
         from mlflow.tracking.context.registry import resolve_tags
+
+        client = self._connect(tracking_uri)
+        tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        if run_id is None and by_key:
+            run_id = self._run_id_by_key(experiment)
+        run = self._existing_run(run_id, create_if_missing=create_if_missing)
+        if self._replaces_run_id is not None:
+            tags["asrflow.replaces_run_id"] = self._replaces_run_id
+        if new := run is None:
+            self.experiment_id = self._experiment_id(experiment)
+            tags = resolve_tags({RUN_KEY_TAG: self.run_key, **tags})
+            run = client.create_run(self.experiment_id, tags=tags, run_name=run_name)
+            log.info(
+                "started MLflow run %s (%s) in %s",
+                run.info.run_id,
+                run.info.run_name,
+                self.tracking_uri,
+                extra=_TERMINAL,
+            )
+        self._run_id = run.info.run_id
+        if not new:
+            self._continue(run, tags)
+        self._start_system_metrics(system_metrics, system_metrics_interval_s, resume=not new)
+        return new
+
+    def _connect(self, tracking_uri: str | None) -> Any:
+        """The MLflow client of ``tracking_uri`` (checked; a SQLite store is created whole), kept as the run's."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
         from sqlalchemy.exc import SQLAlchemyError
 
         self.tracking_uri = uri = check_tracking_uri(tracking_uri)
         create_whole_sqlite_store(uri)
         try:
-            self._client = client = MlflowClient(tracking_uri=uri)  # opens a SQLite store's tables
+            self._client = MlflowClient(tracking_uri=uri)  # opens a SQLite store's tables
         except (MlflowException, SQLAlchemyError) as error:
             if sqlite_path(uri) is None:
                 raise
             raise store_error(uri, error) from error
-        tags, run = {str(k): str(v) for k, v in (tags or {}).items()}, None
-        if run_id is None and by_key and (known := client.get_experiment_by_name(experiment)) is not None:
-            found = client.search_runs([known.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'")
-            run_id = found[0].info.run_id if found else None
+        return self._client
+
+    def _run_id_by_key(self, experiment: str) -> str | None:
+        """The id of the run of ``experiment`` tagged with this :attr:`run_key`, or ``None``."""
+        known = self._client.get_experiment_by_name(experiment)
+        if known is None:
+            return None
+        found = self._client.search_runs([known.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'")
+        return found[0].info.run_id if found else None
+
+    def _existing_run(self, run_id: str | None, *, create_if_missing: bool) -> Any:
+        """MLflow's run ``run_id``, or ``None`` for a new run: no ``run_id``, or (``create_if_missing``) one the
+        store lacks, whose id is kept as :attr:`_replaces_run_id`. Raises AsrflowError for a missing or deleted run."""
+        from mlflow.exceptions import MlflowException
+
+        uri = self.tracking_uri
         try:
-            run = client.get_run(run_id) if run_id is not None else None
+            run = self._client.get_run(run_id) if run_id is not None else None
         except MlflowException as error:
             if error.error_code != "RESOURCE_DOES_NOT_EXIST":
                 raise
@@ -123,32 +160,38 @@ class MlflowRun:
                     "that holds it, or delete the checkpoints to start a new run"
                 ) from None
             log.warning("MLflow run %s is not in %s; starting a new run", run_id, uri)
-            tags["asrflow.replaces_run_id"] = self._replaces_run_id = run_id
+            self._replaces_run_id = run_id
+            return None
         if run is not None and run.info.lifecycle_stage != "active":
             raise AsrflowError(
                 f"MLflow run {run_id} is deleted in {uri}: restore it (`mlflow runs restore --run-id {run_id}`) "
                 "or start training afresh"
             )
-        if new := run is None:
-            self.experiment_id = self._experiment_id(experiment)
-            tags = resolve_tags({RUN_KEY_TAG: self.run_key, **tags})
-            run = client.create_run(self.experiment_id, tags=tags, run_name=run_name)
-            log.info("started MLflow run %s (%s) in %s", run.info.run_id, run.info.run_name, uri, extra=_TERMINAL)
-        self._run_id = run.info.run_id
-        if not new:
-            self.experiment_id, self._reopened_finished = run.info.experiment_id, run.info.status == "FINISHED"
-            if not self._reopened_finished:
-                client.update_run(self._run_id, status="RUNNING")
-            self._write_tags(tags)
-            through = run.data.tags.get(LOGGED_THROUGH_TAG, "-1")
-            self.metrics.logged_through = int(through) if through.lstrip("-").isdigit() else -1
-            log.info("continuing MLflow run %s in %s", self._run_id, uri, extra=_TERMINAL)
-        if (switch.get() if switch.defined else system_metrics) and not self._reopened_finished:  # MLflow's switch wins
+        return run
+
+    def _continue(self, run: Any, tags: dict[str, str]) -> None:
+        """Take up an existing run: marked RUNNING again (a FINISHED one stays so), given ``tags``, and its
+        metric watermark (:data:`LOGGED_THROUGH_TAG`) read into :attr:`metrics`."""
+        self.experiment_id, self._reopened_finished = run.info.experiment_id, run.info.status == "FINISHED"
+        if not self._reopened_finished:
+            self._client.update_run(self._run_id, status="RUNNING")
+        self._write_tags(tags)
+        through = run.data.tags.get(LOGGED_THROUGH_TAG, "-1")
+        self.metrics.logged_through = int(through) if through.lstrip("-").isdigit() else -1
+        log.info("continuing MLflow run %s in %s", self._run_id, self.tracking_uri, extra=_TERMINAL)
+
+    def _start_system_metrics(self, wanted: bool | None, interval_s: float, *, resume: bool) -> None:
+        """Start MLflow's system metrics monitor (a sample every ``interval_s`` seconds) when ``wanted``, or when
+        MLflow's own switch (``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING``) says so, which wins; never on a reopened
+        FINISHED run. ``resume``: continue the run's earlier samples' steps."""
+        from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING as switch
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        if (switch.get() if switch.defined else wanted) and not self._reopened_finished:
             self._monitor = SystemMetricsMonitor(
-                self._run_id, system_metrics_interval_s, resume_logging=not new, tracking_uri=uri
+                self._run_id, interval_s, resume_logging=resume, tracking_uri=self.tracking_uri
             )
             self._monitor.start()
-        return new
 
     def _experiment_id(self, name: str) -> str:
         from mlflow.exceptions import MlflowException

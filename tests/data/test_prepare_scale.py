@@ -18,9 +18,9 @@ import yaml
 from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
 from lhotse.cut import MultiCut
 
+from asrflow.data.prepare.audio_checks import open_recording
 from asrflow.data.prepare.config import PrepareConfig
 from asrflow.data.prepare.corpus import prepare_corpus
-from asrflow.data.prepare.item_checks import open_recording
 from asrflow.data.prepare.split_writer import cut_dict, recording_dict, utterance_cut
 from asrflow.data.prepare.spool import SortedSpool
 from tests.support.corpora import copied_folder_corpus

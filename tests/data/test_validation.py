@@ -1,4 +1,4 @@
-"""Item checks and the rejected-items report (asrflow.data.prepare.item_checks via prepare_corpus)."""
+"""Item checks and the rejected-items report (asrflow.data.prepare.validator and its checks, via prepare_corpus)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import soundfile as sf
 from lhotse import CutSet, SupervisionSegment
 from lhotse.supervision import AlignmentItem
 
+from asrflow.data.prepare.alignment import split_by_alignment
 from asrflow.data.prepare.config import PrepareConfig
 from asrflow.data.prepare.corpus import prepare_corpus
-from asrflow.data.prepare.item_checks import ItemRejected, resolve_inside, split_by_alignment
+from asrflow.data.prepare.path_checks import resolve_inside
+from asrflow.data.prepare.rejections import ItemRejected
 from asrflow.errors import AsrflowError
 
 
@@ -223,8 +225,9 @@ def test_resolve_inside(tmp_path: Path) -> None:
 def test_first_valid_copy_of_an_id_wins_and_an_invalid_copy_claims_nothing(tmp_path: Path) -> None:
     from lhotse import Recording, RecordingSet, SupervisionSet
 
-    from asrflow.data.prepare.item_checks import ValidationRules, validate_split
+    from asrflow.data.prepare.supervision_checks import ValidationRules
     from asrflow.data.prepare.text import TextConfig
+    from asrflow.data.prepare.validator import validate_split
 
     recording = Recording.from_file(write_tone(tmp_path / "r.wav", 1.0), recording_id="r")
     rules = ValidationRules(

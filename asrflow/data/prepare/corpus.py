@@ -1,7 +1,7 @@
 """The ``prepare`` stage: a corpus -> validated Lhotse manifests for train, dev and test.
 
 :func:`prepare_corpus` reads the corpus (:mod:`asrflow.data.prepare.importers`), checks every
-utterance (:mod:`asrflow.data.prepare.item_checks`, text rules in :mod:`asrflow.data.prepare.text`), and
+utterance (:mod:`asrflow.data.prepare.validator`, text rules in :mod:`asrflow.data.prepare.text`), and
 writes into ``output_dir``, whole or not at all:
 
 * ``{split}_recordings.jsonl.gz``, ``{split}_supervisions.jsonl.gz`` and
@@ -27,7 +27,7 @@ train after validation, in whole speaker (or recording) groups, by the rule of
 **Duration limits** (``min_duration_s``, ``max_duration_s``, ``long_utterances``) apply to
 train only: a corpus' own dev and test are kept as published (comparable with published
 WERs); carved splits come from the filtered train. Corrupt audio, empty transcripts and
-the other reasons of :mod:`asrflow.data.prepare.item_checks` are rejected in every split.
+the other reasons of :mod:`asrflow.data.prepare.rejections` are rejected in every split.
 
 **Streaming.** The corpus is read, checked and written an utterance at a time; the
 manifests are sorted by id on disk (:class:`~asrflow.data.prepare.spool.SortedSpool`) inside the
@@ -71,10 +71,12 @@ from asrflow.data.prepare.importers.common import PROBE_CHUNK, Item, chunked
 from asrflow.data.prepare.importers.folder import stream_folder
 from asrflow.data.prepare.importers.kaldi import stream_kaldi
 from asrflow.data.prepare.importers.recipes import UNSPLIT, cached_recipe, stream_recipe_split
-from asrflow.data.prepare.item_checks import Rejection, SplitValidator, ValidationRules
+from asrflow.data.prepare.rejections import Rejection
 from asrflow.data.prepare.report import PrepareSummary, RejectionLog, SplitSummary, check_rejected, log_summary
 from asrflow.data.prepare.split_writer import SplitWriter, cut_dict, portable, recording_dict
 from asrflow.data.prepare.spool import DEFAULT_CHUNK_LINES, SortedSpool
+from asrflow.data.prepare.supervision_checks import ValidationRules
+from asrflow.data.prepare.validator import SplitValidator
 from asrflow.errors import AsrflowError
 from asrflow.files import atomic_path
 from asrflow.logs import progress

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from asrflow.data.prepare.config import PrepareConfig
-from asrflow.data.prepare.item_checks import Rejection
+from asrflow.data.prepare.rejections import Rejection
 from asrflow.errors import AsrflowError
 
 logger = logging.getLogger(__name__)

@@ -3,10 +3,10 @@ corpus' text files, and reading audio headers a chunk at a time.
 
 An importer (:mod:`~asrflow.data.prepare.importers.folder`,
 :mod:`~asrflow.data.prepare.importers.kaldi`, :mod:`~asrflow.data.prepare.importers.recipes`)
-streams, per split, the utterances to validate (:class:`~asrflow.data.prepare.item_checks.Candidate`)
-and the items it had to reject while reading (see :mod:`asrflow.data.prepare.item_checks` for
+streams, per split, the utterances to validate (:class:`~asrflow.data.prepare.validator.Candidate`)
+and the items it had to reject while reading (see :mod:`asrflow.data.prepare.rejections` for
 the reasons). Transcripts are streamed raw; normalisation and the remaining checks happen in
-:class:`asrflow.data.prepare.item_checks.SplitValidator`.
+:class:`asrflow.data.prepare.validator.SplitValidator`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,10 @@ from typing import TypeVar
 
 from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
-from asrflow.data.prepare.item_checks import (
-    NON_UTF8,
-    Candidate,
-    ItemRejected,
-    Rejection,
-    map_in_threads,
-    open_command_recording,
-    open_recording,
-    resolve_inside,
-)
+from asrflow.data.prepare.audio_checks import open_command_recording, open_recording
+from asrflow.data.prepare.path_checks import resolve_inside
+from asrflow.data.prepare.rejections import NON_UTF8, ItemRejected, Rejection
+from asrflow.data.prepare.validator import Candidate, map_in_threads
 
 T = TypeVar("T")
 

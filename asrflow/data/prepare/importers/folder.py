@@ -35,7 +35,8 @@ from asrflow.data.prepare.importers.common import (
     probe_recordings,
     read_lines,
 )
-from asrflow.data.prepare.item_checks import MALFORMED_LINE, Candidate, ItemRejected, Rejection
+from asrflow.data.prepare.rejections import MALFORMED_LINE, ItemRejected, Rejection
+from asrflow.data.prepare.validator import Candidate
 from asrflow.errors import AsrflowError
 
 #: First TSV fields that mark a header line.

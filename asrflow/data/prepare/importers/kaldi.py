@@ -44,16 +44,16 @@ from asrflow.data.prepare.importers.common import (
     probe_recordings,
     read_lines,
 )
-from asrflow.data.prepare.item_checks import (
+from asrflow.data.prepare.rejections import (
     DUPLICATE_ID,
     MALFORMED_LINE,
     MISSING_RECORDING,
     MISSING_TRANSCRIPT,
     PIPED_COMMAND,
-    Candidate,
     ItemRejected,
     Rejection,
 )
+from asrflow.data.prepare.validator import Candidate
 from asrflow.errors import AsrflowError
 
 logger = logging.getLogger(__name__)

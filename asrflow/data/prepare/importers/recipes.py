@@ -27,7 +27,7 @@ from typing import Any
 from lhotse import Recording, RecordingSet, SupervisionSet
 
 from asrflow.data.prepare.importers.common import ImportedSplit, Item
-from asrflow.data.prepare.item_checks import Candidate
+from asrflow.data.prepare.validator import Candidate
 from asrflow.errors import AsrflowError, first_line
 
 logger = logging.getLogger(__name__)
