@@ -317,11 +317,12 @@ def machine_presets(root: Path) -> list[Path]:
     return sorted((root / "presets").glob("machine-*.yaml"))
 
 
-def suggested_overrides(layout: CorpusLayout, splits: dict[str, Any], tally: CorpusTally) -> dict[str, Any]:
-    """The params.yaml overrides the report suggests: the ``prepare`` corpus keys and ``features.sampling_rate``."""
+def suggested_overrides(layout: CorpusLayout, splits: dict[str, Any], tally: CorpusTally, root: Path) -> dict[str, Any]:
+    """The params.yaml overrides the report suggests: the ``prepare`` corpus keys and ``features.sampling_rate``.
+    ``corpus_dir`` is relative to ``root`` (the params file's folder, where the stages run) when it lies inside."""
     corpus_dir = layout.corpus_dir.resolve()
-    cwd = Path.cwd().resolve()
-    where = corpus_dir.relative_to(cwd).as_posix() if corpus_dir.is_relative_to(cwd) else str(corpus_dir)
+    root = root.resolve()
+    where = corpus_dir.relative_to(root).as_posix() if corpus_dir.is_relative_to(root) else str(corpus_dir)
     overrides: dict[str, Any] = {"prepare": {"corpus": layout.corpus, "corpus_dir": where, "splits": splits}}
     rate = suggested_rate(tally.rates)
     if rate is not None:
@@ -523,8 +524,9 @@ def inspect_corpus(path: Path, *, corpus_format: str, recipe: str | None, params
     layout = find_layout(path, corpus_format, recipe)
     config = _prepare_config(params, layout.corpus)
     tally, splits = read_corpus(layout, config)
-    overrides = suggested_overrides(layout, splits, tally)
-    print("\n".join(report_lines(layout, tally, config, overrides, params.resolve().parent)))
+    root = params.resolve().parent
+    overrides = suggested_overrides(layout, splits, tally, root)
+    print("\n".join(report_lines(layout, tally, config, overrides, root)))
     usable = bool(layout.split_names) and tally.per_split.get(_train_name(layout), Counter())["kept"] > 0
     if not usable:
         print(f"nothing usable in {path}; exit status {EXIT_NOTHING_USABLE}")
