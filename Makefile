@@ -28,7 +28,7 @@ test: $(STAMP)
 # System packages the tests use, installed here when make runs as root with apt (else install them yourself;
 # without them the spoken-corpus tests skip, and the train stage keeps glibc's malloc): espeak-ng speaks the
 # generated corpora, libjemalloc2 is the malloc the train stage preloads (run.allocator; README: Install).
-SYSTEM_PACKAGES := espeak-ng libjemalloc2
+SYSTEM_PACKAGES := espeak-ng libjemalloc2 fortunes fortunes-min
 test: system-packages
 system-packages:
 	@missing=$$(for package in $(SYSTEM_PACKAGES); do dpkg -s $$package >/dev/null 2>&1 || echo $$package; done); \

@@ -7,7 +7,9 @@ quote it as a substitute for a real-corpus claim.
 
 Each utterance is a sentence of ``min_words``-``max_words`` words drawn from a word list
 (by default ``words.txt`` beside this module: 4,000 words of Debian's ``wamerican``, see
-``words.NOTICE``), spoken by one of ``voices`` voices. A voice is an espeak-ng English dialect
+``words.NOTICE``), or with ``--text sentences`` a real English sentence of Debian's ``fortunes``
+package (:mod:`asrflow.generate.sentences`, ``sentences.NOTICE``), spoken by one of ``voices`` voices.
+A voice is an espeak-ng English dialect
 (``en-us``, ``en-gb-scotland``...), a voice variant (``m3``, ``f2``, ``klatt``...), a speed
 (words per minute) and a pitch (0-99). Audio is resampled from espeak-ng's 22,050 Hz to
 16 kHz and written as 16-bit FLAC. Transcripts are the words exactly as spoken (lowercase).
@@ -19,12 +21,20 @@ Layout (``corpus: folder``, see :mod:`asrflow.data.prepare.importers.folder`)::
     OUT/corpus.json                    seed, sizes, voices and their splits (written last)
 
 Splits are by voice: about 5 % of the voices (at least one) speak only dev, as many only test,
-the rest train. Everything is a function of the seed and the options: the same call writes the
+the rest train. With sentences they are by sentence too: each dev and test sentence is spoken once,
+by a voice of its split, and never in train; a train sentence is spoken at most ``--max-repeats``
+times (by the voices its utterances draw). A size the text source cannot reach so is refused,
+naming how many sentences it holds and how many the size needs.
+Everything is a function of the seed and the options: the same call writes the
 same transcripts and the same audio. The folder appears whole (built beside it, then renamed).
 
 Command line::
 
     python -m asrflow.generate.spoken_corpus --hours 5 --out data/corpora/spoken-5h --seed 0
+    python -m asrflow.generate.spoken_corpus --hours 10 --text sentences --out data/corpora/sentences-10h --seed 0
+
+(``--hours 25`` and ``--hours 50`` the same way; ``--text sentences`` needs
+``apt-get install fortunes fortunes-min``.)
 
 Synthesis runs in one process per core (``--jobs``); espeak-ng must be on the PATH
 (Debian/Ubuntu: ``apt-get install espeak-ng``).
@@ -33,9 +43,11 @@ Synthesis runs in one process per core (``--jobs``); espeak-ng must be on the PA
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -46,6 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from asrflow.errors import AsrflowError, exit_on_user_error
+from asrflow.generate import sentences as sentence_source
 
 ESPEAK = "espeak-ng"
 #: espeak-ng's English dialects (its ``gmw`` voices).
@@ -68,6 +81,15 @@ SAMPLING_RATE = 16000
 HELD_OUT_FRACTION = 0.05
 SPLITS = ("train", "dev", "test")
 WORDS = Path(__file__).with_name("words.txt")
+#: ``--text``: random words of the word list, or real sentences (Debian's fortunes; or give a file or folder).
+TEXTS = ("words", "sentences")
+#: Most times one train sentence is spoken (each time by the voice its utterance draws); dev and test
+#: sentences are spoken once each, and never in train.
+MAX_REPEATS = 5
+#: Seconds a spoken word takes, as a share of ``60 / speed_wpm``, for estimating how many sentences some hours
+#: need: espeak-ng's words, pauses included, take a little more than this, so the estimate errs towards more
+#: utterances than the hours take (and so towards more dev and test sentences kept apart).
+SPOKEN_WORD_SHARE = 0.8
 INFO_FILE = "corpus.json"
 
 
@@ -166,6 +188,98 @@ def plan_utterance(
     return Utterance(index, voice, splits[voice.name], sentence)
 
 
+def _voice_of(index: int, seed: int, voices: list[Voice]) -> Voice:
+    """The voice of utterance ``index`` of the corpus of ``seed`` (drawn as :func:`plan_utterance` draws it)."""
+    return voices[random.Random(f"utterance-{seed}-{index}").randrange(len(voices))]
+
+
+def sentence_pools(
+    found: list[str], *, seed: int, voices: list[Voice], splits: dict[str, str], size: dict, max_repeats: int
+) -> dict[str, list[str]]:
+    """Split ``found`` sentences into disjoint train, dev and test pools, enough for ``size`` (``hours`` or
+    ``utterances``): dev and test get one sentence for each of their utterances (estimated for hours, see
+    :data:`SPOKEN_WORD_SHARE`), train the rest, to be spoken at most ``max_repeats`` times each.
+
+    Raises:
+        AsrflowError: too few sentences for the size without repeating dev or test sentences (or a train
+            sentence more than ``max_repeats`` times), naming how many were found and how many are needed.
+    """
+    count = size["utterances"]
+    if count is None:
+        mean_words = sum(len(sentence.split()) for sentence in found) / max(1, len(found))
+        word_s = SPOKEN_WORD_SHARE * sum(60 / voice.speed_wpm for voice in voices) / len(voices)
+        count = math.ceil(size["hours"] * 3600 / max(mean_words * word_s, 1e-9))
+    needs = dict.fromkeys(SPLITS, 0)
+    for index in range(count):
+        needs[splits[_voice_of(index, seed, voices).name]] += 1
+    needed = needs["dev"] + needs["test"] + math.ceil(needs["train"] / max_repeats)
+    if needed > len(found):
+        what = f"{size['hours']:g} h (about {count} utterances)" if size["hours"] else f"{count} utterances"
+        raise AsrflowError(
+            f"text source {size['source']}: found {len(found)} usable sentences, {what} need {needed} "
+            f"({needs['dev']} dev and {needs['test']} test sentences spoken once and never in train, "
+            f"{needs['train']} train utterances at most {max_repeats} per sentence); "
+            "lower --hours, raise --max-repeats or give a larger text source"
+        )
+    shuffled = list(found)
+    random.Random(f"sentences-{seed}").shuffle(shuffled)
+    test_end = needs["test"]
+    dev_end = test_end + needs["dev"]
+    return {"test": shuffled[:test_end], "dev": shuffled[test_end:dev_end], "train": shuffled[dev_end:]}
+
+
+class _SentencePlanner:
+    """Utterance ``index`` of a corpus of sentences: its voice as :func:`plan_utterance` draws it, its sentence
+    the next of its split's pool (train's pool again from its start once spoken through, up to ``max_repeats``
+    times). Utterances are planned in index order and kept, so that asking twice gives the same one."""
+
+    def __init__(self, *, seed: int, voices: list[Voice], splits: dict[str, str], pools: dict, max_repeats: int):
+        self.seed, self.voices, self.splits, self.pools, self.max_repeats = seed, voices, splits, pools, max_repeats
+        self.spoken = dict.fromkeys(SPLITS, 0)
+        self.planned: list[Utterance] = []
+
+    def __call__(self, index: int) -> Utterance:
+        while len(self.planned) <= index:
+            self.planned.append(self._plan(len(self.planned)))
+        return self.planned[index]
+
+    def _plan(self, index: int) -> Utterance:
+        voice = _voice_of(index, self.seed, self.voices)
+        split = self.splits[voice.name]
+        pool, spoken = self.pools[split], self.spoken[split]
+        if spoken >= len(pool) * (self.max_repeats if split == "train" else 1):
+            raise AsrflowError(
+                f"utterance {index}: the {len(pool)} {split} sentences are all spoken (the audio is shorter than "
+                "estimated); ask for fewer hours"
+            )
+        self.spoken[split] += 1
+        return Utterance(index, voice, split, tuple(pool[spoken % len(pool)].split()))
+
+
+def _planner(text: str | Path, *, seed: int, voices: list[Voice], splits: dict[str, str], options: dict):
+    """The function from an utterance's index to the :class:`Utterance`, for ``text`` (see :data:`TEXTS`);
+    ``options``: ``words``, ``word_range``, ``max_repeats``, ``hours``, ``utterances``; the count of
+    sentences found is added to it."""
+    if str(text) == "words":
+        word_list = load_words(Path(options["words"]))
+        word_range = options["word_range"]
+        return functools.partial(
+            plan_utterance, seed=seed, voices=voices, splits=splits, words=word_list, word_range=word_range
+        )
+    source = None if str(text) == "sentences" else Path(text)
+    found = sentence_source.load_sentences(source, options["word_range"])
+    options["sentences"] = len(found)
+    size = {
+        "hours": options["hours"],
+        "utterances": options["utterances"],
+        "source": source or sentence_source.FORTUNES_DIR,
+    }
+    pools = sentence_pools(
+        found, seed=seed, voices=voices, splits=splits, size=size, max_repeats=options["max_repeats"]
+    )
+    return _SentencePlanner(seed=seed, voices=voices, splits=splits, pools=pools, max_repeats=options["max_repeats"])
+
+
 def synthesize(utterance: Utterance, root: Path) -> int:
     """Speak ``utterance`` into ``root / utterance.path`` (16 kHz, 16-bit FLAC); its length in samples.
 
@@ -218,8 +332,10 @@ def generate(
     utterances: int | None = None,
     seed: int = 0,
     voices: int = 100,
+    text: str | Path = "words",
     words: Path | None = None,
-    word_range: tuple[int, int] = (2, 12),
+    word_range: tuple[int, int] | None = None,
+    max_repeats: int = MAX_REPEATS,
     jobs: int = 0,
     progress: bool = False,
 ) -> CorpusInfo:
@@ -231,25 +347,30 @@ def generate(
         hours / utterances: the size, exactly one of them.
         seed: everything (voices, splits, sentences) follows from it and the other options.
         voices: how many voices (at least 3).
+        text: ``words`` (random words of ``words``), ``sentences`` (real sentences of Debian's fortunes, see
+            :mod:`asrflow.generate.sentences`), or a text file or folder of fortune files to take sentences from.
         words: a word list (one word a line); default: :data:`WORDS`.
-        word_range: fewest and most words a sentence.
+        word_range: fewest and most words a sentence; default 2-12 for words, 3-20 for sentences.
+        max_repeats: most times a train sentence is spoken (sentences only; dev and test ones are spoken once).
         jobs: synthesis processes; 0 = one per usable core.
         progress: show a progress bar on stderr.
     Raises:
-        AsrflowError: bad options, ``out`` not empty, espeak-ng missing or failing.
+        AsrflowError: bad options, ``out`` not empty, espeak-ng missing or failing, too few sentences.
     """
     out = Path(out)
-    _check_options(out, hours=hours, utterances=utterances, word_range=word_range)
-    word_list = load_words(words)
+    if word_range is None:
+        word_range = (2, 12) if str(text) == "words" else sentence_source.SENTENCE_WORDS
+    _check_options(out, hours=hours, utterances=utterances, word_range=word_range, max_repeats=max_repeats)
     all_voices = make_voices(voices, seed)
     splits = split_of_voices(all_voices, seed)
-    plan = {"seed": seed, "voices": all_voices, "splits": splits, "words": word_list, "word_range": word_range}
+    options = {"hours": hours, "utterances": utterances, "voices": voices, "text": str(text)}
+    options |= {"words": str(words or WORDS), "word_range": list(word_range), "max_repeats": max_repeats}
+    plan = _planner(text, seed=seed, voices=all_voices, splits=splits, options=options)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     jobs = jobs or len(os.sched_getaffinity(0))
     kept = _synthesize_until(partial, plan, hours=hours, utterances=utterances, jobs=jobs, progress=progress)
-    options = {"hours": hours, "voices": voices, "words": str(words or WORDS), "word_range": list(word_range)}
     info = _write_index(partial, kept, seed=seed, splits=splits, options=options)
     if out.exists():
         out.rmdir()
@@ -257,9 +378,11 @@ def generate(
     return info
 
 
-def _check_options(out: Path, *, hours: float | None, utterances: int | None, word_range: tuple[int, int]) -> None:
-    """Refuse a size other than exactly one positive ``hours`` or ``utterances``, a bad ``word_range``,
-    a non-empty ``out``, or a machine where espeak-ng does not run.
+def _check_options(
+    out: Path, *, hours: float | None, utterances: int | None, word_range: tuple[int, int], max_repeats: int
+) -> None:
+    """Refuse a size other than exactly one positive ``hours`` or ``utterances``, a bad ``word_range`` or
+    ``max_repeats``, a non-empty ``out``, or a machine where espeak-ng does not run.
 
     Raises:
         AsrflowError: naming the option to fix.
@@ -270,6 +393,8 @@ def _check_options(out: Path, *, hours: float | None, utterances: int | None, wo
         raise AsrflowError(f"the corpus size must be positive (hours={hours}, utterances={utterances})")
     if not 1 <= word_range[0] <= word_range[1]:
         raise AsrflowError(f"word range {word_range}: give 1 <= fewest <= most")
+    if max_repeats < 1:
+        raise AsrflowError(f"max repeats {max_repeats}: give at least 1 (each train sentence spoken once)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise AsrflowError(f"{out} exists and is not empty; remove it or choose another --out")
     reason = espeak_missing()
@@ -278,12 +403,12 @@ def _check_options(out: Path, *, hours: float | None, utterances: int | None, wo
 
 
 def _synthesize_until(
-    root: Path, plan: dict, *, hours: float | None, utterances: int | None, jobs: int, progress: bool
+    root: Path, plan, *, hours: float | None, utterances: int | None, jobs: int, progress: bool
 ) -> list[tuple[Utterance, int]]:
     """Synthesize utterances 0, 1, ... into ``root`` in ``jobs`` processes until there are ``utterances``
     of them, or until their audio reaches ``hours`` hours (the utterance that crosses it is kept).
 
-    Utterances are planned by :func:`plan_utterance` (``plan``: its keyword arguments) and spoken
+    Utterances are planned by ``plan`` (index -> :class:`Utterance`, see :func:`_planner`) and spoken
     ``32 * jobs`` at a time; those of the last batch past the target are deleted.
 
     Returns:
@@ -297,7 +422,7 @@ def _synthesize_until(
     with bar, multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for start in itertools.count(0, batch):
             stop = start + batch if utterances is None else min(start + batch, utterances)
-            planned = [plan_utterance(i, **plan) for i in range(start, stop)]
+            planned = [plan(i) for i in range(start, stop)]
             lengths = pool.map(_Synthesizer(root), planned, chunksize=4)
             finished = False
             for utterance, length in zip(planned, lengths, strict=True):
@@ -369,11 +494,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="corpus folder to create (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="seed of voices, splits and sentences (default 0)")
     parser.add_argument("--voices", type=int, default=100, help="number of voices (default 100)")
+    parser.add_argument(
+        "--text",
+        default="words",
+        help="what is spoken: words (random words of --words, the default), sentences (real sentences of "
+        "Debian's fortunes package), or a text file or folder of fortune files to take sentences from",
+    )
     parser.add_argument("--words", type=Path, default=None, help=f"word list, one a line (default {WORDS.name})")
-    parser.add_argument("--min-words", type=int, default=2, help="fewest words a sentence (default 2)")
-    parser.add_argument("--max-words", type=int, default=12, help="most words a sentence (default 12)")
+    parser.add_argument(
+        "--min-words", type=int, default=None, help="fewest words a sentence (default 2; 3 for sentences)"
+    )
+    parser.add_argument(
+        "--max-words", type=int, default=None, help="most words a sentence (default 12; 20 for sentences)"
+    )
+    parser.add_argument(
+        "--max-repeats",
+        type=int,
+        default=MAX_REPEATS,
+        help=f"most times a train sentence is spoken (default {MAX_REPEATS}; dev and test ones once, never in train)",
+    )
     parser.add_argument("--jobs", type=int, default=0, help="synthesis processes (default 0: one per core)")
     return parser.parse_args(argv)
+
+
+def _word_range(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--min-words`` / ``--max-words``, the text's defaults where left out (``None`` when both are)."""
+    if args.min_words is None and args.max_words is None:
+        return None
+    default = (2, 12) if args.text == "words" else sentence_source.SENTENCE_WORDS
+    return (args.min_words or default[0], args.max_words or default[1])
 
 
 @exit_on_user_error
@@ -385,8 +534,10 @@ def main(argv: list[str] | None = None) -> None:
         utterances=args.utterances,
         seed=args.seed,
         voices=args.voices,
+        text=args.text,
         words=args.words,
-        word_range=(args.min_words, args.max_words),
+        word_range=_word_range(args),
+        max_repeats=args.max_repeats,
         jobs=args.jobs,
         progress=True,
     )
