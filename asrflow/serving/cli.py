@@ -2,11 +2,15 @@
 
 Subcommands:
 
-``asrflow transcribe --model exp/model.pt [--decoder greedy|beam] AUDIO...``
+``asrflow transcribe --model exp/model.pt [--decoder greedy|beam] [--output text|json|srt|vtt] [--out DIR] AUDIO...``
     Prints ``<path><TAB><transcript>`` per audio file, in the order given. Any format and
     sample rate Lhotse reads works (WAV, FLAC, ...); multi-channel audio is averaged to
     mono and everything is resampled to the model's rate. A file that cannot be
     transcribed gets one ``error:`` line on stderr naming it; the others still are.
+    ``--output json`` prints one JSON object per file instead (``path``, ``text``, ``words``
+    with start and end seconds, ``segments``); ``srt`` and ``vtt`` print subtitles, one cue
+    per segment (:mod:`asrflow.decoding.timing` places the words). With ``--out DIR`` each
+    file's output goes to ``DIR/<stem>.txt|.json|.srt|.vtt`` and stdout names it.
 
 ``asrflow export --model exp/model.pt --format onnx|torchscript --out FILE``
     Writes the encoder (normalised fbank in, CTC log-probabilities out) for serving; see
@@ -25,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError, first_line
+from asrflow.serving.subtitles import OUTPUT_SUFFIXES
 
 #: Choices of --decoder and export --format (asrflow.decoding.ctc.DECODER_KINDS and asrflow.serving.export.FORMATS;
 #: repeated here so that ``--help`` answers without importing torch).
@@ -76,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "  0  every file was transcribed\n"
         "  1  at least one file failed (the others were transcribed)\n"
         "  2  usage error, or the model file is missing or unusable\n\n"
-        "example:\n"
-        "  asrflow transcribe --model exp/model.pt a.wav b.flac > transcripts.tsv",
+        "examples:\n"
+        "  asrflow transcribe --model exp/model.pt a.wav b.flac > transcripts.tsv\n"
+        "  asrflow transcribe --model exp/model.pt --output json a.wav > a.json    # word and segment times\n"
+        "  asrflow transcribe --model exp/model.pt --output srt --out subs/ a.wav b.flac",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     transcribe.add_argument("--model", required=True, type=Path, help="model bundle written by training")
@@ -111,6 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the encoder runs: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N "
         "(default: %(default)s)",
     )
+    transcribe.add_argument(
+        "--output",
+        choices=tuple(OUTPUT_SUFFIXES),
+        default="text",
+        help="text: '<path><TAB><transcript>' lines; json: one object per file with word and segment times; "
+        "srt, vtt: subtitles, one cue per segment (one AUDIO, or --out) (default: %(default)s)",
+    )
+    transcribe.add_argument(
+        "--out", type=Path, default=None, help="folder to write <stem>.txt|.json|.srt|.vtt per file in, not stdout"
+    )
+    transcribe.add_argument(
+        "--max-pause",
+        type=_positive_float,
+        default=0.5,
+        help="a pause between words longer than this many seconds starts a new segment (default: %(default)s)",
+    )
     transcribe.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files to transcribe")
     transcribe.set_defaults(handler=run_transcribe)
 
@@ -136,16 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------- transcribe
 def transcribe_files(
-    bundle, paths: Sequence[str], decode, batch_seconds: float = 60.0
-) -> Iterator[tuple[str, str | None, str | None]]:
+    bundle, paths: Sequence[str], decode, batch_seconds: float = 60.0, *, max_pause_s: float | None = None
+) -> Iterator[tuple[str, str | dict | None, str | None]]:
     """Transcribe ``paths`` with ``bundle`` and ``decode`` (a :data:`asrflow.decoding.ctc.Decoder`).
 
     Yields ``(path, transcript, None)`` or ``(path, None, error message)`` per path, in
     input order, each as soon as it and every path before it are done. A batch that fails
     as a whole is retried file by file, so one bad file only costs its own transcript.
+    With ``max_pause_s`` set, a transcript is :func:`asrflow.serving.inference.timed_transcripts`'s
+    ``{text, words, segments}`` (segments split at pauses over it), else the text.
     """
     from asrflow.data.manifests import pack_shortest_first
-    from asrflow.serving.inference import read_audio, transcripts
+    from asrflow.serving.inference import read_audio, timed_transcripts
+
+    if max_pause_s is None:
+        from asrflow.serving.inference import transcripts
+    else:
+
+        def transcripts(bundle, cuts, decode):
+            return timed_transcripts(bundle, cuts, decode, max_pause_s)
 
     done: dict[int, tuple[str | None, str | None]] = {}
     readable: list[tuple[int, object]] = []
@@ -184,8 +216,42 @@ def transcribe_files(
         next_index += 1
 
 
+def _output_files(args: argparse.Namespace) -> list[Path] | None:
+    """Where ``--out`` puts each AUDIO's output (``None`` for stdout); refuses what cannot be written."""
+    if args.out is None:
+        if args.output in ("srt", "vtt") and len(args.audio) > 1:
+            raise AsrflowError(f"--output {args.output} prints one file's subtitles; name --out DIR for several files")
+        return None
+    if args.out.exists() and not args.out.is_dir():
+        raise AsrflowError(f"--out {args.out} is a file; name a folder (it is created if missing)")
+    files = [args.out / (Path(path).stem + OUTPUT_SUFFIXES[args.output]) for path in args.audio]
+    clashes = sorted({str(file) for file in files if files.count(file) > 1})
+    if clashes:
+        raise AsrflowError(f"--out: several AUDIO files would write {clashes[0]}; give the files different names")
+    return files
+
+
+def _emit(args: argparse.Namespace, path: str, transcript, file: Path | None) -> None:
+    """Print or write one file's transcript as ``--output`` asks."""
+    from asrflow.files import atomic_path
+    from asrflow.serving.subtitles import render_transcript
+
+    if args.output == "text" and file is None:
+        print(f"{path}\t{transcript}", flush=True)
+        return
+    if isinstance(transcript, str):  # --output text: no times were computed
+        transcript = {"text": transcript}
+    rendered = render_transcript(transcript, args.output, path)
+    if file is None:
+        print(rendered, end="", flush=True)
+        return
+    with atomic_path(file) as tmp:
+        tmp.write_text(rendered, encoding="utf-8")
+    print(f"{path}\t{file}", flush=True)
+
+
 def run_transcribe(args: argparse.Namespace) -> int:
-    """``asrflow transcribe``: print transcripts, report bad files; return the exit code."""
+    """``asrflow transcribe``: print or write transcripts, report bad files; return the exit code."""
     from asrflow.decoding.ctc import build_decoder
     from asrflow.serving.bundle import load_bundle
     from asrflow.serving.device import resolve_device
@@ -193,6 +259,7 @@ def run_transcribe(args: argparse.Namespace) -> int:
 
     if args.lm is not None and args.decoder != "beam":
         raise AsrflowError("--lm needs --decoder beam")
+    files = _output_files(args)
     bundle = load_bundle(args.model, device=resolve_device(args.device, "--device"))
     decode = build_decoder(
         args.decoder,
@@ -204,12 +271,14 @@ def run_transcribe(args: argparse.Namespace) -> int:
         word_score=args.word_score,
     )
     failed = 0
-    for path, text, message in transcribe_files(bundle, args.audio, decode, args.batch_seconds):
+    timed = None if args.output == "text" else args.max_pause
+    results = transcribe_files(bundle, args.audio, decode, args.batch_seconds, max_pause_s=timed)
+    for index, (path, transcript, message) in enumerate(results):
         if message is not None:
             failed += 1
             print(f"error: {message}", file=sys.stderr, flush=True)
         else:
-            print(f"{path}\t{text}", flush=True)
+            _emit(args, path, transcript, files[index] if files else None)
     if failed:
         print(f"error: {failed} of {len(args.audio)} files could not be transcribed", file=sys.stderr)
         return EXIT_SOME_FILES_FAILED

@@ -51,6 +51,32 @@ def transcripts(bundle: Bundle, cuts: list, decode: Callable) -> list[str]:
     return [" ".join(bundle.tokenizer.decode(ids).split()) for ids in decode(scores, out_lens)]
 
 
+def timed_transcripts(bundle: Bundle, cuts: list, decode: Callable, max_pause_s: float | None = None) -> list[dict]:
+    """Per cut, in order: ``{text, words: [{word, start, end}], segments: [{start, end, text}]}`` (seconds), the
+    words placed by CTC forced alignment of the decoded tokens (:mod:`asrflow.decoding.timing`); segments split
+    at pauses over ``max_pause_s`` (default :data:`asrflow.decoding.timing.MAX_PAUSE_S`)."""
+    from asrflow.decoding.timing import MAX_PAUSE_S, output_frame_seconds, timed_transcript
+    from asrflow.tokenizer import BLANK_ID
+
+    features, lengths = cut_features(bundle, CutSet.from_cuts(cuts))  # (N, T, F), (N,)
+    scores, out_lens = log_probs(bundle, features, lengths)  # (N, T', V), (N,)
+    tokenizer = bundle.tokenizer
+    frame_s = output_frame_seconds(bundle.features.frame_shift_s)
+    return [
+        timed_transcript(
+            scores[n, : int(out_lens[n])],
+            ids,
+            pieces=tokenizer.pieces,
+            frame_s=frame_s,
+            text=" ".join(tokenizer.decode(ids).split()),
+            blank=BLANK_ID,
+            text_of=tokenizer.decode,
+            max_pause_s=MAX_PAUSE_S if max_pause_s is None else max_pause_s,
+        )
+        for n, ids in enumerate(decode(scores, out_lens))
+    ]
+
+
 def _not_audio(path: str) -> str | None:
     """Why ``path`` is certainly not an audio file (checked before Lhotse opens it, whose reports are long)."""
     file = Path(path)
