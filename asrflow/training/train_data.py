@@ -96,7 +96,9 @@ class TrainData:
         tokenizer = Tokenizer(tokenizer_path)
         cmvn_path = Path(fbank_dir) / CMVN_FILE
         mvn = load_cmvn(cmvn_path)
-        full_index, train_cuts, removed = _train_cuts(config, features, fbank_dir, tokenizer, tokenizer_path)
+        full_index, train_cuts, removed = _train_cuts(
+            config, features, fbank_dir=fbank_dir, tokenizer=tokenizer, tokenizer_path=tokenizer_path
+        )
         dev_cuts, _ = filter_ctc_feasible(load_cuts(fbank_dir, "dev").to_eager(), tokenizer, features.frame_shift_s)
         dist = dist or DistInfo()
         plan = dict(seed=seed, accum_grad=accum_grad, world_size=dist.world_size, rank=dist.rank, num_epochs=epochs)
@@ -235,7 +237,7 @@ def corpus_mix(index: CutIndex, corpora: list[str], weights: dict[str, float]) -
 
 
 def _train_cuts(
-    config: DataConfig, features: FeatureConfig, fbank_dir: Path, tokenizer: Tokenizer, tokenizer_path: Path
+    config: DataConfig, features: FeatureConfig, *, fbank_dir: Path, tokenizer: Tokenizer, tokenizer_path: Path
 ):
     """The train cuts as a compact index (ids, durations, offsets into the node's one uncompressed copy of the
     manifest, shared by its ranks and runs: no process, data workers included, holds every cut), before and

@@ -90,7 +90,7 @@ class CorpusLayout:
     split_names: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CorpusTally:
     """The counters of a corpus report; every field is bounded but ``kept_ids`` (prepare's duplicate check)."""
 
@@ -476,7 +476,7 @@ def _yaml_value(value: Any) -> str:
 
 
 def report_lines(
-    layout: CorpusLayout, tally: CorpusTally, config: PrepareConfig, overrides: dict[str, Any], root: Path
+    layout: CorpusLayout, tally: CorpusTally, *, config: PrepareConfig, overrides: dict[str, Any], root: Path
 ) -> list[str]:
     """The whole report, as printed by ``asrflow corpus``."""
     hours = tally.kept_seconds / 3600
@@ -526,7 +526,7 @@ def inspect_corpus(path: Path, *, corpus_format: str, recipe: str | None, params
     tally, splits = read_corpus(layout, config)
     root = params.resolve().parent
     overrides = suggested_overrides(layout, splits, tally, root)
-    print("\n".join(report_lines(layout, tally, config, overrides, root)))
+    print("\n".join(report_lines(layout, tally, config=config, overrides=overrides, root=root)))
     usable = bool(layout.split_names) and tally.per_split.get(_train_name(layout), Counter())["kept"] > 0
     if not usable:
         print(f"nothing usable in {path}; exit status {EXIT_NOTHING_USABLE}")
