@@ -10,7 +10,9 @@ Subcommands:
     ``--output json`` prints one JSON object per file instead (``path``, ``text``, ``words``
     with start and end seconds, ``segments``); ``srt`` and ``vtt`` print subtitles, one cue
     per segment (:mod:`asrflow.decoding.timing` places the words). With ``--out DIR`` each
-    file's output goes to ``DIR/<stem>.txt|.json|.srt|.vtt`` and stdout names it.
+    file's output goes to ``DIR/<stem>.txt|.json|.srt|.vtt`` and stdout names it. A file
+    longer than ``--chunk-s`` seconds is decoded in overlapping windows, in memory that
+    does not grow with its length (:mod:`asrflow.serving.chunking`).
 
 ``asrflow export --model exp/model.pt --format onnx|torchscript --out FILE``
     Writes the encoder (normalised fbank in, CTC log-probabilities out) for serving; see
@@ -35,6 +37,9 @@ from asrflow.serving.subtitles import OUTPUT_SUFFIXES
 #: repeated here so that ``--help`` answers without importing torch).
 DECODERS = ("greedy", "beam")
 EXPORT_FORMATS = ("onnx", "torchscript")
+#: Defaults of --chunk-s and --overlap-s (asrflow.serving.chunking.CHUNK_S and OVERLAP_S, repeated for --help).
+CHUNK_S = 30.0
+OVERLAP_S = 4.0
 
 #: Exit code when at least one audio file could not be transcribed.
 EXIT_SOME_FILES_FAILED = 1
@@ -53,6 +58,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
@@ -113,6 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds of audio decoded together; a longer file goes alone (default: %(default)s)",
     )
     transcribe.add_argument(
+        "--chunk-s",
+        type=_positive_float,
+        default=CHUNK_S,
+        help="window length in seconds: a longer file is decoded in overlapping windows of this length, in "
+        "memory that does not grow with its length; a file no longer than this is decoded whole "
+        "(default: %(default)s)",
+    )
+    transcribe.add_argument(
+        "--overlap-s",
+        type=_non_negative_float,
+        default=OVERLAP_S,
+        help="seconds shared by consecutive windows of --chunk-s; each keeps its half, so every decoded frame "
+        "has at least half of this of context either side (default: %(default)s)",
+    )
+    transcribe.add_argument(
         "--device",
         default="auto",
         help="where the encoder runs: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N "
@@ -158,8 +185,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- transcribe
+def _long_files(bundle, paths: Sequence[str], chunk: tuple[float, float] | None) -> dict[int, object]:
+    """Index -> :class:`asrflow.serving.chunking.WindowPlan` of each path longer than one window (``chunk`` is
+    ``(chunk_s, overlap_s)``; ``None`` decodes every file whole)."""
+    if chunk is None:
+        return {}
+    from asrflow.decoding.timing import output_frame_seconds
+    from asrflow.serving.chunking import plan_windows
+
+    frame_s = output_frame_seconds(bundle.features.frame_shift_s)
+    plans = {index: plan_windows(path, frame_s, *chunk) for index, path in enumerate(paths)}
+    return {index: plan for index, plan in plans.items() if plan is not None}
+
+
+def _chunked(bundle, path: str, plan, decode, max_pause_s: float | None) -> tuple[str | dict | None, str | None]:
+    """``(transcript, None)`` of a long file decoded in windows, or ``(None, error message)``."""
+    from asrflow.serving.chunking import chunked_transcript
+
+    logger.info("%s: %.1f s of audio in %d windows", path, plan.samples / plan.rate, plan.count)
+    try:
+        return chunked_transcript(bundle, path, plan, decode, max_pause_s), None
+    except Exception as error:
+        logger.debug("chunked decoding of %s failed", path, exc_info=True)
+        return None, f"{path}: could not be transcribed ({first_line(error)})"
+
+
+def _decode_batch(transcripts, bundle, batch: list, decode, paths: Sequence[str]) -> dict:
+    """Index -> ``(transcript, None)`` or ``(None, message)`` of a batch; a failed batch is retried file by file,
+    so one bad file only costs its own transcript."""
+    try:
+        texts = transcripts(bundle, [cut for _, cut in batch], decode)
+        return {index: (text, None) for (index, _), text in zip(batch, texts, strict=True)}
+    except Exception:
+        logger.debug("a batch failed; retrying its files one by one", exc_info=True)
+    done = {}
+    for index, cut in batch:
+        try:
+            done[index] = (transcripts(bundle, [cut], decode)[0], None)
+        except Exception as error:
+            done[index] = (None, f"{paths[index]}: could not be transcribed ({first_line(error)})")
+    return done
+
+
 def transcribe_files(
-    bundle, paths: Sequence[str], decode, batch_seconds: float = 60.0, *, max_pause_s: float | None = None
+    bundle,
+    paths: Sequence[str],
+    decode,
+    batch_seconds: float = 60.0,
+    *,
+    max_pause_s: float | None = None,
+    chunk: tuple[float, float] | None = None,
 ) -> Iterator[tuple[str, str | dict | None, str | None]]:
     """Transcribe ``paths`` with ``bundle`` and ``decode`` (a :data:`asrflow.decoding.ctc.Decoder`).
 
@@ -167,7 +242,9 @@ def transcribe_files(
     input order, each as soon as it and every path before it are done. A batch that fails
     as a whole is retried file by file, so one bad file only costs its own transcript.
     With ``max_pause_s`` set, a transcript is :func:`asrflow.serving.inference.timed_transcripts`'s
-    ``{text, words, segments}`` (segments split at pauses over it), else the text.
+    ``{text, words, segments}`` (segments split at pauses over it), else the text. With ``chunk``
+    (``(chunk_s, overlap_s)``) a file longer than ``chunk_s`` seconds is decoded alone in overlapping windows
+    (:mod:`asrflow.serving.chunking`), never held whole.
     """
     from asrflow.data.manifests import pack_shortest_first
     from asrflow.serving.inference import read_audio, timed_transcripts
@@ -179,9 +256,11 @@ def transcribe_files(
         def transcripts(bundle, cuts, decode):
             return timed_transcripts(bundle, cuts, decode, max_pause_s)
 
-    done: dict[int, tuple[str | None, str | None]] = {}
+    long = _long_files(bundle, paths, chunk)
+    short = [index for index in range(len(paths)) if index not in long]
+    done: dict[int, tuple[str | dict | None, str | None]] = {}
     readable: list[tuple[int, object]] = []
-    for index, (cut, message) in enumerate(read_audio(paths)):
+    for index, (cut, message) in zip(short, read_audio([paths[index] for index in short]), strict=True):
         if cut is None:
             done[index] = (None, message)
         else:
@@ -190,30 +269,16 @@ def transcribe_files(
     next_index = 0
     # Shortest first keeps padding small: an utterance's output depends a little on it.
     batches = pack_shortest_first(readable, lambda item: item[1].duration, batch_seconds)
-    for number, batch in enumerate(batches, start=1):
-        while next_index in done:
+    for number, batch in enumerate([*batches, []], start=1):
+        while next_index in done or next_index in long:
+            if next_index in long:
+                done[next_index] = _chunked(bundle, paths[next_index], long.pop(next_index), decode, max_pause_s)
             yield paths[next_index], *done.pop(next_index)
             next_index += 1
-        logger.info(
-            "batch %d/%d: %d files, %.1f s of audio",
-            number,
-            len(batches),
-            len(batch),
-            sum(cut.duration for _, cut in batch),
-        )
-        try:
-            texts = transcripts(bundle, [cut for _, cut in batch], decode)
-            done.update((index, (text, None)) for (index, _), text in zip(batch, texts, strict=True))
-        except Exception:
-            logger.debug("a batch failed; retrying its files one by one", exc_info=True)
-            for index, cut in batch:
-                try:
-                    done[index] = (transcripts(bundle, [cut], decode)[0], None)
-                except Exception as error:
-                    done[index] = (None, f"{paths[index]}: could not be transcribed ({first_line(error)})")
-    while next_index in done:
-        yield paths[next_index], *done.pop(next_index)
-        next_index += 1
+        if batch:
+            seconds = sum(cut.duration for _, cut in batch)
+            logger.info("batch %d/%d: %d files, %.1f s of audio", number, len(batches), len(batch), seconds)
+            done.update(_decode_batch(transcripts, bundle, batch, decode, paths))
 
 
 def _output_files(args: argparse.Namespace) -> list[Path] | None:
@@ -259,6 +324,8 @@ def run_transcribe(args: argparse.Namespace) -> int:
 
     if args.lm is not None and args.decoder != "beam":
         raise AsrflowError("--lm needs --decoder beam")
+    if args.overlap_s >= args.chunk_s:
+        raise AsrflowError(f"--overlap-s ({args.overlap_s}) must be shorter than --chunk-s ({args.chunk_s})")
     files = _output_files(args)
     bundle = load_bundle(args.model, device=resolve_device(args.device, "--device"))
     decode = build_decoder(
@@ -272,7 +339,8 @@ def run_transcribe(args: argparse.Namespace) -> int:
     )
     failed = 0
     timed = None if args.output == "text" else args.max_pause
-    results = transcribe_files(bundle, args.audio, decode, args.batch_seconds, max_pause_s=timed)
+    chunk = (args.chunk_s, args.overlap_s)
+    results = transcribe_files(bundle, args.audio, decode, args.batch_seconds, max_pause_s=timed, chunk=chunk)
     for index, (path, transcript, message) in enumerate(results):
         if message is not None:
             failed += 1
