@@ -10,10 +10,11 @@ export GIT_PYTHON_REFRESH := quiet
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.14.1" "torchaudio==2.11.0" -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt "torch==2.14.1" "torchaudio==2.11.0" -e ".[dev]"
+	$(BIN)/pip check
 	touch $(STAMP)
 
 run: $(STAMP)
