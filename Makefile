@@ -28,7 +28,8 @@ test: $(STAMP)
 
 # System packages the tests use, installed here when make runs as root with apt (else install them yourself;
 # without them the spoken-corpus tests skip, and the train stage keeps glibc's malloc): espeak-ng speaks the
-# generated corpora, libjemalloc2 is the malloc the train stage preloads (run.allocator; README: Install).
+# generated corpora, fortunes and fortunes-min hold the real sentences they can speak (asrflow.generate.sentences),
+# libjemalloc2 is the malloc the train stage preloads (run.allocator; README: Install).
 SYSTEM_PACKAGES := espeak-ng libjemalloc2 fortunes fortunes-min
 test: system-packages
 system-packages:

@@ -57,7 +57,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from asrflow.errors import AsrflowError, exit_on_user_error
+from asrflow.errors import AsrflowError, exit_on_user_error, require_extra
 from asrflow.generate import sentences as sentence_source
 
 ESPEAK = "espeak-ng"
@@ -288,8 +288,8 @@ def synthesize(utterance: Utterance, root: Path) -> int:
     """
     import numpy as np
     import soundfile as sf
-    from scipy.signal import resample_poly
 
+    resample_poly = require_extra("scipy.signal", "generate", "the spoken-corpus generator").resample_poly
     command = [ESPEAK, *utterance.voice.espeak_args(), "--stdout", utterance.text]
     done = subprocess.run(command, capture_output=True, check=False)
     if done.returncode != 0 or not done.stdout:
