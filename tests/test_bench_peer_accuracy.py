@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import pytest
 from lhotse import MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
 
 from bench.common import ratio
+from bench.peer.install import PEER_VERSION, install_peer
 from bench.peer_accuracy import main, speechbrain_options, write_csv
 from tests.support.repo import repo_params
+from tests.test_bench_accuracy_at_time import check_scored_run
+
+
+def skip_without_the_peer(record: dict | None = None) -> None:
+    """Skip, saying why, where SpeechBrain cannot be installed or imported here (before a run), or where the
+    run's ``record`` says it was not (then it has no ratio)."""
+    problem = install_peer() if record is None else record.get("reason")
+    if record is not None and record.get("status") == "peer unavailable":
+        assert problem and "wer_ratio" not in record and "speechbrain" not in record, record
+        pytest.skip(f"SpeechBrain {PEER_VERSION} became unavailable during the run: {problem}")
+    if record is None and problem is not None:
+        pytest.skip(f"SpeechBrain {PEER_VERSION} is not available here: {problem}")
 
 
 def cut_of(source: AudioSource, *, start: float = 0.0, duration: float = 1.0, text: str = "YES NO") -> MonoCut:
@@ -59,17 +73,15 @@ def test_speechbrain_gets_asrflows_settings_and_time_masks_of_the_mean_utterance
 @pytest.mark.pipeline
 @pytest.mark.bench
 def test_quick_run_trains_both_sides_for_the_same_minutes_and_scores_both(tmp_path):
+    skip_without_the_peer()
     records = main(["--quick", "--workdir", str(tmp_path), "--precisions", "fp32"])
     (found,) = [record for record in records if record["benchmark"] == "peer_accuracy"]
+    skip_without_the_peer(found)
     ours = found["asrflow"]
-    assert ours["train_exit_code"] == 75 and ours["steps"] > 0
-    assert 0 <= ours["cer"] <= 1 and 0 <= ours["wer"] <= 1.5
-    if found["status"] == "peer unavailable":  # the registry could not be reached: said, and no ratio
-        assert found["reason"] and "wer_ratio" not in found
-        return
+    assert ours["train_exit_code"] == 75  # stopped by SIGTERM at its time, its step saved
+    check_scored_run(ours, tmp_path / "peer-accuracy-asrflow-fp32", Path(found["data"]))
     theirs = found["speechbrain"]
     assert theirs["steps"] > 0 and theirs["params"] > 0 and theirs["peak_tree_pss_mb"] > 0
-    assert 0 <= theirs["cer"] <= 1 and 0 <= theirs["wer"] <= 1.5
     assert found["wer_ratio"] == pytest.approx(ratio(ours["wer"], theirs["wer"]), rel=1e-3)  # printed: 4 digits
     assert found["cer_ratio"] == pytest.approx(ratio(ours["cer"], theirs["cer"]), rel=1e-3)
     assert (tmp_path / "speechbrain-csv" / "test.csv").read_text().count("\n") == 1 + 30  # yesno's 30 test files
@@ -77,11 +89,10 @@ def test_quick_run_trains_both_sides_for_the_same_minutes_and_scores_both(tmp_pa
 
 @pytest.mark.pipeline
 def test_one_side_alone_is_trained_scored_and_given_no_ratio(tmp_path):
+    skip_without_the_peer()
     records = main(["--quick", "--workdir", str(tmp_path), "--precisions", "fp32", "--sides", "speechbrain"])
     (found,) = [record for record in records if record["benchmark"] == "peer_accuracy"]
+    skip_without_the_peer(found)
     assert "asrflow" not in found and "wer_ratio" not in found
     assert not (tmp_path / "peer-accuracy-asrflow-fp32").exists()
-    if found.get("status") == "peer unavailable":
-        assert found["reason"]
-        return
-    assert found["speechbrain"]["steps"] > 0 and 0 <= found["speechbrain"]["cer"] <= 1
+    assert found["speechbrain"]["steps"] > 0 and found["speechbrain"]["params"] > 0

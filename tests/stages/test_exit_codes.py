@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from asrflow.errors import EXIT_USER_ERROR, AsrflowError
 from asrflow.training.outcome import (
     EXIT_CODES,
     DataWorkerDied,
     Outcome,
     PeerFailed,
-    Stalled,
     TrainingFailure,
+    TrainOutcome,
     as_failure,
     exit_code,
 )
@@ -38,16 +37,73 @@ def test_the_readme_table_is_the_codes_table():
     assert block.split("\n", 1)[1].strip() == exit_code_table()
 
 
-def test_every_code_is_distinct_and_each_ending_has_one():
-    assert len({row.code for row in EXIT_CODES}) == len(EXIT_CODES)
-    assert exit_code(Outcome.FINISHED) == 0
-    assert exit_code(Outcome.STOPPED) == 75
-    assert exit_code(AsrflowError("x")) == EXIT_USER_ERROR == 2
-    assert exit_code(PeerFailed("x")) == 70
-    assert exit_code(DataWorkerDied("x")) == 71
-    assert exit_code(Stalled) == 124
-    with pytest.raises(KeyError):
-        exit_code(ValueError("a bug has no exit code of its own"))
+def documented_codes() -> dict[str, int]:
+    """The train stage's docstring's exit codes, each ending's words -> its code ("Exit codes (...): 0 finished,
+    2 a mistake to fix, ...;" in stages/train.py)."""
+    import stages.train
+
+    text = " ".join(stages.train.__doc__.split())
+    listed = text.split("Exit codes (asrflow.training.outcome.EXIT_CODES): ", 1)[1].split(";", 1)[0]
+    return {words: int(code) for code, words in (item.split(" ", 1) for item in listed.split(", "))}
+
+
+class EndsWith:
+    """A trainer whose run ends as given: an outcome it returns, or an error it raises."""
+
+    def __init__(self, ending: Outcome | BaseException):
+        self.ending = ending
+
+    def run(self) -> TrainOutcome:
+        if isinstance(self.ending, BaseException):
+            raise self.ending
+        return TrainOutcome(self.ending, {"steps": 5})
+
+    def request_stop(self) -> None:
+        raise AssertionError("no signal arrives in this test")
+
+
+#: A process whose step never finishes, watched by the stall watchdog the trainer runs its steps under.
+_STALLED = """
+import time
+from asrflow.training.monitoring import StallWatchdog
+
+with StallWatchdog(0.5, label="[rank 0] "):
+    time.sleep(60)
+raise SystemExit("the watchdog let a stalled step go on")
+"""
+
+
+def test_each_way_a_training_run_ends_exits_with_the_code_the_stage_documents(tmp_path):
+    """Runs that end each way, through the stage's own code: :func:`run_trainer` for what a trainer returns or
+    raises (a gloo error and a killed data worker as the trainer turns them into failures), the stage's process
+    for a user's mistake, the stall watchdog's process for a stalled step."""
+    from stages.train import run_trainer
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    worker = RuntimeError("DataLoader worker (pid 9) is killed by signal: Killed.")
+    endings = {
+        "finished": EndsWith(Outcome.FINISHED),
+        "stopped": EndsWith(Outcome.STOPPED),
+        "another rank failed": EndsWith(as_failure(gloo, distributed=True)),
+        "a data worker died": EndsWith(as_failure(worker, distributed=False)),
+    }
+    found = {name: run_trainer(trainer)[0] for name, trainer in endings.items()}
+    missing = [sys.executable, "-m", "stages.train", "--params", str(tmp_path / "missing.yaml")]
+    mistake = subprocess.run(missing, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "params file" in mistake.stderr, mistake.stderr
+    found["a mistake to fix"] = mistake.returncode
+    stalled = subprocess.run([sys.executable, "-c", _STALLED], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "no training step finished" in stalled.stderr, stalled.stderr[-2000:]
+    found["stalled"] = stalled.returncode
+
+    documented = documented_codes()
+    named = {
+        next((words for words in documented if words.startswith(name)), name): code for name, code in found.items()
+    }
+    assert named == documented
+    assert len(set(found.values())) == len(found)  # each ending tells itself apart
+    with pytest.raises(ValueError, match="a bug"):  # a bug has no exit code: it keeps its traceback
+        run_trainer(EndsWith(ValueError("a bug")))
 
 
 def test_failures_around_the_process_become_typed_errors():
