@@ -38,7 +38,7 @@ OVERLAP_S = 4.0
 SEGMENT_WINDOWS = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WindowPlan:
     """Where the windows of one recording lie, in its native samples and in encoder output frames."""
 
@@ -85,7 +85,9 @@ def plan_windows(path: str, frame_s: float, chunk_s: float, overlap_s: float) ->
     window_frames = max(2, round(chunk_s / frame_s))
     overlap_frames = 2 * round(overlap_s / frame_s / 2)
     step_frames = max(1, window_frames - overlap_frames)
-    return WindowPlan(info.samplerate, info.frames, window_frames, step_frames, frame_s)
+    return WindowPlan(
+        rate=info.samplerate, samples=info.frames, window_frames=window_frames, step_frames=step_frames, frame_s=frame_s
+    )
 
 
 def _window_audio(path: str, plan: WindowPlan, index: int, rate: int) -> torch.Tensor:
@@ -161,6 +163,7 @@ def chunked_transcript(
     path: str,
     plan: WindowPlan,
     decode: Callable,
+    *,
     max_pause_s: float | None = None,
 ) -> str | dict:
     """The transcript of the long file ``path`` decoded window by window (see the module): its text, or with

@@ -198,19 +198,19 @@ def _long_files(bundle, paths: Sequence[str], chunk: tuple[float, float] | None)
     return {index: plan for index, plan in plans.items() if plan is not None}
 
 
-def _chunked(bundle, path: str, plan, decode, max_pause_s: float | None) -> tuple[str | dict | None, str | None]:
+def _chunked(bundle, path: str, plan, decode, *, max_pause_s: float | None) -> tuple[str | dict | None, str | None]:
     """``(transcript, None)`` of a long file decoded in windows, or ``(None, error message)``."""
     from asrflow.serving.chunking import chunked_transcript
 
     logger.info("%s: %.1f s of audio in %d windows", path, plan.samples / plan.rate, plan.count)
     try:
-        return chunked_transcript(bundle, path, plan, decode, max_pause_s), None
+        return chunked_transcript(bundle, path, plan, decode, max_pause_s=max_pause_s), None
     except Exception as error:
         logger.debug("chunked decoding of %s failed", path, exc_info=True)
         return None, f"{path}: could not be transcribed ({first_line(error)})"
 
 
-def _decode_batch(transcripts, bundle, batch: list, decode, paths: Sequence[str]) -> dict:
+def _decode_batch(transcripts, bundle, batch: list, decode, *, paths: Sequence[str]) -> dict:
     """Index -> ``(transcript, None)`` or ``(None, message)`` of a batch; a failed batch is retried file by file,
     so one bad file only costs its own transcript."""
     try:
@@ -272,13 +272,15 @@ def transcribe_files(
     for number, batch in enumerate([*batches, []], start=1):
         while next_index in done or next_index in long:
             if next_index in long:
-                done[next_index] = _chunked(bundle, paths[next_index], long.pop(next_index), decode, max_pause_s)
+                done[next_index] = _chunked(
+                    bundle, paths[next_index], long.pop(next_index), decode, max_pause_s=max_pause_s
+                )
             yield paths[next_index], *done.pop(next_index)
             next_index += 1
         if batch:
             seconds = sum(cut.duration for _, cut in batch)
             logger.info("batch %d/%d: %d files, %.1f s of audio", number, len(batches), len(batch), seconds)
-            done.update(_decode_batch(transcripts, bundle, batch, decode, paths))
+            done.update(_decode_batch(transcripts, bundle, batch, decode, paths=paths))
 
 
 def _output_files(args: argparse.Namespace) -> list[Path] | None:
