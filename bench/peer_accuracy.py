@@ -31,7 +31,7 @@ import yaml
 from asrflow.data.manifests import cut_text, list_test_sets, load_cuts
 from asrflow.evaluation.metrics import score_corpus
 from asrflow.params import with_overrides
-from bench.accuracy_at_time import evaluate, train_for
+from bench.accuracy_at_time import score_run, train_for
 from bench.common import emit, load_average, machine, parse_args, ratio, workdir
 from bench.peer.install import PEER_VERSION, install_peer, peer_env
 from bench.peer.side import audio_rate, run_child
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             record |= {"peer": f"speechbrain {PEER_VERSION}", "load_before": load_average()}
             if "asrflow" in args.sides:
                 run_dir = work / f"peer-accuracy-asrflow-{precision}"
-                record["asrflow"] = train_for(run_dir, data, params, minutes) | evaluate(run_dir, data)
+                record["asrflow"] = train_for(run_dir, data, params, minutes) | score_run(run_dir, data)
             if "speechbrain" in args.sides:
                 if problem is not None:
                     records.append(emit(record | {"status": "peer unavailable", "reason": problem}))

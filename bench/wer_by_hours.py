@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from asrflow.params import with_overrides
-from bench.accuracy_at_time import evaluate, train_for
+from bench.accuracy_at_time import score_run, train_for
 from bench.common import emit, load_average, machine, parse_args, workdir
 from tests.support.corpora import params_for, yesno_data
 from tests.support.repo import repo_params
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_dir = work / f"hours-{hours:g}-run"
             record = {"benchmark": "wer_by_hours", "hours": hours, **drawn, "minutes": minutes, "data": str(data)}
             record |= {"overrides": args.train, "seed": args.seed, "load_before": load_average()}
-            record |= train_for(run_dir, subset, params, minutes) | evaluate(run_dir, data)
+            record |= train_for(run_dir, subset, params, minutes) | score_run(run_dir, data)
             record["epochs"] = epochs_reached(run_dir / "train.log", record["steps"])
             sizes.append(emit(record | {"load_after": load_average()}))
     if args.plot:
