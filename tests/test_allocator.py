@@ -95,6 +95,7 @@ needs_onednn_bf16 = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_onednn_bf16
 def test_onednn_cache_limit_keeps_memory_from_growing_with_batch_shapes():
     """bf16 products over 400 new shapes leave oneDNN primitives behind, fewer with asrflow's cap; PyTorch's cache
@@ -103,6 +104,7 @@ def test_onednn_cache_limit_keeps_memory_from_growing_with_batch_shapes():
     assert growth["default"] - growth["limited"] > 50, growth
 
 
+@pytest.mark.slow
 @needs_onednn_bf16
 def test_pytorchs_own_primitive_cache_is_capped_too():
     """Training steps (forward and backward) over 200 new shapes, with oneDNN's own cache already capped: what

@@ -42,6 +42,7 @@ def stage_log(tmp_path: Path, allocator: str, precision: str, env: dict[str, str
     return done.stderr
 
 
+@pytest.mark.slow
 @needs_jemalloc
 def test_the_train_stage_reexecutes_itself_with_jemalloc_to_train_in_bf16(tmp_path):
     log = stage_log(tmp_path, "auto", "bf16")

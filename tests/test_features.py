@@ -41,6 +41,7 @@ def test_missing_manifests_are_a_user_error_and_leave_no_output(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_two_processes_extract_the_same_features_as_one(yesno_data, tmp_path):
     import numpy as np
 
@@ -135,6 +136,7 @@ def test_manifests_are_read_lazily(yesno_data):
     assert [cut.id for cut in lazy] == [cut.id for cut in lazy.to_eager()] and len(lazy) == 27
 
 
+@pytest.mark.slow
 def test_the_job_count_changes_no_manifest_order_statistic_digest_or_plan(yesno_data, tmp_path):
     """Issue 13, item 2, at the data level: a corpus (the yesno train audio listed 3 times
     under new ids) extracted by 1 and by 2 processes gives cuts in the same (id) order,

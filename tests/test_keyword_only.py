@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ("asrflow", "stages", "bench", "tests")
 MAX_POSITIONAL = 4
@@ -67,6 +69,7 @@ def _offenders(path: Path) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_long_parameter_lists_are_keyword_only():
     offenders = set()
     for folder in FOLDERS:

@@ -57,6 +57,7 @@ def logged(yesno_model, tmp_path_factory):
     return uri, tracker.run_id, info
 
 
+@pytest.mark.slow
 def test_logged_model_is_linked_to_the_run_with_signature_and_requirements(logged, monkeypatch):
     uri, run_id, info = logged
     client = MlflowClient(tracking_uri=uri)
@@ -216,6 +217,7 @@ def test_mlflow_models_serve_answers_a_bad_request_with_400_and_why(served, yesn
     assert invoke(served, json.dumps(good).encode())[0] == 200
 
 
+@pytest.mark.slow
 def test_evaluate_attaches_test_metrics_and_dataset_to_the_model(yesno_model, yesno_data, tmp_path):
     """The training run (in a copy of its store) gets its model logged; evaluate then puts the
     test metrics on that model, naming the test manifest they were measured on."""

@@ -14,6 +14,7 @@ from tests.support.processes import free_port
 from tests.support.servers import api, http, stop, wait_healthy
 
 
+@pytest.mark.slow
 def test_mlflow_ui_shows_run_metrics_and_artifacts(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)

@@ -56,6 +56,7 @@ def _train_stage(tmp_path, **environ: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_train_stage_takes_the_jobs_rendezvous_and_leaves_params_alone(tmp_path):
     """Node 1 of a two-node job whose params.yaml says one node: it waits for the job's rendezvous
     (nobody listens there: it gives up after run.dist_timeout_s), and params.yaml is untouched."""
@@ -66,6 +67,7 @@ def test_the_train_stage_takes_the_jobs_rendezvous_and_leaves_params_alone(tmp_p
     assert (tmp_path / "params.yaml").read_text() == PARAMS
 
 
+@pytest.mark.slow
 def test_a_bad_variable_stops_the_train_stage_with_one_line(tmp_path):
     result = _train_stage(tmp_path, ASRFLOW_NNODES="two")
     assert result.returncode == 2, result.stderr

@@ -117,6 +117,7 @@ def test_bad_param_ends_the_stage_with_one_line(tmp_path, capsys, *, stage, key,
     assert sorted(path.name for path in tmp_path.iterdir()) == ["params.yaml"]  # nothing written
 
 
+@pytest.mark.slow
 def test_bad_param_from_the_command_line_has_no_traceback(tmp_path):
     params = write_params(tmp_path, "features.num_mel_bins", 0)
     result = subprocess.run(

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from asrflow.logs import PROGRESS_LOGGER, TerminalFilter, TerminalProgress, format_duration
 from tests.support.repo import REPO, copy_repo
 
@@ -104,6 +106,7 @@ def test_descriptor_of_another_file_is_not_written(tmp_path):
     assert "detail only for the log file" in result.stderr
 
 
+@pytest.mark.slow
 def test_snakemake_shows_where_the_log_is(tmp_path):
     """A real Snakemake run of the prepare rule: its terminal names the log; the log has the detail."""
     copy = copy_repo(tmp_path / "repo")

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile as sf
 import yaml
 from lhotse import CutSet
@@ -91,6 +92,7 @@ def repeated_split(fbank: Path, out: Path, split: str, times: int, *, duration_s
     return out
 
 
+@pytest.mark.slow
 def test_prepare(tmp_path):
     """8x the utterances (500 → 4,000 audio files). Prepare streams items through sorts on disk that hold
     :data:`~asrflow.data.prepare.spool.DEFAULT_CHUNK_LINES` manifest lines (about 1.3 kB each) in memory at a
@@ -129,6 +131,7 @@ def resampled_corpus(root: Path, count: int) -> Path:
     return root / f"m-{count}"
 
 
+@pytest.mark.slow
 def test_features_resampled(tmp_path):
     """4x the files (300 → 1,200 WAV files at 22,050 Hz, each of its own length, resampled to 16 kHz, one job):
     extraction streams cut by cut into the storage and resamples without oneDNN, which kept a primitive per
@@ -157,6 +160,7 @@ def with_sentences(folder: Path, split: str, seed: int) -> None:
     CutSet.from_cuts(relabelled).to_file(cuts_path(folder, split))
 
 
+@pytest.mark.slow
 def test_tokenizer(tmp_path):
     """40x the transcripts (500 → 20,000 of about 60 characters): SentencePiece trains on every sentence in
     memory (their counts are its statistics), so the peak grows with the text, but by its size, not by cuts:
@@ -174,6 +178,7 @@ def test_tokenizer(tmp_path):
     assert peaks[20_000] - peaks[500] < 19_500 * 2000 / MB, peaks
 
 
+@pytest.mark.slow
 def test_evaluate(tmp_path, yesno_data, yesno_model):
     """8x the test set (2,000 → 16,000 cuts of 0.3 s; one window of
     :data:`~asrflow.evaluation.evaluate.SORT_WINDOW` cuts, then eight): evaluate holds one window of cut
@@ -211,6 +216,7 @@ def train_peak_pss_mb(run_dir: Path, fbank: Path, lang: Path, steps: int) -> flo
     return peak / MB
 
 
+@pytest.mark.slow
 def test_train(tmp_path, yesno_data):
     """The train split 1,000x larger (27 → 27,000 cuts), the same 20 steps. The stage builds the split's cut
     index in its process (the lines stay on disk) and an epoch's plan of indices (what it measured:

@@ -171,6 +171,7 @@ def test_artifact_location_for_uris(tmp_path):
     assert resolve_tracking_uri(f"sqlite:///{tmp_path}/m.db") == f"sqlite:///{tmp_path}/m.db"
 
 
+@pytest.mark.slow
 def test_fresh_store_in_new_folder_quietly(tmp_path, capfd):
     """Creating a store (and its folder), truncating a param and flushing print nothing."""
     tracker = MlflowRun.start(tracking_uri=f"sqlite:///{tmp_path}/deep/er/mlflow.db", run_name="train")
@@ -208,6 +209,7 @@ else:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("creator", ["mlflow", "asrflow"])
 def test_a_process_killed_while_creating_the_store_leaves_none_half_made(tmp_path, creator):
     """A new store's tables are made by about a hundred statements. Killed after half of them, MLflow (in place)
@@ -251,6 +253,7 @@ def test_a_store_is_made_whole_on_a_filesystem_without_hard_links(tmp_path, monk
     assert only_run(MlflowClient(tracking_uri=uri)).info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_a_new_store_is_made_in_a_child_process_that_the_run_waits_for(tmp_path):
     """The training starts a missing store's migrations in a child process (they would hold its GIL beside the
     training loop); the run's opening waits for that child and opens the store it made."""
@@ -478,6 +481,7 @@ def test_flushed_past_checkpoint_then_killed(uri, client):
     assert [(m.step, m.value) for m in client.get_metric_history(checkpoint["run_id"], "valid/wer")] == [(15, 40.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flushed_past_checkpoint", [False, True])
 def test_rollback_in_the_same_process_logs_every_step_once(uri, client, flushed_past_checkpoint):
     """A rollback to checkpoint 10: the abandoned steps 11..13 are trained and recorded again."""
@@ -561,6 +565,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["after_flush", "during_flush"])
 def test_real_sigkill_then_resume(tmp_path, uri, client, mode):
     script = tmp_path / "child.py"

@@ -145,6 +145,7 @@ def test_committed_params_are_the_defaults(tmp_path):
     assert committed_params(tmp_path / "missing.yaml") is None
 
 
+@pytest.mark.slow
 def test_run_carries_name_commit_and_tags(uri):
     code = (  # a process of its own, named as a stage is: MLflow resolves the git tags once per process
         "import sys; sys.argv[0] = 'stages/train.py'; from asrflow.tracking.run import MlflowRun; "
@@ -262,6 +263,7 @@ def test_unreachable_tracking_server_is_one_clear_error(monkeypatch):
         check_tracking_uri(server)
 
 
+@pytest.mark.slow
 def test_train_stage_stops_before_training_when_the_server_is_unreachable(tmp_path):
     server = f"http://127.0.0.1:{free_port()}"
     shutil.copyfile(REPO / "params.yaml", tmp_path / "params.yaml")

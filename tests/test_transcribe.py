@@ -155,6 +155,7 @@ def test_stereo_is_averaged_to_mono(workdir, train_files, monkeypatch, capsys):
     assert rows[1][1] == rows[0][1]
 
 
+@pytest.mark.slow
 def test_bad_files_are_named_and_the_good_one_is_still_transcribed(workdir, refs, tmp_path):
     """The installed command, in a fresh process: one line per bad file naming it, why and what to do, no
     traceback; the good files (before, between and after the bad ones) transcribed; then exit 1."""

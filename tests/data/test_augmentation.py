@@ -166,6 +166,7 @@ def test_without_spec_augment_features_are_the_normalised_input(stored, augment)
     assert torch.equal(batch["features"], mvn(expected))
 
 
+@pytest.mark.slow
 def test_data_workers_build_the_same_batches(raw):
     """Two spawned workers (as in training) give exactly what the main process gives."""
     dataset = otf_dataset(raw, augment_config(speed_perturb=True), noise=True)

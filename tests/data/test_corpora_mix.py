@@ -166,6 +166,7 @@ def test_weights_must_name_corpora_that_were_prepared(two_corpora, yesno_data):
         _train_data(yesno_data, yesno=2.0)
 
 
+@pytest.mark.slow
 def test_a_few_steps_train_on_both_and_evaluate_scores_each_test_set(two_corpora, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -201,6 +202,7 @@ def test_an_interrupted_run_with_other_weights_is_refused(tmp_path):
         decide(unfinished, fingerprint(published=3.0), {}, tmp_path)
 
 
+@pytest.mark.slow
 def test_sigkill_in_a_mixed_epoch_then_resume_is_bit_identical(two_corpora, tmp_path):
     """A real training process on the two corpora (weights 2 and 0.5, a data worker), killed in its second
     epoch and run again, ends with the same weights and the same loss at every step as an uninterrupted run."""

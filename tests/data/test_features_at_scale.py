@@ -76,6 +76,7 @@ def stage_command(folder, out, params) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_a_killed_stage_leaves_nothing_half_written_and_a_rerun_completes(tmp_path):
     """SIGKILL in the middle of the train split's extraction by two worker processes: no output
     folder, no worker left writing, and the re-run writes the whole folder and sweeps the remains."""

@@ -81,6 +81,7 @@ def test_mixed_layouts_with_channel_mix_give_cuts_that_load_features_and_audio(t
             assert audio.shape[0] == channels and abs(audio.shape[1] - round(SECONDS * 16000)) <= 1
 
 
+@pytest.mark.slow
 def test_a_stereo_cut_gets_the_features_of_its_channels_average(tmp_path):
     """The stereo WAV's features are those of a mono WAV holding the average of its two channels."""
     manifests = prepared(tmp_path)

@@ -61,6 +61,7 @@ def big_index(tmp_path_factory):
     return CutIndex.build(folder / "cuts.jsonl.gz", folder / "store.jsonl")
 
 
+@pytest.mark.slow
 def test_every_stretch_of_an_epoch_sees_the_whole_corpus(big_index):
     """Item 1: the median sorted-id index of the first and of the last tenth of an epoch's
     batches are both within 10 % of the middle (a buffer-limited shuffle gives ~20 % and ~70 %)."""
@@ -220,6 +221,7 @@ def _stores(root: Path) -> list[Path]:
     return sorted(root.glob(f"{STORE_PREFIX}*"))
 
 
+@pytest.mark.slow
 def test_ranks_share_one_store_and_runs_reuse_it(tmp_path, monkeypatch):
     """Two processes (two ranks of a node) starting together get one store; a later run on the
     unchanged manifest loads it without reading the manifest; a changed manifest gets a new store

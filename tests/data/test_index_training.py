@@ -26,6 +26,7 @@ def augment_config(**changes) -> DataConfig:
 SEED = 42
 
 
+@pytest.mark.slow
 def test_index_filters_plans_and_batches_like_the_cutset(yesno_data, tmp_path):
     tokenizer = Tokenizer(yesno_data / "lang" / MODEL_FILE)
     mvn = load_cmvn(yesno_data / "fbank" / CMVN_FILE)

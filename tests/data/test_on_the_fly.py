@@ -67,6 +67,7 @@ def test_on_the_fly_cuts_have_no_features(otf_data, yesno_data):
     torch.testing.assert_close(mvn.norm_stds, stored.norm_stds, atol=0.0, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_training_with_on_the_fly_features_speed_and_noise(otf_data, noise_dir, tmp_path):
     overrides = {
         "train.optim.epochs": 1,

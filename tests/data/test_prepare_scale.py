@@ -33,6 +33,7 @@ def folder_config(corpus: Path, **overrides) -> PrepareConfig:
     return PrepareConfig.from_section({"corpus": "folder", "corpus_dir": str(corpus), "splits": splits, **overrides})
 
 
+@pytest.mark.slow
 def test_a_killed_prepare_leaves_no_partial_output_and_a_rerun_succeeds(tmp_path: Path) -> None:
     corpus = copied_folder_corpus(tmp_path, 2000)
     out = tmp_path / "manifests"

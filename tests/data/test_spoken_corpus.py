@@ -47,6 +47,7 @@ def rows(corpus: Path) -> dict[str, list[list[str]]]:
     }
 
 
+@pytest.mark.slow
 @needs_espeak
 def test_same_seed_same_transcripts_and_audio_lengths(corpora: dict[str, Path]) -> None:
     a, again, b = corpora["a"], corpora["a_again"], corpora["b"]
@@ -90,6 +91,7 @@ def test_split_by_voice_and_transcripts_from_the_word_list(corpora: dict[str, Pa
             assert 2 <= len(text.split()) <= 12 and set(text.split()) <= words, text
 
 
+@pytest.mark.slow
 @needs_espeak
 def test_prepare_reads_it_with_no_rejection(corpora: dict[str, Path], tmp_path: Path) -> None:
     params = write_shipped_params(

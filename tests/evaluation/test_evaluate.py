@@ -34,6 +34,7 @@ from tests.support.corpora import feature_config, write_folder_corpus
 from tests.support.trained_model import split_files
 
 
+@pytest.mark.slow
 def test_evaluate_writes_report_and_logs_to_the_training_run(yesno_model, yesno_data, tmp_path):  # noqa: F811
     uri = f"sqlite:///{yesno_model.parent / 'mlflow.db'}"
     metrics = evaluate(
@@ -204,6 +205,7 @@ def test_packing_holds_at_most_one_window_of_a_lazy_stream():
     assert whole == sorted(range(len(durations)), key=lambda i: durations[i])
 
 
+@pytest.mark.slow
 def test_a_test_set_larger_than_the_window_gives_the_one_window_results(yesno_model, yesno_data, tmp_path):  # noqa: F811
     """Lazy test sets in windows of 7 cuts: each of the 30 utterances decoded once, the same transcripts and
     metrics as one window (apart from timing)."""

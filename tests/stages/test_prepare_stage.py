@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.repo import write_shipped_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +28,7 @@ def write_params(tmp_path: Path, **prepare) -> Path:
     return write_shipped_params(tmp_path, {f"prepare.{key}": value for key, value in prepare.items()})
 
 
+@pytest.mark.slow
 def test_stage_prepares_the_shipped_corpus(tmp_path: Path) -> None:
     params = write_params(tmp_path, corpus_dir=str(REPO / "data" / "corpora" / "yesno"))
     out = tmp_path / "manifests"
@@ -41,6 +44,7 @@ def test_stage_prepares_the_shipped_corpus(tmp_path: Path) -> None:
     assert "prepare:" in result.stderr  # the summary is logged
 
 
+@pytest.mark.slow
 def test_stage_missing_corpus_dir_exits_2_with_one_line(tmp_path: Path) -> None:
     params = write_params(tmp_path, corpus_dir=str(tmp_path / "no_such_corpus"))
     out = tmp_path / "manifests"

@@ -40,6 +40,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow
 def test_trains_from_the_folders_on_its_command_line(yesno_data, params_file, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = tmp_path / "exp"
@@ -82,6 +83,7 @@ def test_a_missing_input_folder_is_named(yesno_data, params_file, tmp_path, caps
     assert not (tmp_path / "exp" / "model.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("init_from", "expected"),
     [

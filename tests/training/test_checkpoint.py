@@ -167,6 +167,7 @@ def test_no_readable_checkpoint_means_none(tmp_path):
     assert ckpt.load_latest(tmp_path) is None
 
 
+@pytest.mark.slow
 def test_training_resumes_from_the_previous_checkpoint_when_the_newest_is_truncated(
     yesno_data, tmp_path, caplog, monkeypatch
 ):

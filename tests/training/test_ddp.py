@@ -111,6 +111,7 @@ def _epoch_steps(data: Path, epoch: int, accum_grad: int, world_size: int) -> in
     return steps_in_plan(plan, accum_grad, world_size)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process_with_the_same_global_batch(yesno_data, ddp_reference, tmp_path):
     single = tmp_path / "single"
     overrides = {**BASE, "train.optim.accum_grad": 4}
@@ -141,6 +142,7 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(yesno_data, ddp_
     assert difference**0.5 < DISPLACEMENT_RTOL * displacement**0.5, (difference**0.5, displacement**0.5)
 
 
+@pytest.mark.slow
 def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_path, jobs, caplog):
     """SIGKILL the whole torchrun job after step 6 (checkpoint 4 on disk), run it again.
 
@@ -181,6 +183,7 @@ def test_sigkilled_ddp_job_resumes_bit_identical(yesno_data, ddp_reference, tmp_
     assert all(torch.isfinite(t).all() for t in final["model"].values() if t.is_floating_point())
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_job(yesno_data, tmp_path, jobs):
     """Rank 1 raises after step 2 (a bug: exit 1): rank 0's collective fails (70), nothing is left, and the job
     ends within the collective timeout."""
@@ -211,6 +214,7 @@ def test_stack_dumps_are_whole_lines_labelled_with_the_rank(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs):
     """Rank 1 sleeps after step 2: its watchdog dumps every thread's stack and ends it (124); rank 0's own
     watchdog or its broken collective ends it too, within the stall timeout."""
@@ -229,6 +233,7 @@ def test_a_stalled_rank_ends_the_job_with_stack_dumps(yesno_data, tmp_path, jobs
     assert not (tmp_path / "stall" / "model.pt").exists()
 
 
+@pytest.mark.slow
 def test_ddp_bad_batches_are_written_once_with_the_whole_step(yesno_data, tmp_path, jobs):
     """Step 2 is non-finite on both ranks: rank 0 alone writes one line, naming all 4 batches of the step."""
     exp = tmp_path / "nan"
@@ -376,6 +381,7 @@ def _equal_to_reference(exp: Path, reference: Path) -> None:
     assert new["history"] == expected["history"]
 
 
+@pytest.mark.slow
 def test_intervals_that_do_not_divide_and_a_dev_loss_that_stops_improving(yesno_data, tmp_path, jobs):
     """Validation every 3 steps, checkpoints every 5: a validation that does not improve must not send
     one rank to a checkpoint barrier the other never reaches. (lr 1e-30 leaves the weights as they
@@ -397,6 +403,7 @@ def test_intervals_that_do_not_divide_and_a_dev_loss_that_stops_improving(yesno_
     assert [step_of(path) for path in list_checkpoints(tmp_path / "exp" / "checkpoints")][-4:] == [10, 5, 3, 0]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
     yesno_data, ddp_reference, tmp_path, jobs
 ):
@@ -421,6 +428,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
     _equal_to_reference(exp, ddp_reference)
 
 
+@pytest.mark.slow
 def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_data, ddp_reference, tmp_path, jobs):
     """Rank 1 dies (SIGKILL) inside step 6; rank 0, inside the step's all-reduce, must end too."""
     exp = tmp_path / "exp"
@@ -440,6 +448,7 @@ def test_sigkill_of_one_rank_mid_step_ends_the_other_and_a_rerun_resumes(yesno_d
     _equal_to_reference(exp, ddp_reference)
 
 
+@pytest.mark.slow
 def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, jobs):
     exp = tmp_path / "exp"
     job = jobs(
@@ -454,6 +463,7 @@ def test_a_nonfinite_loss_on_one_rank_is_skipped_by_both(yesno_data, tmp_path, j
     assert _summary(exp)["nonfinite_skipped"] == 1
 
 
+@pytest.mark.slow
 def test_a_stalled_data_worker_ends_the_job_with_the_stalled_ranks_stacks(yesno_data, tmp_path, jobs):
     """Rank 1's data worker sleeps building its first batch of step 3: rank 1's watchdog prints its stacks and
     ends it (124). Rank 0, waiting in the step's all-reduce, is ended by its own watchdog (124) or, when rank
@@ -474,6 +484,7 @@ def test_a_stalled_data_worker_ends_the_job_with_the_stalled_ranks_stacks(yesno_
         assert re.search(r"\[rank 0\] .*stopping: a collective with the other ranks failed", log), log
 
 
+@pytest.mark.slow
 def test_a_killed_data_worker_ends_the_job_with_a_clear_message(yesno_data, tmp_path, jobs):
     group = DDP["train.optim.accum_grad"] * 2
     overrides = {**DDP, "run.num_workers": 1, "run.dist_timeout_s": FAULT_TIMEOUT_S}

@@ -131,6 +131,7 @@ def test_an_unknown_mlflow_model_names_the_store(tmp_path, uri):
     assert str(tmp_path / "mlflow.db") in str(error.value)
 
 
+@pytest.mark.slow
 def test_mlflow_model_uris_resolve_to_the_logged_bundle(yesno_data, tmp_path, uri):
     from mlflow import MlflowClient
 
@@ -169,6 +170,7 @@ def test_an_unfinished_run_refuses_a_changed_start_model(yesno_data, tmp_path, u
         faulty_tiny_trainer(yesno_data, tmp_path / "exp", overrides, uri).run()
 
 
+@pytest.mark.slow
 def test_resume_with_a_start_model_is_bit_identical(yesno_data, start, tmp_path):
     path, _ = start
     overrides = {

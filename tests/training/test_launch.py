@@ -57,6 +57,7 @@ def _compare_on_rank(rank: int, port: int, results: str) -> None:
     Path(results, f"rank{rank}.json").write_text(json.dumps(outcome))
 
 
+@pytest.mark.slow
 def test_nodes_with_different_params_stop_on_every_rank(tmp_path):
     mp.spawn(_compare_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):

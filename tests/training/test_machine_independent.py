@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-import pytest  # noqa: F401
+import pytest
 import torch
 
 from asrflow.data.features.extract import compute_features
@@ -36,6 +36,7 @@ def _weights(exp):
     return torch.load(exp / "model.pt", map_location="cpu", weights_only=True)["model"]
 
 
+@pytest.mark.slow
 def test_one_and_two_extraction_jobs_train_the_same_weights(yesno_data, two_job_data, tmp_path):
     runs = {}
     for name, data in (("one", yesno_data), ("two", two_job_data)):
@@ -49,6 +50,7 @@ def test_one_and_two_extraction_jobs_train_the_same_weights(yesno_data, two_job_
         assert torch.equal(runs["two"][key], tensor), key
 
 
+@pytest.mark.slow
 def test_an_unfinished_run_resumes_after_num_jobs_changed(yesno_data, two_job_data, tmp_path):
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)

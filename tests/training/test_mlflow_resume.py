@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 import mlflow
+import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -30,6 +31,7 @@ OVERRIDES = {
 KILL_AFTER = 11  # last checkpoint: step 8, so steps 9-11 are logged only in memory when the kill comes
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once(yesno_data, tmp_path, monkeypatch):
     uri = fresh_mlflow_store(tmp_path / "store")
     exp = tmp_path / "exp"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -71,6 +72,7 @@ def _count_allreduces(rank: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
     mp.spawn(_count_allreduces, args=(str(tmp_path),), nprocs=WORLD_SIZE, join=True)
     for rank in range(WORLD_SIZE):

@@ -119,6 +119,7 @@ def _fast_wer_run(data: Path, exp: Path, nonfinite_steps=()) -> tuple[dict, floa
     return summary, metrics["wer"]
 
 
+@pytest.mark.slow
 def test_run_with_a_nan_step_reaches_the_clean_wer(yesno_data, tmp_path):
     clean_summary, clean_wer = _fast_wer_run(yesno_data, tmp_path / "clean")
     nan_summary, nan_wer = _fast_wer_run(yesno_data, tmp_path / "nan", nonfinite_steps=[10])
@@ -231,6 +232,7 @@ def test_a_streak_at_the_end_keeps_the_last_good_checkpoint_through_keep_last(ye
     assert load_checkpoint(checkpoint_path(checkpoints, 6))["guard"]["consecutive"] == 0
 
 
+@pytest.mark.slow
 def test_persistent_nan_stage_exits_2_without_traceback(yesno_data, tmp_path):
     """The train stage as a user runs it: one clear error line, exit 2, checkpoints kept."""
     work = tmp_path / "work"

@@ -56,6 +56,7 @@ def test_calls_of_finds_direct_and_attribute_calls():
     assert trainer_data_builds("x = TrainData.build(c)\ny = Other.build(c)\n") == [1]
 
 
+@pytest.mark.slow
 def test_only_the_factory_builds_models_optimizers_and_train_data():
     offenders = []
     for folder in ("asrflow", "bench", "stages"):
@@ -151,6 +152,7 @@ def _env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD",)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_tuner_measures_in_a_process_set_up_as_the_train_stage(yesno_data, tmp_path, precision):
     """Same malloc (jemalloc preloaded for bf16 where the stage would re-execute with it), mmap threshold,

@@ -83,6 +83,7 @@ def _losses(exp: Path) -> list[float]:
         return [float(row["loss"]) for row in csv.DictReader(handle)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_cpu(yesno_data, tmp_path, precision):
     """A few steps train with finite, decreasing losses; fp16 runs (and saves) its GradScaler.

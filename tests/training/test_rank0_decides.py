@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch.multiprocessing as mp
 
 from asrflow.errors import AsrflowError
@@ -65,6 +66,7 @@ def _decide_on_rank(rank: int, data: str, folders: dict, port: int) -> None:
     Path(folders["results"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.mark.slow
 def test_other_ranks_follow_rank_0s_decision(yesno_data, tmp_path):
     finished = tmp_path / "rank0"
     train_in_process(yesno_data, finished, OVERRIDES, fresh_mlflow_store(tmp_path / "store"))

@@ -201,6 +201,7 @@ def test_trainer_starts_fresh_after_a_finished_run_with_changed_params(yesno_dat
     assert newest["history"]["step"] == list(range(1, first["steps"] + 1))
 
 
+@pytest.mark.slow
 def test_a_finished_run_trains_again_after_its_training_code_is_edited(yesno_data, tmp_path):
     """What DVC and Snakemake rely on when they re-run the train stage because its code changed.
 

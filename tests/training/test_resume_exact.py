@@ -32,6 +32,7 @@ def reference(yesno_data, tmp_path_factory) -> dict:
     return state
 
 
+@pytest.mark.slow
 def test_sigkill_twice_then_resume_is_bit_identical(yesno_data, tmp_path, reference):
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
@@ -64,6 +65,7 @@ def test_sigkill_twice_then_resume_is_bit_identical(yesno_data, tmp_path, refere
     assert not list(checkpoints.glob(".*tmp")), "temporary checkpoint files left behind"
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp_path, reference):
     exp = tmp_path / "exp"
     uri = fresh_mlflow_store(tmp_path)
@@ -92,6 +94,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_identically(yesno_data, tmp
     assert_identical(final_state(exp), reference)
 
 
+@pytest.mark.slow
 def test_a_relative_position_model_resumes_bit_identical(yesno_data, tmp_path):
     """``train.model.attention: rel_pos`` (its own attention parameters, biases and position projection):
     killed mid-epoch and resumed, it ends as the uninterrupted run does."""

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.support.processes import free_port
@@ -15,6 +16,7 @@ from tests.support.repo import REPO
 from tests.support.tiny_config import tiny_params
 
 
+@pytest.mark.slow
 def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "fbank").symlink_to(yesno_data / "fbank")
@@ -58,6 +60,7 @@ def test_train_stage_runs_two_gloo_ranks_under_torchrun(yesno_data, tmp_path):
     assert "[train rank 1] step" not in terminal, terminal
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_train_as_the_readme_says(yesno_data, tmp_path):
     """Two "machines" (two torchrun launches sharing one folder, as on a shared filesystem):
     node 0 is the stage as the tools run it, node 1 is ``python -m stages.train --node-rank 1``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from asrflow.params import with_overrides
@@ -73,6 +74,7 @@ def test_workers_keep_up_with_the_step_and_the_batch_is_only_lowered():
     assert "train.data.max_duration_s" not in choose(settings, figures(largest_batch_s=900.0), cores=16)
 
 
+@pytest.mark.slow
 def test_the_tuner_writes_a_preset_that_applies_to_params_yaml(tmp_path, capsys):
     params = tmp_path / "params.yaml"
     # a params.yaml whose precision and threads are the slowest choices, so that something wins

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.support.processes import running
 from tests.support.repo import REPO
 
@@ -58,6 +60,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_the_server_starts_with_the_data_outlives_sigterm_and_dies_with_the_training_process(yesno_data):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     trainer = subprocess.Popen(
