@@ -61,6 +61,8 @@ def test_only_the_factory_builds_models_optimizers_and_train_data():
     offenders = []
     for folder in ("asrflow", "bench", "stages"):
         for path in sorted((REPO / folder).rglob("*.py")):
+            if any(part.startswith(".") for part in path.relative_to(REPO).parts):  # bench/.peer: the peer's install
+                continue
             relative, source = str(path.relative_to(REPO)), path.read_text()
             for name, home in BUILDERS.items():
                 if relative not in (home, FACTORY):
