@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from asrflow.errors import EXIT_USER_ERROR, AsrflowError
+from asrflow.errors import EXIT_USER_ERROR
 
 #: Exit code of ``asrflow corpus`` when nothing is usable (asrflow.data.prepare.corpus_report.EXIT_NOTHING_USABLE,
 #: repeated so that ``--help`` answers without importing Lhotse; a test holds them equal).
@@ -166,17 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         setup_logging(logging.INFO)
     from asrflow.data.prepare.corpus_report import inspect_corpus
+    from asrflow.serving.cli import exit_code_of
 
-    try:
-        return inspect_corpus(
-            args.path, corpus_format=args.corpus_format, recipe=args.recipe, params=args.params, write=args.write
-        )
-    except AsrflowError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    options = {"corpus_format": args.corpus_format, "recipe": args.recipe, "params": args.params, "write": args.write}
+    return exit_code_of(lambda: inspect_corpus(args.path, **options))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from asrflow.errors import EXIT_USER_ERROR, AsrflowError, first_line
@@ -365,6 +365,23 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The exit status of a command interrupted by Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+
+
+def exit_code_of(command: Callable[[], int]) -> int:
+    """Run a command-line ``command`` and return its exit status: a user's mistake (:class:`AsrflowError`)
+    prints one ``error:`` line and gives 2, Ctrl-C prints ``interrupted`` and gives 130."""
+    try:
+        return command()
+    except AsrflowError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asrflow`` command; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -372,14 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from asrflow.logs import setup_logging
 
         setup_logging(logging.INFO)
-    try:
-        return args.handler(args)
-    except AsrflowError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_code_of(lambda: args.handler(args))
 
 
 if __name__ == "__main__":
