@@ -174,6 +174,7 @@ def train_until(data: Path, exp: Path, settings, *, after_step=None, uri=None):
     called after each step, returns true (the next step is then the last, with a checkpoint). Returns it."""
     from asrflow.training.assemble import build_trainer
     from asrflow.training.observers import TrainObserver
+    from tests.support.tiny_config import train_paths
 
     class AfterStep(TrainObserver):
         def after_step(self, run, result):
@@ -181,16 +182,9 @@ def train_until(data: Path, exp: Path, settings, *, after_step=None, uri=None):
                 run.stop.request()  # the next step is the last one, then a checkpoint (as on SIGTERM)
 
     uri = uri or f"sqlite:///{exp / 'mlflow.db'}"
-    trainer = build_trainer(settings, data_paths(data, exp), tracking_uri=uri, observers=[AfterStep()])
+    trainer = build_trainer(settings, train_paths(data, exp), tracking_uri=uri, observers=[AfterStep()])
     trainer.run()  # returns when finished or stopped
     return trainer
-
-
-def data_paths(data: Path, exp: Path | None = None):
-    """``TrainPaths`` reading ``data`` (``fbank/``, ``lang/``) and writing under ``exp`` (default: ``data/exp``)."""
-    from asrflow.training.config import TrainPaths
-
-    return TrainPaths.under(exp or data / "exp", fbank_dir=data / "fbank", lang_dir=data / "lang")
 
 
 def bench_train_data(data: Path, settings, *, seed: int | None = None, accum_grad: int | None = None):
@@ -198,8 +192,11 @@ def bench_train_data(data: Path, settings, *, seed: int | None = None, accum_gra
     ``lang/``), as one rank on this machine's training device; ``seed`` and ``accum_grad`` replace the
     settings' own."""
     from asrflow.training.parts import RunPlace, build_train_data
+    from tests.support.tiny_config import train_paths
 
-    return build_train_data(settings, data_paths(data), RunPlace.single(), seed=seed, accum_grad=accum_grad)
+    return build_train_data(
+        settings, train_paths(data, data / "exp"), RunPlace.single(), seed=seed, accum_grad=accum_grad
+    )
 
 
 def write_bundle(path: Path, data: Path, params: dict, model_state: dict | None = None, **info) -> Path:
